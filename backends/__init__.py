@@ -1,0 +1,1 @@
+"""Vendor backends (imported as ``hetero.backends``)."""

@@ -1,0 +1,1 @@
+"""Shipped configuration: the device catalog (devices.yaml), example clusters and models."""

@@ -1,0 +1,55 @@
+"""The ``hetero`` command line: one module per subcommand, each with ``add_parser`` and ``run``.
+
+Exit status: 0 success, 1 bad input (a clear message, no traceback), 2 usage errors (argparse).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Order is the order of ``hetero --help``.
+COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hetero import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hetero",
+        description="Plan, predict and run training of large models on clusters that mix accelerator types and vendors.",
+    )
+    parser.add_argument("--version", action="version", version=f"hetero {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"hetero.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"hetero.cli.{name}":
+                continue  # that command has not landed in this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hetero.errors import HeteroError
+    from hetero.specs.errors import SpecError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 1
+    except HeteroError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

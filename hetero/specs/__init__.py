@@ -1,0 +1,1 @@
+"""Specs: cluster, model and plan files, quantities with units, the device catalog."""

@@ -1,0 +1,72 @@
+"""Validation errors that name the file, the field path and the fix.
+
+Loading collects every problem of a file before raising, so a user sees all of them at once
+rather than fixing one, re-running, and meeting the next.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input: where it is, what is wrong, and what would fix it."""
+
+    path: str
+    """Field path inside the file, e.g. ``groups[1].devices_per_node`` (empty for the whole file)."""
+    message: str
+    fix: str = ""
+    source: str = ""
+    """The file (or ``<dict>``) the value came from."""
+
+    def __str__(self) -> str:
+        where = self.source or "<input>"
+        if self.path:
+            where += f": {self.path}"
+        text = f"{where}: {self.message}"
+        if self.fix:
+            text += f" (fix: {self.fix})"
+        return text
+
+
+class SpecError(ValueError):
+    """Raised for bad input; carries every problem found, formatted one per line."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+@dataclass
+class Problems:
+    """Collector used while loading one file."""
+
+    source: str = "<dict>"
+    items: list[Problem] = field(default_factory=list)
+
+    def add(self, path: str, message: str, fix: str = "") -> None:
+        self.items.append(Problem(path, message, fix, self.source))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise SpecError(self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+def did_you_mean(name: str, candidates) -> str:
+    """``"did you mean 'hidden_size'?"`` for the closest candidate, or a list of valid names."""
+    candidates = sorted(str(c) for c in candidates)
+    close = difflib.get_close_matches(str(name), candidates, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
+    return f"known names: {shown}"
+
+
+def join_path(parent: str, child: str | int) -> str:
+    if isinstance(child, int):
+        return f"{parent}[{child}]"
+    return f"{parent}.{child}" if parent else str(child)

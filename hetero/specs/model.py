@@ -1,0 +1,144 @@
+"""Model files: the transformer's shape (gpt or llama), with derived sizes and parameter counts."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import Problems, join_path
+from .io import read_mapping, write_yaml_atomic
+from .schema import is_missing, load_dataclass, to_plain
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def llama_ffn_size(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width rule: 2/3 of 4h, rounded up to a multiple of 256 (7B: 11008)."""
+    ffn = int(2 * 4 * hidden / 3)
+    return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer. Optional fields are filled with the architecture's defaults."""
+
+    # --- identity ---
+    name: str
+    architecture: Literal["gpt", "llama"]
+    """gpt: learned positions, LayerNorm, 4h MLP, biases. llama: RoPE, RMSNorm, SwiGLU, GQA, no biases."""
+    # --- shape ---
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    seq_length: int
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); default = num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """MLP width; default 4 x hidden (gpt) or the llama rule (2/3 of 4h rounded to 256)."""
+    activation: Literal["gelu", "relu", "swiglu"] | None = None
+    """Default gelu (gpt) or swiglu (llama)."""
+    # --- numerics ---
+    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """fp16/bf16 mean mixed precision with fp32 master weights."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding with the LM head; default true (gpt), false (llama)."""
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def _check(self, path: str, problems: Problems) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            if getattr(self, name) < 1:
+                problems.add(join_path(path, name), f"must be >= 1, got {getattr(self, name)}", "")
+        if self.num_attention_heads >= 1 and self.hidden_size % self.num_attention_heads:
+            problems.add(join_path(path, "hidden_size"),
+                         f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                         f"({self.num_attention_heads})", "choose a head count that divides the hidden size")
+        kv = self.num_kv_heads
+        if kv is not None and (kv < 1 or self.num_attention_heads % kv):
+            problems.add(join_path(path, "num_kv_heads"),
+                         f"num_kv_heads ({kv}) must divide num_attention_heads ({self.num_attention_heads})",
+                         "use a divisor of the head count (e.g. 8 for 64 heads)")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            problems.add(join_path(path, "ffn_hidden_size"), "must be >= 1", "")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.add(join_path(path, "dropout"), f"must be in [0, 1), got {self.dropout}", "")
+        if self.architecture == "gpt" and self.activation == "swiglu":
+            problems.add(join_path(path, "activation"), "swiglu belongs to the llama architecture",
+                         "use gelu or relu for gpt, or architecture: llama")
+
+    def resolved(self) -> "ModelSpec":
+        """A copy with every architecture default filled in."""
+        is_gpt = self.architecture == "gpt"
+        return dataclasses.replace(
+            self,
+            num_kv_heads=self.num_kv_heads or self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size or (4 * self.hidden_size if is_gpt else llama_ffn_size(self.hidden_size)),
+            activation=self.activation or ("gelu" if is_gpt else "swiglu"),
+            tie_embeddings=is_gpt if self.tie_embeddings is None else self.tie_embeddings,
+        )
+
+    # --- derived sizes ---
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return (self.num_kv_heads or self.num_attention_heads) * self.head_dim
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def gated_mlp(self) -> bool:
+        return (self.activation or ("gelu" if self.architecture == "gpt" else "swiglu")) == "swiglu"
+
+    @property
+    def has_bias(self) -> bool:
+        return self.architecture == "gpt"
+
+    def params_per_layer(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size, self.kv_dim
+        attn = h * h + 2 * h * kv + h * h          # q, k, v, out
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.has_bias:
+            attn += h + 2 * kv + h
+            mlp += (2 * f if self.gated_mlp else f) + h
+            norms = 4 * h                           # two LayerNorms, weight and bias
+        else:
+            norms = 2 * h                           # two RMSNorms, weight only
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        """Token embedding (plus learned positions for gpt): held by the first stage."""
+        pos = self.seq_length * self.hidden_size if self.architecture == "gpt" else 0
+        return self.vocab_size * self.hidden_size + pos
+
+    def head_params(self) -> int:
+        """Final norm and LM head: held by the last stage (the head is shared when tied)."""
+        norm = 2 * self.hidden_size if self.has_bias else self.hidden_size
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        return norm + head
+
+    def total_params(self) -> int:
+        return self.num_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
+
+    def to_dict(self) -> dict:
+        return to_plain(self)
+
+    def save(self, path) -> None:
+        write_yaml_atomic(path, self.to_dict())
+
+
+def load_model(path_or_dict) -> ModelSpec:
+    """Load and validate a model file (a path or a dict); defaults are filled in."""
+    data, source = read_mapping(path_or_dict, "model")
+    problems = Problems(source=source)
+    model = load_dataclass(ModelSpec, data, "", problems)
+    problems.raise_if_any()
+    assert not is_missing(model)
+    return model.resolved()

@@ -1,0 +1,254 @@
+"""Plan files: data-parallel pipelines of possibly different shapes, each a list of uneven stages.
+
+A plan is data: the planner writes it, a person may edit it, the predictor scores it and the
+launcher runs it. :func:`check_plan` enforces the rules of SCHEMAS.md against a cluster and a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .cluster import Cluster
+from .errors import Problems, SpecError, did_you_mean, join_path
+from .io import read_mapping, write_yaml_atomic
+from .model import ModelSpec
+from .schema import is_missing, load_dataclass, to_plain
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A contiguous range of transformer blocks on ``tp`` devices of one group."""
+
+    group: str
+    layers: tuple[int, int]
+    """[start, end) over transformer blocks; the embedding rides on the first stage, the head on the last."""
+    tp: int = 1
+    """Tensor-parallel degree inside one node."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """``replicas`` identical copies of one pipeline shape."""
+
+    micro_batches: int
+    """Micro-batches per replica per iteration."""
+    stages: list[Stage]
+    replicas: int = 1
+    micro_batch_size: int | None = None
+    """Overrides the plan's micro_batch_size for this pipeline."""
+
+    def _check(self, path: str, problems: Problems) -> None:
+        if self.replicas < 1:
+            problems.add(join_path(path, "replicas"), f"must be >= 1, got {self.replicas}", "")
+        if self.micro_batches < 1:
+            problems.add(join_path(path, "micro_batches"), f"must be >= 1, got {self.micro_batches}", "")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            problems.add(join_path(path, "micro_batch_size"), f"must be >= 1, got {self.micro_batch_size}", "")
+        if not self.stages:
+            problems.add(join_path(path, "stages"), "a pipeline needs at least one stage", "add a stage")
+        for i, s in enumerate(self.stages):
+            if s.tp < 1:
+                problems.add(join_path(join_path(join_path(path, "stages"), i), "tp"), f"must be >= 1, got {s.tp}", "")
+
+    @property
+    def devices_per_replica(self) -> int:
+        return sum(s.tp for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the model is split: pipelines x replicas x stages, batch sizes, schedule, memory options."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    pipelines: list[Pipeline]
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    recompute: Literal["none", "selective", "full"] = "none"
+    zero_stage: Literal[0, 1, 2] = 0
+    interleave: int = 2
+    """Interleaved schedule only: model chunks per device. Stages are listed as virtual stages in
+    order; stage i runs on the same devices as stage i + len(stages)/interleave."""
+
+    def _check(self, path: str, problems: Problems) -> None:
+        if self.global_batch_size < 1:
+            problems.add("global_batch_size", f"must be >= 1, got {self.global_batch_size}", "")
+        if self.micro_batch_size < 1:
+            problems.add("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}", "")
+        if self.interleave < 1:
+            problems.add("interleave", f"must be >= 1, got {self.interleave}", "")
+        if not self.pipelines:
+            problems.add("pipelines", "a plan needs at least one pipeline", "add a pipeline")
+
+    def mbs(self, pipeline: Pipeline) -> int:
+        """Micro-batch size of ``pipeline`` (its override or the plan default)."""
+        return pipeline.micro_batch_size or self.micro_batch_size
+
+    def samples(self, pipeline: Pipeline) -> int:
+        """Samples per iteration of all replicas of ``pipeline``."""
+        return pipeline.replicas * pipeline.micro_batches * self.mbs(pipeline)
+
+    def virtual_chunks(self, pipeline: Pipeline) -> int:
+        return self.interleave if self.schedule == "interleaved" else 1
+
+    def physical_stages(self, pipeline: Pipeline) -> list[Stage]:
+        """The stages that own devices (for interleaved: the first 1/interleave of the list)."""
+        v = self.virtual_chunks(pipeline)
+        return list(pipeline.stages[: max(1, len(pipeline.stages) // v)])
+
+    def devices_by_group(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for p in self.pipelines:
+            for s in self.physical_stages(p):
+                used[s.group] = used.get(s.group, 0) + p.replicas * s.tp
+        return used
+
+    def to_dict(self) -> dict:
+        out = to_plain(self)
+        if self.schedule != "interleaved":
+            out.pop("interleave", None)
+        for p in out["pipelines"]:
+            for s in p["stages"]:
+                s["layers"] = list(s["layers"])
+        return out
+
+    def save(self, path, header: str = "") -> None:
+        write_yaml_atomic(path, self.to_dict(), header)
+
+    def one_line(self) -> str:
+        """``2x[A100x4 tp4 L0-19 | MI250x8 tp8 L20-31] + ...``: a compact description."""
+        parts = []
+        for p in self.pipelines:
+            stages = " | ".join(f"{s.group}[tp{s.tp},L{s.layers[0]}-{s.layers[1] - 1}]" for s in p.stages)
+            parts.append(f"{p.replicas}x({stages}) mb{p.micro_batches}")
+        return " + ".join(parts)
+
+
+def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | None = None) -> Plan:
+    """Load a plan; with ``cluster`` and ``model`` also check it against them (all rules)."""
+    data, source = read_mapping(path_or_dict, "plan")
+    problems = Problems(source=source)
+    plan = load_dataclass(Plan, data, "", problems)
+    problems.raise_if_any()
+    assert not is_missing(plan)
+    if cluster is not None and model is not None:
+        check_plan(plan, cluster, model, source)
+    return plan
+
+
+def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<plan>") -> None:
+    """Raise SpecError listing every rule of SCHEMAS.md that ``plan`` breaks for this cluster/model."""
+    problems = Problems(source=source)
+    L = model.num_layers
+    for pi, p in enumerate(plan.pipelines):
+        ppath = join_path(join_path("pipelines", pi), "stages")
+        _check_coverage(p.stages, L, ppath, problems)
+        for si, s in enumerate(p.stages):
+            spath = join_path(ppath, si)
+            if s.group not in cluster.group_names:
+                problems.add(join_path(spath, "group"), f"unknown group '{s.group}'",
+                             did_you_mean(s.group, cluster.group_names))
+                continue
+            g = cluster.group(s.group)
+            heads, kv = model.num_attention_heads, model.num_kv_heads or model.num_attention_heads
+            if heads % s.tp or kv % s.tp:
+                problems.add(join_path(spath, "tp"),
+                             f"tp={s.tp} does not divide num_attention_heads={heads}"
+                             + (f" and num_kv_heads={kv}" if kv != heads else ""),
+                             f"use a tp that divides {kv if kv != heads else heads}")
+            if s.tp > g.devices_per_node:
+                problems.add(join_path(spath, "tp"),
+                             f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}'",
+                             "tensor parallelism stays inside a node: lower tp or use pipeline stages")
+        if plan.schedule == "interleaved":
+            _check_interleave(plan, p, join_path("pipelines", pi), problems)
+    _check_capacity(plan, cluster, problems)
+    total = sum(plan.samples(p) for p in plan.pipelines)
+    if total != plan.global_batch_size:
+        terms = " + ".join(f"{p.replicas}x{p.micro_batches}x{plan.mbs(p)}" for p in plan.pipelines)
+        problems.add("global_batch_size",
+                     f"replicas x micro_batches x micro_batch_size summed over pipelines is {terms} = {total}, "
+                     f"not global_batch_size={plan.global_batch_size}",
+                     "change micro_batches or the global batch size so they agree")
+    problems.raise_if_any()
+
+
+def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> None:
+    expected = 0
+    for si, s in enumerate(stages):
+        start, end = s.layers
+        lpath = join_path(join_path(path, si), "layers")
+        if end <= start:
+            problems.add(lpath, f"[{start}, {end}] is empty or reversed", "layers are [start, end) with end > start")
+        if start > expected:
+            problems.add(lpath, f"starts at {start} but the previous stage ends at {expected}: "
+                                f"layers {expected}..{start - 1} are in no stage", f"start this stage at {expected}")
+        elif start < expected:
+            problems.add(lpath, f"starts at {start} but layers up to {expected - 1} are already in an earlier stage "
+                                f"(overlap)", f"start this stage at {expected}")
+        expected = max(expected, end)
+    if stages and expected != num_layers:
+        last = join_path(join_path(path, len(stages) - 1), "layers")
+        if expected < num_layers:
+            problems.add(last, f"stages end at layer {expected} but the model has {num_layers} layers: "
+                               f"layers {expected}..{num_layers - 1} are in no stage", f"end the last stage at {num_layers}")
+        else:
+            problems.add(last, f"stages run to layer {expected} but the model has only {num_layers} layers",
+                         f"end the last stage at {num_layers}")
+
+
+def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems) -> None:
+    v, n = plan.interleave, len(p.stages)
+    if n % v:
+        problems.add(join_path(path, "stages"), f"{n} virtual stages are not a multiple of interleave={v}",
+                     f"list a multiple of {v} stages, or change interleave")
+        return
+    per = n // v
+    for i in range(per, n):
+        a, b = p.stages[i % per], p.stages[i]
+        if (a.group, a.tp) != (b.group, b.tp):
+            problems.add(join_path(join_path(path, "stages"), i),
+                         f"virtual stage {i} runs on the devices of stage {i % per} ({a.group}, tp {a.tp}) "
+                         f"but names ({b.group}, tp {b.tp})", "give both the same group and tp")
+
+
+def _check_capacity(plan: Plan, cluster: Cluster, problems: Problems) -> None:
+    """Devices per group, and whether every stage's tp block fits inside one node (first-fit)."""
+    blocks: dict[str, list[int]] = {}
+    for p in plan.pipelines:
+        for s in plan.physical_stages(p):
+            if s.group in cluster.group_names:
+                blocks.setdefault(s.group, []).extend([s.tp] * p.replicas)
+    for name, tps in blocks.items():
+        g = cluster.group(name)
+        used = sum(tps)
+        if used > g.num_devices:
+            problems.add("pipelines", f"group '{name}' has {g.num_devices} devices "
+                                      f"({g.nodes} nodes x {g.devices_per_node}) but the plan uses {used} "
+                                      f"(sum over pipelines of replicas x tp per stage)",
+                         "use fewer replicas or smaller tp in that group, or add nodes")
+        elif pack_blocks(tps, g.nodes, g.devices_per_node) is None:
+            problems.add("pipelines", f"the tp blocks {sorted(tps, reverse=True)} of group '{name}' do not fit "
+                                      f"into {g.nodes} nodes of {g.devices_per_node} devices (a tp group stays inside one node)",
+                         "use tp degrees that divide devices_per_node")
+
+
+def pack_blocks(sizes: list[int], nodes: int, per_node: int) -> list[int] | None:
+    """First-fit decreasing of tp blocks into nodes: node index of each block (input order), or None."""
+    free = [per_node] * nodes
+    where = [0] * len(sizes)
+    for idx in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for n in range(nodes):
+            if free[n] >= sizes[idx]:
+                free[n] -= sizes[idx]
+                where[idx] = n
+                break
+        else:
+            return None
+    return where
+
+
+__all__ = ["Plan", "Pipeline", "Stage", "load_plan", "check_plan", "pack_blocks", "SpecError"]

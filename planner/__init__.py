@@ -1,0 +1,1 @@
+"""Plan search (imported as ``hetero.planner``)."""

@@ -1,0 +1,1 @@
+"""Performance predictor (imported as ``hetero.predictor``)."""
