@@ -1,0 +1,111 @@
+"""Vendor backends: detection, selection (HETERO_BACKEND, probing, CPU fallback), env report."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+
+import hetero.backends as hb
+from hetero.backends import ascend as ascend_mod
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _no_accelerators(monkeypatch):
+    for cls in (hb.CudaBackend, hb.RocmBackend, hb.AscendBackend):
+        monkeypatch.setattr(cls, "detect", lambda self, n=cls.name: (False, f"{n} absent (test)"))
+
+
+def test_interface_fields():
+    expect = {
+        "cuda": ("cuda", "nccl", "CUDA_VISIBLE_DEVICES"),
+        "rocm": ("cuda", "nccl", "HIP_VISIBLE_DEVICES"),
+        "ascend": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES"),
+        "cpu": ("cpu", "gloo", None),
+        "mpi": ("cpu", "mpi", None),
+    }
+    for name, (dev, dist_backend, env) in expect.items():
+        b = hb.get_backend(name)
+        assert isinstance(b, hb.Backend) and b.name == name
+        assert (b.device_type, b.dist_backend, b.visible_devices_env) == (dev, dist_backend, env)
+        ok, detail = b.detect()
+        assert isinstance(ok, bool) and isinstance(detail, str) and detail
+    cpu = hb.get_backend("cpu")
+    import torch
+
+    assert cpu.device(3) == torch.device("cpu")
+    mem = cpu.memory_info()
+    assert mem is not None and mem.total > 0 and (mem.free is None or 0 < mem.free <= mem.total)
+    assert hb.get_backend("nvidia").name == "cuda" and hb.get_backend("gloo").name == "cpu"
+    with pytest.raises(ValueError, match="did you mean"):
+        hb.get_backend("cdua")
+
+
+def test_override_wins(monkeypatch):
+    _no_accelerators(monkeypatch)
+    assert hb.select_backend({"HETERO_BACKEND": "cpu"}).name == "cpu"
+    monkeypatch.setattr(hb.CudaBackend, "detect", lambda self: (True, "CUDA 12.4 (test)"))
+    assert hb.select_backend({}).name == "cuda"  # probing finds the (pretend) CUDA build
+    assert hb.select_backend({"HETERO_BACKEND": "cpu"}).name == "cpu"  # the override still wins
+    with pytest.raises(RuntimeError, match="HETERO_BACKEND=rocm.*rocm absent"):
+        hb.select_backend({"HETERO_BACKEND": "rocm"})
+    with pytest.raises(ValueError, match="bridge"):
+        hb.select_backend({"HETERO_BACKEND": "mpi"})
+
+
+def test_probe_order(monkeypatch):
+    _no_accelerators(monkeypatch)
+    monkeypatch.setattr(hb.RocmBackend, "detect", lambda self: (True, "HIP 6.2 (test)"))
+    monkeypatch.setattr(hb.CudaBackend, "detect", lambda self: (True, "CUDA (test)"))
+    assert hb.select_backend({}).name == "rocm"
+    monkeypatch.setattr(hb.AscendBackend, "detect", lambda self: (True, "torch_npu (test)"))
+    assert hb.select_backend({}).name == "ascend"
+
+
+def test_cpu_fallback_warns(monkeypatch):
+    _no_accelerators(monkeypatch)
+    with pytest.warns(hb.BackendFallbackWarning, match="falling back to CPU"):
+        b = hb.select_backend({})
+    assert b.name == "cpu" and b.dist_backend == "gloo"
+
+
+def test_ascend_reasons(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    if real_find_spec("torch_npu") is None:
+        ok, reason = hb.AscendBackend().detect()
+        assert not ok and reason == "torch_npu not installed"
+    # torch_npu present but CANN missing: the reason names libhccl.so (torch_npu is never imported)
+    monkeypatch.setattr(ascend_mod.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torch_npu" else real_find_spec(name, *a))
+    monkeypatch.setattr(ascend_mod, "_find_libhccl", lambda: None)
+    monkeypatch.setattr(ascend_mod, "_torch_npu_version", lambda: "2.5.1")
+    monkeypatch.setattr(hb.AscendBackend, "_torch_npu", staticmethod(lambda: pytest.fail("imported torch_npu")))
+    ok, reason = hb.AscendBackend().detect()
+    assert not ok
+    assert "torch_npu 2.5.1 installed but the CANN runtime is missing: libhccl.so not found" in reason
+
+
+def test_env_report_and_cli(capsys):
+    rows = hb.env_report()
+    comps = [r.component for r in rows]
+    for needed in ("torch", "CUDA (NCCL)", "ROCm (RCCL)", "torch_npu/CANN (HCCL)", "MPI (mpi4py)", "Gloo",
+                   "DeepSpeed"):
+        assert needed in comps
+    assert all(r.status in ("found", "missing") and r.detail for r in rows)
+    assert dict((r.component, r.status) for r in rows)["torch"] == "found"
+    assert dict((r.component, r.status) for r in rows)["Gloo"] == "found"
+
+    from hetero.cli import env
+
+    parser = argparse.ArgumentParser(prog="hetero")
+    env.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["env", "--json"])
+    assert args.func(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["component"] for d in data] == comps
+    args = parser.parse_args(["env"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "Gloo" in out and "DeepSpeed" in out
