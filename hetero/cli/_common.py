@@ -8,7 +8,10 @@ import sys
 def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # Piped output (logs, tests) would otherwise be squeezed to 80 columns.
+    width = None if stream.isatty() else 160
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def print_json(data) -> None:

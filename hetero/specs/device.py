@@ -32,7 +32,7 @@ class DeviceType:
     memory_bandwidth: float = quantity("bandwidth")
     """Peak device-memory bandwidth (bytes/s)."""
     peak_flops: dict[str, float] = field(default_factory=dict, metadata={"kind": "flops"})
-    """Dense matrix-unit peak per dtype (FLOP/s), e.g. {bf16: 312 TFLOPS}."""
+    """Dense matrix-unit peak per dtype (FLOP/s), e.g. {bf16: 312 TFLOPS}; inherited entries merge per dtype."""
     peak_flops_vector: dict[str, float] = field(default_factory=dict, metadata={"kind": "flops"})
     """Non-matrix (elementwise) peak per dtype (FLOP/s); defaults to the matrix peak's fp32 value."""
     compute_units: int | None = None
@@ -88,7 +88,8 @@ class DeviceType:
         table = self.peak_flops
         value = table.get(dtype) or (table.get("tf32") if dtype == "fp32" else None) or table.get("fp32")
         if value is None:
-            value = max(table.values())
+            # Conservative: the lowest listed peak, never an int8/fp8 figure for a float dtype.
+            value = min(table.values())
         return value / self.slowdown
 
     def vector_flops(self, dtype: str) -> float:
@@ -110,7 +111,7 @@ def _merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         if key == "base":
             continue
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "sources":
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}
         else:
             out[key] = value

@@ -122,6 +122,11 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
         return out
     if dataclasses.is_dataclass(tp):
         return load_dataclass(tp, value, path, problems)
+    if tp is dict:  # a raw mapping, validated later by its owner (e.g. device entries)
+        if isinstance(value, dict):
+            return value
+        problems.add(path, f"expected a mapping, got {type(value).__name__}", "write key: value pairs")
+        return _MISSING
     if tp is Any:
         return value
     raise TypeError(f"schema cannot handle type {tp!r} at {path}")

@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:
+#   make demo   - set everything up, then plan, predict and train on the shipped examples
+#   make test   - set everything up, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build of torch is used when available; any torch >= 2.5 works.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,mpi,deepspeed
+
+.PHONY: setup demo test clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m hetero validate configs/clusters/*.yaml configs/models/*.yaml
+	$(PY) -m hetero devices
+	$(PY) -m hetero env
+	bash scripts/demo.sh $(PY)
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The main job of `make demo`: plan, predict and (where the runtime is installed) train on the
+# shipped examples. Each step prints what it does; the first failure stops the demo.
+set -euo pipefail
+PY=${1:-python}
+cd "$(dirname "$0")/.."
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+if $PY -c "import hetero.cli.plan" 2>/dev/null; then
+  step "Plan llama2-7b on a mixed NVIDIA + AMD + Ascend cluster"
+  $PY -m hetero plan --cluster configs/clusters/mixed-vendor.yaml --model configs/models/llama2-7b.yaml \
+      --global-batch-size 512 --top-k 5 -o out/mixed-vendor-llama2-7b.yaml
+fi
+if $PY -c "import hetero.cli.predict" 2>/dev/null && [ -f out/mixed-vendor-llama2-7b.yaml ]; then
+  step "Predict that plan stage by stage"
+  $PY -m hetero predict --cluster configs/clusters/mixed-vendor.yaml --model configs/models/llama2-7b.yaml \
+      --plan out/mixed-vendor-llama2-7b.yaml
+fi
+if $PY -c "import hetero.cli.launch" 2>/dev/null; then
+  step "Train a tiny GPT on the local emulated two-vendor cluster (one device 2x slower)"
+  $PY -m hetero launch --cluster configs/clusters/local-cpu.yaml --model configs/models/tiny.yaml \
+      --plan configs/plans/local-cpu-uneven.yaml --steps 5 --summary out/demo-summary.json
+fi

@@ -1,0 +1,32 @@
+"""Shared test fixtures: paths to the repository, its configs and the public data in ../shared."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def shared_data_dir() -> Path:
+    """``../shared/data`` beside the repository, or ``$HETERO_SHARED_DATA``."""
+    env = os.environ.get("HETERO_SHARED_DATA")
+    return Path(env) if env else REPO.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    path = shared_data_dir()
+    if not path.is_dir():
+        pytest.skip(f"public measurement data not found at {path} (set HETERO_SHARED_DATA)")
+    return path
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python -m hetero ARGS`` in a subprocess; returns the completed process (text output)."""
+    return subprocess.run([sys.executable, "-m", "hetero", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)

@@ -1,0 +1,109 @@
+"""The CLI on good and bad input: exit status, the field named, no traceback."""
+import copy
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, run_cli
+from test_specs import CLUSTER, MODEL, PLAN
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+def assert_bad_input(proc, *fragments):
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    for fragment in fragments:
+        assert fragment in proc.stderr, f"{fragment!r} not in stderr:\n{proc.stderr}"
+
+
+def test_validate_shipped_examples():
+    files = sorted(str(p) for p in (CONFIGS / "clusters").glob("*.yaml")) + \
+            sorted(str(p) for p in (CONFIGS / "models").glob("*.yaml"))
+    assert len(files) >= 12
+    proc = run_cli("validate", *files)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("ok") == len(files)
+
+
+def test_validate_plan_against_cluster_and_model(tmp_path):
+    c, m, p = write(tmp_path, "c.yaml", CLUSTER), write(tmp_path, "m.yaml", MODEL), write(tmp_path, "p.yaml", PLAN)
+    proc = run_cli("validate", c, m, p)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits" in proc.stdout
+
+
+@pytest.mark.parametrize("kind,mutate,fragments", [
+    ("cluster", lambda d: d["groups"][1].update(devices_per_nodes=8),
+     ["groups[1].devices_per_nodes", "did you mean 'devices_per_node'"]),
+    ("cluster", lambda d: d["groups"][0].update(nodes="two"), ["groups[0].nodes", "expected an integer"]),
+    ("cluster", lambda d: d["network"]["inter_node"].update(bandwidth="100 GB"), ["network.inter_node.bandwidth", "unit"]),
+    ("model", lambda d: d.update(num_kv_heads=3), ["num_kv_heads", "must divide"]),
+    ("plan", lambda d: d["pipelines"][0]["stages"][1].update(layers=[15, 24]), ["pipelines[0].stages[1].layers"]),
+    ("plan", lambda d: d["pipelines"][0]["stages"][0].update(tp=16), ["pipelines[0].stages[0].tp"]),
+    ("plan", lambda d: d["pipelines"][1].update(micro_batches=3), ["global_batch_size"]),
+    ("plan", lambda d: d["pipelines"][1].update(replicas=3), ["group 'a100' has 16 devices"]),
+])
+def test_validate_bad_input(tmp_path, kind, mutate, fragments):
+    data = {"cluster": copy.deepcopy(CLUSTER), "model": copy.deepcopy(MODEL), "plan": copy.deepcopy(PLAN)}
+    mutate(data[kind])
+    files = [write(tmp_path, f"{k}.yaml", v) for k, v in data.items()]
+    proc = run_cli("validate", *files)
+    bad = files[["cluster", "model", "plan"].index(kind)]
+    assert_bad_input(proc, bad, *fragments)
+
+
+def test_validate_reports_every_error_of_a_file(tmp_path):
+    data = copy.deepcopy(CLUSTER)
+    data["groups"][0]["nodes"] = -1
+    data["groups"][1]["devices_per_node"] = "x"
+    data["nework"] = {}
+    proc = run_cli("validate", write(tmp_path, "c.yaml", data))
+    assert_bad_input(proc, "groups[0].nodes", "groups[1].devices_per_node", "nework")
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("groups: [unclosed", "not valid YAML"),
+    ("- just\n- a list\n", "expected a YAML mapping"),
+    ("foo: 1\n", "cannot tell whether"),
+])
+def test_validate_unreadable_files(tmp_path, text, fragment):
+    assert_bad_input(run_cli("validate", write(tmp_path, "x.yaml", text)), fragment)
+
+
+def test_validate_missing_file(tmp_path):
+    assert_bad_input(run_cli("validate", str(tmp_path / "nope.yaml")), "not found")
+
+
+def test_usage_error_is_exit_2():
+    proc = run_cli("validate")
+    assert proc.returncode == 2
+
+
+def test_devices_table_and_json():
+    proc = run_cli("devices")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("A100-SXM4-80GB", "MI250X", "Ascend-910B", "Gaudi2"):
+        assert name in proc.stdout
+    import json
+
+    proc = run_cli("devices", "--json")
+    data = json.loads(proc.stdout)
+    assert data["H100-SXM5-80GB"]["memory"] == 80 * 2**30
+
+
+def test_console_script_and_module_agree():
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = shutil.which("hetero") or str(Path(sys.executable).parent / "hetero")
+    if not Path(exe).exists():
+        pytest.skip("console script not installed (package not pip-installed)")
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "hetero" in proc.stdout
