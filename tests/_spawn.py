@@ -1,0 +1,117 @@
+"""Run a function in N fresh processes on this machine: the multi-process test helper.
+
+    from _spawn import spawn          # tests/ is on sys.path under pytest
+
+    def worker(rank, world_size, *args):      # module level, so it can be pickled
+        import torch.distributed as dist
+        dist.init_process_group("gloo")       # env:// - MASTER_ADDR/PORT, RANK, WORLD_SIZE are set
+        ...
+        return something_picklable            # collected per rank
+
+    results = spawn(worker, 4, args=(...), timeout=60)   # [result of rank 0, rank 1, ...]
+
+Each child gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and
+``WORLD_SIZE`` (plus ``env``). When any worker raises, :class:`SpawnError` carries every failed
+rank's traceback; when ``timeout`` seconds pass, the ranks still running are named in the error.
+Leftover processes are always terminated, then killed. A worker's process exits right after
+reporting (``os._exit``), so a wedged process-group teardown cannot hang a test.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["spawn", "free_port", "SpawnError"]
+
+
+class SpawnError(RuntimeError):
+    """One or more workers failed or timed out; ``failures`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, failures: Dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, args, env, out_path):
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        payload = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        payload = ("error", traceback.format_exc())
+    try:
+        data = pickle.dumps(payload)
+    except Exception:  # noqa: BLE001
+        data = pickle.dumps(("error", "result not picklable:\n" + traceback.format_exc()))
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out_path)
+    os._exit(0)
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), timeout: float = 120.0,
+          env: Optional[Dict[str, str]] = None, start_method: str = "spawn") -> List[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return their results by rank."""
+    ctx = mp.get_context(start_method)
+    child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    child_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="hetero-spawn-") as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(nprocs)]
+        procs = [ctx.Process(target=_child, args=(fn, r, nprocs, tuple(args), child_env, paths[r]), daemon=True)
+                 for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if all(os.path.exists(p) for p in paths) or all(not pr.is_alive() for pr in procs):
+                    break
+                if any(os.path.exists(pa) and _load(pa)[0] == "error" for pa in paths):
+                    time.sleep(0.5)  # let the others report their own errors, then stop
+                    break
+                time.sleep(0.02)
+            results: Dict[int, Any] = {}
+            failures: Dict[int, str] = {}
+            for r, path in enumerate(paths):
+                if os.path.exists(path):
+                    status, value = _load(path)
+                    if status == "ok":
+                        results[r] = value
+                    else:
+                        failures[r] = value
+                elif procs[r].is_alive():
+                    failures[r] = f"rank {r} still running after {timeout:g} s"
+                else:
+                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(2)
+                if p.is_alive():
+                    p.kill()
+                    p.join(2)
+        if failures:
+            text = "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(failures.items()))
+            raise SpawnError(f"{len(failures)} of {nprocs} workers failed:\n{text}", failures)
+        return [results[r] for r in range(nprocs)]
+
+
+def _load(path: str):
+    with open(path, "rb") as f:
+        return pickle.load(f)
