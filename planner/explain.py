@@ -1,0 +1,207 @@
+"""Why the planner chose what it chose, in numbers from the predictor; and why nothing fits."""
+from __future__ import annotations
+
+import dataclasses
+
+
+def _cost_model(cluster, model, cost_model, calibration):
+    if cost_model is not None:
+        return cost_model
+    from hetero.predictor.costs import StageCostModel
+
+    return StageCostModel(cluster, model, calibration=calibration)
+
+
+def _layers_by_group(plan) -> dict[str, tuple[int, int, int]]:
+    """group -> (layers per replica chain, stages, tp) of the first pipeline that uses it."""
+    out = {}
+    for p in plan.pipelines:
+        for s in p.stages:
+            n, k, tp = out.get(s.group, (0, 0, s.tp))
+            out[s.group] = (n + s.num_layers, k + 1, tp)
+    return out
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.1f}"
+
+
+def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model, calibration) -> list[str]:
+    from .search import describe
+
+    reasons: list[str] = []
+    if not results:
+        return reasons
+    best = results[0]
+    cm = _cost_model(cluster, model, cost_model, calibration)
+    plan = best.plan
+    L = model.num_layers
+    # 1. how layers follow device speed
+    mbs = plan.micro_batch_size
+    for p in plan.pipelines:
+        groups = []
+        for s in p.stages:
+            if s.group not in [g for g, _ in groups]:
+                groups.append((s.group, s.tp))
+        if len(groups) < 2:
+            continue
+        per_layer = {}
+        for g, tp in groups:
+            f, b = cm.layer_times(g, tp, plan.mbs(p), plan.recompute)
+            per_layer[g] = (f + b, tp)
+        fastest = min(per_layer, key=lambda g: per_layer[g][0])
+        for g, tp in groups:
+            stages = [s for s in p.stages if s.group == g]
+            n = sum(s.num_layers for s in stages)
+            ratio = per_layer[g][0] / per_layer[fastest][0]
+            if g == fastest:
+                reasons.append(f"{g} stages get {n} of {L} layers ({len(stages)} stage(s), tp{tp}): fastest per layer "
+                               f"({per_layer[g][0] * 1e3:.2f} ms forward+backward per micro-batch)")
+            else:
+                reasons.append(f"{g} stages get {n} of {L} layers ({len(stages)} stage(s), tp{tp}): "
+                               f"{ratio:.1f}x slower per layer than {fastest} at their tp")
+    # 2. best vs runner-up
+    if len(results) > 1:
+        ru = results[1]
+        a, b = best.prediction, ru.prediction
+        gain = a.tokens_per_s / b.tokens_per_s - 1 if b.tokens_per_s else 0.0
+        diff = _diff(best.plan, ru.plan)
+        reasons.append(f"best beats the runner-up ({ru.one_line}) by {gain * 100:.1f}% "
+                       f"({_fmt_rate(a.tokens_per_s)} vs {_fmt_rate(b.tokens_per_s)} tokens/s; "
+                       f"iteration {a.iteration_time_s:.3g} s vs {b.iteration_time_s:.3g} s)"
+                       + (f": {diff}" if diff else ""))
+    # 3. TP or PP for the slower GPUs
+    tp_pp = _tp_or_pp(cluster, model, B, best, candidates, scorer, cm)
+    if tp_pp:
+        reasons.append(tp_pp)
+    # 4. upper bound
+    ub = getattr(results, "upper_bound_tokens_per_s", None)
+    if ub:
+        reasons.append(f"{best.prediction.tokens_per_s / ub * 100:.1f}% of the upper bound "
+                       f"{_fmt_rate(ub)} tokens/s (sum of each group's best plan alone: "
+                       + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")")
+    return reasons
+
+
+def _diff(a, b) -> str:
+    out = []
+    if a.recompute != b.recompute:
+        out.append(f"recompute {a.recompute} vs {b.recompute}")
+    if a.zero_stage != b.zero_stage:
+        out.append(f"zero_stage {a.zero_stage} vs {b.zero_stage}")
+    if a.micro_batch_size != b.micro_batch_size:
+        out.append(f"micro-batch size {a.micro_batch_size} vs {b.micro_batch_size}")
+    sa, sb = _layers_by_group(a), _layers_by_group(b)
+    for g in sorted(set(sa) | set(sb)):
+        x, y = sa.get(g), sb.get(g)
+        if x is None or y is None:
+            out.append(f"{g} {'used' if x else 'idle'} vs {'used' if y else 'idle'}")
+        elif x != y:
+            parts = []
+            if x[2] != y[2]:
+                parts.append(f"tp{x[2]} vs tp{y[2]}")
+            if x[1] != y[1]:
+                parts.append(f"{x[1]} vs {y[1]} stages")
+            if x[0] != y[0]:
+                parts.append(f"{x[0]} vs {y[0]} layers")
+            out.append(f"{g} " + ", ".join(parts))
+    if len(a.pipelines) != len(b.pipelines):
+        out.append(f"{len(a.pipelines)} vs {len(b.pipelines)} pipeline shapes")
+    return "; ".join(out)
+
+
+def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
+    """Predict the best plan whose slowest used group has another tp; report the numbers."""
+    plan = best.plan
+    used = {s.group: s.tp for p in plan.pipelines for s in p.stages}
+    if not used:
+        return None
+    mbs = plan.micro_batch_size
+
+    def per_device_speed(g):
+        f, b = cm.layer_times(g, 1, mbs, plan.recompute)
+        return f + b
+
+    slow = max(used, key=per_device_speed)
+    chosen_tp = used[slow]
+    alts: dict[int, object] = {}
+    for c in sorted(candidates, key=lambda c: c.time):
+        if c.blocks[0].recompute != plan.recompute:
+            continue
+        tps = {s.tp for blk in c.blocks for s in blk.segments if s.group == slow}
+        if len(tps) != 1:
+            continue
+        tp = tps.pop()
+        if tp == chosen_tp or tp in alts:
+            continue
+        alts[tp] = c
+        if len(alts) >= 2:
+            break
+    if not alts:
+        return None
+    from .search import _score
+
+    parts = []
+    f1, b1 = cm.layer_times(slow, chosen_tp, mbs, plan.recompute)
+    for tp, c in sorted(alts.items()):
+        p2 = c.to_plan(B, model.num_layers)
+        pred = scorer(p2)
+        if pred is None:
+            continue
+        f2, b2 = cm.layer_times(slow, tp, mbs, plan.recompute)
+        word = "more tensor parallelism" if tp > chosen_tp else "more pipeline stages"
+        speed = (f2 + b2) / (f1 + b1)
+        note = "" if pred.fits_memory else " (does not fit memory)"
+        parts.append(f"tp{tp} ({word}: {speed:.2f}x the per-layer time of tp{chosen_tp}) predicts "
+                     f"{_fmt_rate(pred.tokens_per_s)} tokens/s{note}")
+    if not parts:
+        return None
+    kind = "TP" if chosen_tp > 1 else "PP"
+    return (f"{slow} (slowest group) gets {kind}: tp{chosen_tp} predicts {_fmt_rate(best.prediction.tokens_per_s)} "
+            f"tokens/s; " + "; ".join(parts))
+
+
+def infeasible_message(cluster, model, B, opts, cost_model, calibration) -> str:
+    """Which constraint fails, by how much, and what would fix it."""
+    cm = _cost_model(cluster, model, cost_model, calibration)
+    L = model.num_layers
+    gb = 1e9
+    total_mem = sum(cm.capacity(g.name) * g.num_devices for g in cluster.groups)
+    # model states: the whole model on one device, micro-batch 1, full recompute, no ZeRO
+    g0 = cluster.groups[0].name
+    states = cm.stage_memory(g0, 1, 1, (0, L), "full", 0, 1, 1, True, True)
+    lines = []
+    if states > total_mem:
+        lines.append(f"{model.name} needs >= {states / gb:,.0f} GB for weights, gradients and Adam states "
+                     f"(plus activations); the cluster has {total_mem / gb:,.0f} GB of device memory in all")
+        lines.append("fix: add devices (about {:.0f} more of {}), or a smaller model".format(
+            (states - total_mem) / cm.capacity(g0) + 1, cluster.groups[0].device))
+        return "; ".join(lines)
+    # per group: the deepest pipeline at the largest tp, ZeRO 2, full recompute, micro-batch 1
+    worst = []
+    from .space import tp_options
+
+    for g in cluster.groups:
+        tp = max(tp_options(cluster, model, g.name))
+        S = max(1, min(L, g.num_devices // tp))
+        per = -(-L // S)
+        need = cm.stage_memory(g.name, tp, 1, (0, per), "full", max(opts.zero_stages), 1, S, True, S == 1)
+        cap = cm.capacity(g.name)
+        worst.append((need - cap, g.name, tp, S, per, need, cap))
+    worst.sort()
+    best_case = worst[0]
+    over, name, tp, S, per, need, cap = best_case
+    lines.append(f"no plan fits in memory: even the most memory-frugal shape of group '{name}' "
+                 f"(tp{tp} x {S} stages of {per} layers, micro-batch 1, full recompute, "
+                 f"zero_stage {max(opts.zero_stages)}) needs {need / gb:.1f} GB on its first stage, "
+                 f"{over / gb:.1f} GB more than the {cap / gb:.1f} GB a device has")
+    fixes = []
+    if max(opts.zero_stages) < 2:
+        fixes.append("allow zero_stage 1 or 2")
+    if "full" not in opts.recompute:
+        fixes.append("allow recompute full")
+    fixes.append("add devices or use devices with more memory, or a shorter seq_length")
+    return "; ".join(lines) + "; fix: " + ", ".join(fixes)
+
+
+__all__ = ["explain", "infeasible_message"]
