@@ -1,0 +1,267 @@
+"""``predict(cluster, model, plan)``: iteration time, throughput, MFU and memory of a plan.
+
+Iteration time = max over pipelines of the simulated schedule time of one replica
++ data-parallel gradient sync (slowest device, not overlapped)
++ optimizer step (slowest device; memory-bound Adam)
++ the calibration's per-iteration overhead (largest over the groups used).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.specs.plan import check_plan
+
+from .costs import StageCostModel
+from .memory import in_flight_microbatches
+from .ops import model_flops_per_token
+from .schedule import pipeline_time, simulate
+
+
+@dataclass
+class StagePrediction:
+    group: str
+    tp: int
+    layers: tuple[int, int]
+    forward_time_s: float
+    """One micro-batch, one replica: compute plus the stage's TP communication."""
+    backward_time_s: float
+    """Including recomputation."""
+    peak_memory_bytes: int
+    memory_capacity_bytes: int
+    # --- extras (not in the SCHEMAS.md JSON unless to_dict(extra=True)) ---
+    memory: dict = field(default_factory=dict)
+    """Breakdown: weights, gradients, optimizer, activations, overhead."""
+    in_flight_microbatches: float = 1.0
+    dp_sync_time_s: float = 0.0
+    optimizer_time_s: float = 0.0
+    p2p_time_s: float = 0.0
+    """Sending one micro-batch to the next stage (0 for the last)."""
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_capacity_bytes
+
+    @property
+    def memory_shortfall_bytes(self) -> int:
+        return max(0, self.peak_memory_bytes - self.memory_capacity_bytes)
+
+    def to_dict(self, extra: bool = False) -> dict:
+        out = {"group": self.group, "tp": self.tp, "layers": list(self.layers),
+               "forward_time_s": self.forward_time_s, "backward_time_s": self.backward_time_s,
+               "peak_memory_bytes": self.peak_memory_bytes, "memory_capacity_bytes": self.memory_capacity_bytes}
+        if extra:
+            out.update(memory=dict(self.memory), in_flight_microbatches=self.in_flight_microbatches,
+                       dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
+                       p2p_time_s=self.p2p_time_s)
+        return out
+
+
+@dataclass
+class PipelinePrediction:
+    replicas: int
+    micro_batches: int
+    stages: list[StagePrediction]
+    micro_batch_size: int = 1
+    pipeline_time_s: float = 0.0
+    """Schedule time of one replica's micro-batches (bubbles included; no DP sync / optimizer)."""
+
+    def to_dict(self, extra: bool = False) -> dict:
+        out = {"replicas": self.replicas, "micro_batches": self.micro_batches,
+               "stages": [s.to_dict(extra) for s in self.stages]}
+        if extra:
+            out.update(micro_batch_size=self.micro_batch_size, pipeline_time_s=self.pipeline_time_s)
+        return out
+
+
+@dataclass
+class Prediction:
+    iteration_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+    fits_memory: bool
+    pipelines: list[PipelinePrediction]
+    upper_bound_tokens_per_s: float | None = None
+    # --- extras ---
+    dp_sync_time_s: float = 0.0
+    optimizer_time_s: float = 0.0
+    overhead_time_s: float = 0.0
+    bottleneck: tuple[int, int] = (0, 0)
+    """(pipeline, stage) of the stage that limits the slowest pipeline (most busy time)."""
+    provenance: dict = field(default_factory=dict)
+    """Per device type: {device, groups, source: catalog|profile|calibration, op_model}."""
+    events: list | None = field(default=None, repr=False)
+    """Chrome-trace events when predicted with ``timeline=True``."""
+
+    def to_dict(self, extra: bool = False) -> dict:
+        """The SCHEMAS.md Prediction JSON (exactly those keys); ``extra`` adds the breakdown."""
+        out = {"iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
+               "samples_per_s": self.samples_per_s, "mfu": self.mfu, "fits_memory": self.fits_memory,
+               "upper_bound_tokens_per_s": self.upper_bound_tokens_per_s,
+               "pipelines": [p.to_dict(extra) for p in self.pipelines]}
+        if extra:
+            out.update(dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
+                       overhead_time_s=self.overhead_time_s, bottleneck=list(self.bottleneck),
+                       provenance=self.provenance)
+        return out
+
+    def stage(self, pipeline: int, stage: int) -> StagePrediction:
+        return self.pipelines[pipeline].stages[stage]
+
+    def memory_shortfalls(self) -> list[tuple[int, int, StagePrediction]]:
+        """(pipeline, stage, prediction) of every stage that does not fit."""
+        return [(pi, si, s) for pi, p in enumerate(self.pipelines) for si, s in enumerate(p.stages) if not s.fits]
+
+    def timeline(self) -> dict:
+        """Chrome / Perfetto trace: ``{"traceEvents": [...]}`` (needs ``timeline=True``)."""
+        return {"traceEvents": list(self.events or []), "displayTimeUnit": "ms"}
+
+
+# A few recent cost models, so repeated predict() calls on the same inputs share warm caches.
+_RECENT: list[tuple] = []
+
+
+def cost_model_for(cluster, model, calibration=None) -> StageCostModel:
+    """The memoised StageCostModel for these very objects (identity), created on first use."""
+    for c, m, cal, cm in _RECENT:
+        if c is cluster and m is model and cal is calibration:
+            return cm
+    cm = StageCostModel(cluster, model, calibration)
+    _RECENT.insert(0, (cluster, model, calibration, cm))
+    del _RECENT[4:]
+    return cm
+
+
+def _same_node(cluster, pipeline, group: str, tp_by_group: dict) -> bool:
+    g = cluster.group(group)
+    return g.nodes == 1 or tp_by_group.get(group, 0) <= g.devices_per_node
+
+
+def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
+            timeline: bool = False, check: bool = True) -> Prediction:
+    """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule."""
+    if check:
+        check_plan(plan, cluster, model)
+    cm = cost_model or cost_model_for(cluster, model, calibration)
+    recompute, zs = plan.recompute, plan.zero_stage
+    dp_times = cm.dp_sync_times(plan)
+    events: list | None = [] if timeline else None
+    pipes: list[PipelinePrediction] = []
+    slowest, slowest_t = 0, -1.0
+    opt_max = 0.0
+    for pi, p in enumerate(plan.pipelines):
+        mbs = plan.mbs(p)
+        v = plan.virtual_chunks(p)
+        stages = p.stages
+        V = len(stages)
+        phys = max(1, V // v)
+        tp_by_group: dict[str, int] = {}
+        for s in stages[:phys]:
+            tp_by_group[s.group] = tp_by_group.get(s.group, 0) + s.tp
+        fwd, bwd, p2p = [], [], []
+        for k, s in enumerate(stages):
+            f, b = cm.stage_times(s.group, s.tp, mbs, s.layers, recompute, k == 0, k == V - 1)
+            fwd.append(f)
+            bwd.append(b)
+            if k < V - 1:
+                nxt = stages[k + 1]
+                if phys == 1:
+                    p2p.append(0.0)
+                else:
+                    same = s.group == nxt.group and _same_node(cluster, p, s.group, tp_by_group)
+                    p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same))
+        m = p.micro_batches
+        ptime = pipeline_time(plan.schedule, fwd, bwd, p2p, m, v)
+        # memory and optimizer per physical stage (a device holds all its chunks)
+        dev_layers = [0] * phys
+        for k, s in enumerate(stages):
+            dev_layers[k % phys] += s.num_layers
+        stage_preds = []
+        for k, s in enumerate(stages):
+            i = k % phys
+            first = i == 0
+            last = i == (V - 1) % phys
+            nl = dev_layers[i]
+            inflight = in_flight_microbatches(plan.schedule, i, phys, m, v)
+            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, p.replicas,
+                                           inflight, first, last)
+            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, p.replicas)
+            opt_max = max(opt_max, opt)
+            stage_preds.append(StagePrediction(
+                group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
+                peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
+                memory=br.to_dict(), in_flight_microbatches=inflight, dp_sync_time_s=dp_times.get((pi, i), 0.0),
+                optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0))
+        pipes.append(PipelinePrediction(replicas=p.replicas, micro_batches=m, stages=stage_preds,
+                                        micro_batch_size=mbs, pipeline_time_s=ptime))
+        if ptime > slowest_t:
+            slowest, slowest_t = pi, ptime
+    dp = max(dp_times.values(), default=0.0)
+    groups_used = {s.group for p in plan.pipelines for s in p.stages}
+    overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
+    it = slowest_t + dp + opt_max + overhead
+    samples = plan.global_batch_size
+    tokens = samples * model.seq_length
+    peak = 0.0
+    for p in plan.pipelines:
+        for s in plan.physical_stages(p):
+            peak += p.replicas * s.tp * cm.device(s.group).matrix_flops(model.dtype)
+    mfu = model_flops_per_token(model) * tokens / (it * peak) if it > 0 and peak > 0 else 0.0
+    sp = pipes[slowest].stages
+    m = pipes[slowest].micro_batches
+    busy = [m * (s.forward_time_s + s.backward_time_s) for s in sp]
+    bott = (slowest, max(range(len(busy)), key=busy.__getitem__))
+    pred = Prediction(iteration_time_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
+                      samples_per_s=samples / it if it > 0 else 0.0, mfu=mfu,
+                      fits_memory=all(s.fits for p in pipes for s in p.stages), pipelines=pipes,
+                      dp_sync_time_s=dp, optimizer_time_s=opt_max, overhead_time_s=overhead,
+                      bottleneck=bott, provenance=cm.provenance())
+    if timeline:
+        pred.events = _trace(plan, pipes, cm, dp_times, overhead)
+    return pred
+
+
+def _trace(plan, pipes, cm, dp_times, overhead) -> list[dict]:
+    """Chrome trace events: pid = pipeline, tid = 2 x stage (compute) and 2 x stage + 1 (comm)."""
+    out: list[dict] = []
+    us = 1e6
+    for pi, (p, pp) in enumerate(zip(plan.pipelines, pipes)):
+        v = plan.virtual_chunks(p)
+        V = len(p.stages)
+        phys = max(1, V // v)
+        out.append({"ph": "M", "name": "process_name", "pid": pi, "tid": 0,
+                    "args": {"name": f"pipeline {pi} ({p.replicas} replicas, {p.micro_batches} micro-batches)"}})
+        for i in range(phys):
+            s = p.stages[i]
+            out.append({"ph": "M", "name": "thread_name", "pid": pi, "tid": 2 * i,
+                        "args": {"name": f"stage {i} {s.group} tp{s.tp}"}})
+            out.append({"ph": "M", "name": "thread_name", "pid": pi, "tid": 2 * i + 1,
+                        "args": {"name": f"stage {i} comm"}})
+        fwd = [s.forward_time_s for s in pp.stages]
+        bwd = [s.backward_time_s for s in pp.stages]
+        p2p = [s.p2p_time_s for s in pp.stages[:-1]]
+        _, evs = simulate(plan.schedule, fwd, bwd, p2p, p.micro_batches, v, trace=True)
+        for d, kind, j, vs, start, end, ready in evs:
+            name = f"{kind}{j}" + (f".c{vs // phys}" if v > 1 else "")
+            out.append({"ph": "X", "name": name, "cat": "forward" if kind == "F" else "backward",
+                        "pid": pi, "tid": 2 * d, "ts": start * us, "dur": (end - start) * us,
+                        "args": {"micro_batch": j, "virtual_stage": vs}})
+            if ready is not None:
+                src = vs - 1 if kind == "F" else vs + 1
+                c = p2p[min(vs, src)]
+                out.append({"ph": "X", "name": f"recv {'act' if kind == 'F' else 'grad'} {j}", "cat": "p2p",
+                            "pid": pi, "tid": 2 * d + 1, "ts": (ready - c) * us, "dur": c * us,
+                            "args": {"from_stage": src % phys}})
+        t0 = pp.pipeline_time_s
+        for i in range(phys):
+            sp = pp.stages[i]
+            dpt = dp_times.get((pi, i), 0.0)
+            if dpt > 0:
+                out.append({"ph": "X", "name": "dp grad sync", "cat": "dp", "pid": pi, "tid": 2 * i + 1,
+                            "ts": t0 * us, "dur": dpt * us})
+            out.append({"ph": "X", "name": "optimizer", "cat": "optimizer", "pid": pi, "tid": 2 * i,
+                        "ts": (t0 + dpt) * us, "dur": sp.optimizer_time_s * us})
+    return out
+
+
+__all__ = ["Prediction", "PipelinePrediction", "StagePrediction", "predict", "cost_model_for"]

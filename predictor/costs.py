@@ -1,0 +1,306 @@
+"""The planner-facing cost model: stage times, memory, capacity, p2p and DP sync, all memoised.
+
+``predict()`` scores plans with this same object, so the planner and the predictor cannot
+disagree (the predictor is the single source of cost truth).
+
+    cm = StageCostModel(cluster, model, calibration=None)
+    fwd, bwd = cm.layer_times("a100", tp=2, mbs=4, recompute="none")
+    fwd, bwd = cm.stage_times("a100", 2, 4, (0, 14), "none", first=True, last=False)
+    nbytes = cm.stage_memory("a100", 2, 4, (0, 14), "none", zero_stage=0, dp=4, in_flight=4,
+                             first=True, last=False)
+    cm.capacity("a100"); cm.p2p_time("a100", "mi250", 4); cm.dp_sync_time(plan)
+
+Data-parallel gradient synchronisation (see :meth:`StageCostModel.dp_sync_time`): every layer's
+gradient is summed over every replica that holds it, whatever its pipeline's shape. Replicas in
+one group all-reduce among themselves (intra-node link when the group is a single node, else
+the inter-node link, whose NIC carries all tp shards of a node); when replicas span groups the
+reduction is hierarchical: inside each group, then between the group leaders over
+``network.cross_group`` (host-staged when vendors differ), then broadcast back (the in-group
+all-reduce accounts for reduce + broadcast). A device syncs its layers one after another (bucketed),
+devices in parallel: the sync time is the slowest device's. It is not overlapped with backward
+(Megatron's default without --overlap-grad-reduce). ZeRO-1/2 replace the all-reduce by a
+reduce-scatter of gradients plus an all-gather of updated parameters (same ring volume).
+Embedding and head gradients are synced like a layer among first / last stages; the extra
+all-reduce of tied embeddings between the first and last stage is not modelled.
+"""
+from __future__ import annotations
+
+from hetero.specs.cluster import Cluster
+from hetero.specs.model import ModelSpec
+
+from . import comm
+from . import memory as mem
+from . import ops as O
+from .factors import IDENTITY, CalibrationFactors
+from .optime import op_model_for
+
+OPTIMIZER_BYTES_PER_PARAM = 28
+"""Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
+also writes the model-dtype copy (+e)."""
+
+
+class StageCostModel:
+    """Memoised costs of stages of ``model`` on the groups of ``cluster``."""
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, calibration=None):
+        self.cluster = cluster
+        self.model = model
+        self.calibration = calibration
+        self.dtype = model.dtype
+        self.e = O.DTYPE_BYTES[model.dtype]
+        self._groups = {g.name: g for g in cluster.groups}
+        self._dev = {name: cluster.device_type(name) for name in self._groups}
+        self._factors: dict[str, CalibrationFactors] = {}
+        self._opm: dict[str, object] = {}
+        self._prov: dict[str, str] = {}
+        self._opkind: dict[str, str] = {}
+        by_device: dict[str, tuple] = {}
+        for name, g in self._groups.items():
+            dev = self._dev[name]
+            if g.device not in by_device:
+                opm, prov = op_model_for(g.device, dev)
+                f = None
+                if calibration is not None:
+                    f = calibration.factors_for(g.device, dev)
+                if f is not None:
+                    prov = f.source or "calibration"
+                by_device[g.device] = (opm, prov, f or IDENTITY)
+            opm, prov, f = by_device[g.device]
+            self._opm[name], self._prov[name], self._factors[name] = opm, prov, f
+            self._opkind[name] = getattr(opm, "kind", None) or ("profile" if prov == "profile" else "learned")
+        self._cache: dict = {}
+        self._op_cache: dict = {}
+        self._seg_cache: dict = {}
+
+    # ------------------------------------------------------------------ basics
+    def device(self, group: str):
+        return self._dev[group]
+
+    def factors(self, group: str) -> CalibrationFactors:
+        return self._factors[group]
+
+    def provenance(self) -> dict[str, dict]:
+        """Per device type: where its numbers come from (catalog / profile / calibration) and
+        which operator model ran (learned / roofline / profile)."""
+        out = {}
+        for name, g in self._groups.items():
+            out.setdefault(g.device, {"device": g.device, "groups": [], "source": self._prov[name],
+                                      "op_model": self._opkind[name]})["groups"].append(name)
+        return out
+
+    def capacity(self, group: str) -> float:
+        return float(self._dev[group].memory)
+
+    # ------------------------------------------------------------------ compute
+    def _ops_time(self, group: str, ops) -> float:
+        dev = self._dev[group]
+        opm = self._opm[group]
+        dtype = self.dtype
+        cache = self._op_cache
+        total = 0.0
+        for o in ops:
+            key = (group, o.op, o.dims)
+            t = cache.get(key)
+            if t is None:
+                t = opm.predict(o.op, o.dims_dict(), dtype, dev)
+                cache[key] = t
+            total += t
+        return total * self._factors[group].compute
+
+    def _tp_allreduce(self, group: str, tp: int, mbs: int) -> float:
+        """One Megatron tensor-parallel all-reduce of the b x s x h activation (intra-node)."""
+        if tp <= 1:
+            return 0.0
+        link = self._groups[group].intra_node
+        nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
+        return comm.allreduce(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
+
+    def layer_compute_times(self, group: str, tp: int, mbs: int, recompute: str) -> tuple[float, float]:
+        """Per layer, compute only (no communication, no overhead)."""
+        key = ("lc", group, tp, mbs, recompute)
+        hit = self._cache.get(key)
+        if hit is None:
+            s = self.model.seq_length
+            f = self._ops_time(group, O.layer_forward_ops(self.model, mbs, s, tp))
+            b = self._ops_time(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute))
+            hit = self._cache[key] = (f, b)
+        return hit
+
+    def layer_times(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
+        """(forward, backward) seconds of one transformer layer for one micro-batch, including its
+        tensor-parallel all-reduces (2 forward, 2 backward, 2 more with full recomputation) and the
+        calibration's per-layer overhead."""
+        key = ("l", group, tp, mbs, recompute)
+        hit = self._cache.get(key)
+        if hit is None:
+            f, b = self.layer_compute_times(group, tp, mbs, recompute)
+            ar = self._tp_allreduce(group, tp, mbs)
+            ov = self._factors[group].layer_overhead_s
+            hit = self._cache[key] = (f + 2 * ar + ov, b + (4 if recompute == "full" else 2) * ar + 2 * ov)
+        return hit
+
+    def edge_times(self, group: str, tp: int, mbs: int, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) of the embedding (first) and final norm + LM head + loss (last)."""
+        key = ("e", group, tp, mbs, first, last)
+        hit = self._cache.get(key)
+        if hit is None:
+            s, m = self.model.seq_length, self.model
+            f = b = 0.0
+            if first:
+                f += self._ops_time(group, O.embedding_forward_ops(m, mbs, s, tp)) + self._tp_allreduce(group, tp, mbs)
+                b += self._ops_time(group, O.embedding_backward_ops(m, mbs, s, tp))
+            if last:
+                f += self._ops_time(group, O.head_forward_ops(m, mbs, s, tp))
+                b += self._ops_time(group, O.head_backward_ops(m, mbs, s, tp)) + self._tp_allreduce(group, tp, mbs)
+            hit = self._cache[key] = (f, b)
+        return hit
+
+    def stage_times(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",
+                    first: bool = False, last: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch through a stage holding ``layers``
+        ([start, end)), plus the embedding on the first stage and the head on the last."""
+        n = layers[1] - layers[0]
+        lf, lb = self.layer_times(group, tp, mbs, recompute)
+        if first or last:
+            ef, eb = self.edge_times(group, tp, mbs, first, last)
+            return n * lf + ef, n * lb + eb
+        return n * lf, n * lb
+
+    def optimizer_time(self, group: str, tp: int, layers, first: bool, last: bool,
+                       zero_stage: int = 0, dp: int = 1) -> float:
+        """Adam step of one device's shard: memory-bound over params, grads and states."""
+        params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
+        if zero_stage >= 1:
+            params /= max(1, dp)
+        per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
+        return params * per / self._dev[group].effective_memory_bandwidth * self._factors[group].compute
+
+    # ------------------------------------------------------------------ memory
+    def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
+                               zero_stage: int, dp: int, in_flight: float, first: bool,
+                               last: bool) -> mem.MemoryBreakdown:
+        key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = mem.stage_memory(
+                self.model, self._dev[group].family, tp, mbs, layers[1] - layers[0], recompute,
+                zero_stage, dp, in_flight, first, last)
+        return hit
+
+    def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",
+                     zero_stage: int = 0, dp: int = 1, in_flight: float = 1, first: bool = False,
+                     last: bool = False) -> float:
+        """Peak bytes on one device of a stage (see :mod:`hetero.predictor.memory`)."""
+        return self.stage_memory_breakdown(group, tp, mbs, layers, recompute, zero_stage, dp,
+                                           in_flight, first, last).total
+
+    # ------------------------------------------------------------------ communication
+    def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None) -> float:
+        """Send one micro-batch's activation (b x s x h) from a stage in ``group_a`` to one in
+        ``group_b``. Same group: the intra-node link when ``same_node`` (default: when the group is
+        a single node), else inter-node. Different groups: cross-group link, plus host staging
+        when the vendors differ (and neither side is a CPU)."""
+        key = ("p", group_a, group_b, mbs, same_node)
+        hit = self._cache.get(key)
+        if hit is None:
+            nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
+            fa, fb = self._factors[group_a].communication, self._factors[group_b].communication
+            if group_a == group_b:
+                g = self._groups[group_a]
+                if same_node is None:
+                    same_node = g.nodes == 1
+                link = g.intra_node if same_node else self.cluster.network.inter_node
+                hit = comm.p2p(nbytes, link.bandwidth, link.latency) * fa
+            else:
+                link = self.cluster.network.cross_group
+                hit = comm.p2p(nbytes, link.bandwidth, link.latency, self._staged(group_a, group_b)) * max(fa, fb)
+            self._cache[key] = hit
+        return hit
+
+    def _staged(self, a: str, b: str) -> bool:
+        da, db = self._dev[a], self._dev[b]
+        return da.vendor != db.vendor and da.family != "cpu" and db.family != "cpu"
+
+    def layer_grad_bytes(self) -> float:
+        """Gradient bytes of one transformer layer (all tp shards together), in the model dtype."""
+        return float(self.model.params_per_layer() * self.e)
+
+    def _segment_time(self, holders: tuple, grad_bytes: float, zero_stage: int) -> float:
+        """Sync time of one unit (layer / embedding / head) of ``grad_bytes`` held by ``holders``:
+        a tuple of (group, tp, replicas)."""
+        key = (holders, grad_bytes, zero_stage)
+        hit = self._seg_cache.get(key)
+        if hit is not None:
+            return hit
+        per_group: dict[str, list] = {}
+        for g, tp, r in holders:
+            entry = per_group.setdefault(g, [0, tp])
+            entry[0] += r
+            entry[1] = min(entry[1], tp)
+        inner = 0.0
+        for g, (n, tp) in per_group.items():
+            if n <= 1:
+                continue
+            grp = self._groups[g]
+            if grp.nodes == 1:
+                link, nbytes = grp.intra_node, grad_bytes / tp
+            else:  # the node's NIC carries every tp shard of the node
+                link, nbytes = self.cluster.network.inter_node, grad_bytes / tp * min(tp, grp.devices_per_node)
+            if zero_stage >= 1:
+                t = 2 * comm.reduce_scatter(nbytes, n, link.bandwidth, link.latency)
+            else:
+                t = comm.allreduce(nbytes, n, link.bandwidth, link.latency)
+            inner = max(inner, t * self._factors[g].communication)
+        cross = 0.0
+        k = len(per_group)
+        if k > 1:
+            link = self.cluster.network.cross_group
+            nbytes = grad_bytes / min(tp for _, tp in per_group.values())
+            cross = comm.allreduce(nbytes, k, link.bandwidth, link.latency)
+            gs = list(per_group)
+            if any(self._staged(a, b) for a in gs for b in gs):
+                cross += 2 * comm.staging_time(nbytes)
+            cross *= max(self._factors[g].communication for g in gs)
+        hit = self._seg_cache[key] = inner + cross
+        return hit
+
+    def dp_sync_time(self, plan) -> float:
+        """Data-parallel gradient synchronisation of ``plan`` (seconds; slowest device)."""
+        return max(self.dp_sync_times(plan).values(), default=0.0)
+
+    def dp_sync_times(self, plan) -> dict[tuple[int, int], float]:
+        """Per (pipeline, physical stage): seconds that device spends syncing its gradients."""
+        L = self.model.num_layers
+        cuts = {0, L}
+        holders_at: list[tuple[int, int, str, int, int]] = []  # (start, end, group, tp, replicas)
+        for p in plan.pipelines:
+            for s in p.stages:
+                cuts.add(s.layers[0])
+                cuts.add(s.layers[1])
+                holders_at.append((s.layers[0], s.layers[1], s.group, s.tp, p.replicas))
+        cuts = sorted(cuts)
+        seg_time: dict[int, float] = {}
+        G = self.layer_grad_bytes()
+        zs = plan.zero_stage
+        for a, b in zip(cuts, cuts[1:]):
+            hs = tuple(sorted((g, tp, r) for s0, s1, g, tp, r in holders_at if s0 <= a < s1))
+            seg_time[a] = self._segment_time(hs, G, zs) * (b - a)
+        first_h = tuple(sorted((p.stages[0].group, p.stages[0].tp, p.replicas) for p in plan.pipelines))
+        last_h = tuple(sorted((p.stages[-1].group, p.stages[-1].tp, p.replicas) for p in plan.pipelines))
+        emb = self._segment_time(first_h, self.model.embedding_params() * self.e, zs)
+        head = self._segment_time(last_h, self.model.head_params() * self.e, zs)
+        out = {}
+        for pi, p in enumerate(plan.pipelines):
+            phys = len(plan.physical_stages(p))
+            for k, s in enumerate(p.stages):
+                t = sum(seg_time[c] for c in cuts if s.layers[0] <= c < s.layers[1])
+                if k == 0:
+                    t += emb
+                if k == len(p.stages) - 1:
+                    t += head
+                key = (pi, k % phys)
+                out[key] = out.get(key, 0.0) + t
+        return out
+
+
+__all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]

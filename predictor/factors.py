@@ -1,0 +1,29 @@
+"""Calibration factors: how a calibration corrects the analytical predictor for one device type.
+
+``hetero.predictor.calibration`` fits these on measured runs; :mod:`hetero.predictor.costs`
+applies them everywhere a device's time is computed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CalibrationFactors:
+    """Corrections for one device type (all identities by default)."""
+
+    compute: float = 1.0
+    """Multiplies every compute time (operators, optimizer step)."""
+    communication: float = 1.0
+    """Multiplies every communication time (TP collectives, p2p, DP gradient sync)."""
+    layer_overhead_s: float = 0.0
+    """Added per transformer layer per micro-batch in forward, twice in backward."""
+    iteration_overhead_s: float = 0.0
+    """Added once per iteration (framework, data loading, synchronisation)."""
+    source: str = "calibration"
+    """Where these factors come from (shown by ``hetero predict`` as the device's provenance)."""
+
+
+IDENTITY = CalibrationFactors(source="catalog")
+
+__all__ = ["CalibrationFactors", "IDENTITY"]

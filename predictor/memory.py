@@ -1,0 +1,173 @@
+"""Memory of one pipeline stage on one device: weights, gradients, optimizer, activations.
+
+Model states (ZeRO paper accounting, Rajbhandari et al. 2020): per parameter ``e`` bytes of
+weights and ``e`` of gradients in the model dtype; Adam keeps two fp32 moments (8 bytes); mixed
+precision (fp16/bf16) adds fp32 master weights (4 bytes): 16 bytes/param in both fp32 and mixed
+precision. ZeRO-1 shards the optimizer states (master + moments) over the stage's data-parallel
+degree, ZeRO-2 also the gradients. The DP degree of a stage, for sharding, is the number of
+replicas of its own pipeline shape (``pipeline.replicas``): replicas of other shapes hold other
+layer ranges, so they cannot share shards one-to-one (a documented simplification).
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", eq. 2 / 3): per layer per micro-batch, with ``e`` bytes per element, ``m`` = 1 byte per
+dropout mask element when dropout > 0 (else 0), tensor parallelism ``t`` without sequence
+parallelism:
+
+- kept whole on every tp rank: the two norm inputs, the QKV input and the MLP input (4 e sbh),
+  plus the two dropout masks after attention and MLP (2 m sbh);
+- split by t: Q, K, V (e sb (h + 2 kv)), the out-projection input (e sbh), the MLP intermediates
+  (gelu/relu: its input and output, 2 e sbf; SwiGLU, unfused as in eager PyTorch: gate, up,
+  silu(gate) and the product, 4 e sbf);
+- the attention core, split by t: the softmax output (e a s^2 b) plus, with dropout, its mask and
+  output ((m + e) a s^2 b).
+
+For fp16 gpt with dropout this is exactly s b h (34 + 5 a s / h) at t = 1 (the paper's formula).
+Selective recomputation drops the attention-core term; full recomputation keeps only each
+layer's input (e sbh). RoPE is taken as fused (Megatron/apex: nothing saved beyond q and k).
+Llama has no dropout, so no masks.
+
+Per schedule, a stage holds ``in_flight`` micro-batches of activations (1F1B: min(p - i, m) at
+stage i of p; GPipe: m; interleaved: see :func:`in_flight_microbatches`).
+
+First stage: token ids (int64). Last stage: final-norm and head inputs, the logits in the model
+dtype and the fp32 log-softmax the cross-entropy keeps, plus the fp32 logits gradient that exists
+while backward starts (a transient counted at the peak).
+
+A fixed framework overhead per device (:data:`FRAMEWORK_OVERHEAD`) covers the CUDA/HIP/CANN
+context, cuBLAS/NCCL workspaces and allocator slack; 0 for CPU processes (measured as live
+tensor bytes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.specs.model import ModelSpec
+
+from .ops import DTYPE_BYTES
+
+MiB = 2**20
+FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * MiB, "intel": 512 * MiB,
+                      "other": 512 * MiB, "cpu": 0}
+"""Bytes per device outside tensors the model owns (context, library workspaces), by vendor family."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "overhead": self.overhead, "total": self.total}
+
+
+def activation_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, recompute: str = "none",
+                               dtype: str | None = None) -> float:
+    """Bytes one transformer layer keeps for backward, one micro-batch, one tp rank."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    h, a, kv = model.hidden_size, model.num_attention_heads, model.kv_dim
+    f = model.ffn_hidden_size or 4 * h
+    sb = s * b
+    if recompute == "full":
+        return float(e * sb * h)
+    mask = 1 if model.dropout > 0 else 0
+    replicated = 4 * e * sb * h + 2 * mask * sb * h
+    mlp = (4 if model.gated_mlp else 2) * e * sb * f
+    split = e * sb * (h + 2 * kv) + e * sb * h + mlp
+    total = replicated + split / t
+    if recompute != "selective":
+        core = e + (mask + e if model.dropout > 0 else 0)
+        total += core * a * s * s * b / t
+    return float(total)
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
+    """The paper's fp16 formula (eq. 2/3, no sequence parallelism): s b h (10 + 24/t + 5 a s/(h t))."""
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: bool) -> float:
+    """Parameters one tp rank of a stage holds (embedding / head vocabulary-parallel)."""
+    p = num_layers * model.params_per_layer() / tp
+    if first:
+        p += model.embedding_params() / tp
+    if last:
+        p += model.head_params() / tp
+        if model.tie_embeddings and not first:  # the head keeps its own copy of the word embedding
+            p += model.vocab_size * model.hidden_size / tp
+    return p
+
+
+def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of ``params`` parameters."""
+    e = DTYPE_BYTES[dtype]
+    opt_per_param = 8 + (4 if e < 4 else 0)  # Adam m, v (+ fp32 master weights in mixed precision)
+    dp = max(1, dp)
+    weights = params * e
+    grads = params * e / (dp if zero_stage >= 2 else 1)
+    optim = params * opt_per_param / (dp if zero_stage >= 1 else 1)
+    return weights, grads, optim
+
+
+def edge_activation_bytes(model: ModelSpec, b: int, s: int, tp: int, first: bool, last: bool,
+                          dtype: str | None = None) -> float:
+    """Activations of the embedding (first stage) and head + loss (last stage), one micro-batch."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    out = 0.0
+    if first:
+        out += 8 * b * s  # int64 token ids kept by the embedding backward
+        if model.dropout > 0:
+            out += b * s * model.hidden_size
+    if last:
+        Vt = -(-model.vocab_size // tp)
+        out += 2 * e * b * s * model.hidden_size       # final-norm input, head input
+        out += (e + 4) * b * s * Vt                     # logits, fp32 log-softmax kept by the loss
+    return out
+
+
+def loss_transient_bytes(model: ModelSpec, b: int, s: int, tp: int) -> float:
+    """The fp32 logits gradient alive at the start of the last stage's backward."""
+    return 4.0 * b * s * -(-model.vocab_size // tp)
+
+
+def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
+                 zero_stage: int, dp: int, in_flight: float, first: bool, last: bool) -> MemoryBreakdown:
+    s = model.seq_length
+    params = stage_params(model, num_layers, tp, first, last)
+    w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp)
+    act = in_flight * (num_layers * activation_bytes_per_layer(model, mbs, s, tp, recompute)
+                       + edge_activation_bytes(model, mbs, s, tp, first, last))
+    if last:
+        act += loss_transient_bytes(model, mbs, s, tp)
+    return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
+
+
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_batches: int,
+                           interleave: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of the stage's whole
+    layer range.
+
+    1F1B: stage i of p holds min(p - i, m). GPipe: all m. Interleaved (Megatron, v chunks per
+    device): device i runs (p - i - 1) * 2 + (v - 1) * p warm-up chunk-forwards, plus the one
+    in flight, each holding 1/v of the device's layers: min(that + 1, m v) / v.
+    """
+    p, m, i = num_stages, micro_batches, stage
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved" and interleave > 1:
+        v = interleave
+        chunks = min((p - i - 1) * 2 + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return float(min(p - i, m))
+
+
+__all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
+           "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
+           "in_flight_microbatches", "loss_transient_bytes"]

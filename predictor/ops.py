@@ -1,0 +1,196 @@
+"""Operator decomposition of one transformer block (gpt or llama), forward and backward.
+
+Each op is one kernel in the vocabulary of the operator model (``linear``, ``bmm``, ``ln``,
+``softmax``, ``gelu``, ``add``, ``mul``, ...) with its dims, FLOPs and bytes, for one micro-batch of
+``b`` sequences of length ``s`` on one tensor-parallel rank of degree ``t`` (Megatron column/row
+split: heads / t, ffn / t; the LM head is vocabulary-parallel).
+
+Conventions
+- ``linear``: B x M x K @ K x N (B = micro-batch, M = sequence); ``bmm``: B independent M x K @ K x N.
+- Vector ops: B rows x H columns.
+- Backward of a GEMM is two GEMMs of the same FLOPs: dgrad (grad_out @ W^T) and wgrad
+  (x^T @ grad_out). Backward of a vector op is modelled as the same kernel twice (it reads the
+  upstream gradient and the saved input and writes the input gradient: about twice the traffic).
+- Megatron fuses scale + causal mask + softmax into one kernel; it appears as one ``softmax``.
+- RMSNorm is costed as ``ln``; SiLU as ``gelu`` (same elementwise class); RoPE as 2 ``mul`` + 1 ``add``
+  on q and k; the embedding lookup as a gather (an ``add``-class pass over b*s*h).
+- Biases (gpt) are fused into their GEMM epilogues and not costed separately.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.specs.model import ModelSpec
+
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+GEMM_OPS = ("linear", "bmm")
+# Tensors read per output element and FLOPs per element of vector ops (match opmodel.features).
+VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
+VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel of one micro-batch on one tensor-parallel rank."""
+
+    name: str
+    """What it is in the model, e.g. ``qkv``, ``scores``, ``mlp.fc1.dgrad``."""
+    op: str
+    """Operator-model op: linear | bmm | ln | softmax | gelu | add | mul | ..."""
+    dims: tuple
+    """(B, M, N, K) for linear/bmm, (B, H) for vector ops."""
+    flops: float
+    nbytes: float
+
+    @property
+    def is_gemm(self) -> bool:
+        return self.op in GEMM_OPS
+
+    def dims_dict(self) -> dict:
+        if self.is_gemm:
+            return dict(zip("BMNK", self.dims))
+        return {"B": self.dims[0], "H": self.dims[1]}
+
+
+def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
+    if op == "bmm":
+        nbytes = e * B * (M * K + K * N + M * N)
+    else:  # one weight shared by the B x M rows
+        nbytes = e * (B * M * K + K * N + B * M * N)
+    return Op(name, op, (B, M, N, K), 2.0 * B * M * N * K, float(nbytes))
+
+
+def vec(name: str, op: str, B: int, H: int, e: int) -> Op:
+    n = B * H
+    return Op(name, op, (B, H), float(VEC_FLOPS[op] * n), float(e * n * (VEC_INPUTS[op] + 1)))
+
+
+def backward_of(f: Op, e: int) -> list[Op]:
+    """The backward kernels of forward op ``f``."""
+    if f.op == "linear":
+        B, M, N, K = f.dims
+        return [gemm(f.name + ".dgrad", "linear", B, M, K, N, e),     # dY (BM x N) @ W^T (N x K)
+                gemm(f.name + ".wgrad", "linear", 1, K, N, B * M, e)]  # X^T (K x BM) @ dY (BM x N)
+    if f.op == "bmm":
+        B, M, N, K = f.dims
+        return [gemm(f.name + ".dgrad_a", "bmm", B, M, K, N, e),
+                gemm(f.name + ".dgrad_b", "bmm", B, K, N, M, e)]
+    return [Op(f.name + ".grad", f.op, f.dims, f.flops, f.nbytes),
+            Op(f.name + ".grad2", f.op, f.dims, f.flops, f.nbytes)]
+
+
+# Names of the attention core (what selective recomputation recomputes in backward).
+ATTENTION_CORE = ("scores", "softmax", "attn_dropout", "context")
+
+
+def layer_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    """Forward kernels of one transformer block on one of ``t`` tensor-parallel ranks."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    h, a = model.hidden_size, model.num_attention_heads
+    kv = model.kv_dim
+    f = model.ffn_hidden_size or 4 * h
+    d = h // a
+    rows = b * s
+    at = a // t
+    ops = [vec("ln1", "ln", rows, h, e),
+           gemm("qkv", "linear", b, s, (h + 2 * kv) // t, h, e)]
+    if model.architecture == "llama":  # RoPE on q and k: x*cos + rotate(x)*sin
+        rh = (h + kv) // t
+        ops += [vec("rope.mul_cos", "mul", rows, rh, e), vec("rope.mul_sin", "mul", rows, rh, e),
+                vec("rope.add", "add", rows, rh, e)]
+    ops += [gemm("scores", "bmm", b * at, s, s, d, e),
+            vec("softmax", "softmax", b * at * s, s, e)]          # fused scale + mask + softmax
+    if model.dropout > 0:
+        ops.append(vec("attn_dropout", "mul", b * at * s, s, e))
+    ops += [gemm("context", "bmm", b * at, s, d, s, e),
+            gemm("out_proj", "linear", b, s, h, h // t, e)]
+    if model.dropout > 0:
+        ops.append(vec("attn_out_dropout", "mul", rows, h, e))
+    ops += [vec("residual1", "add", rows, h, e), vec("ln2", "ln", rows, h, e)]
+    ft = f // t
+    if model.gated_mlp:
+        ops += [gemm("mlp.gate", "linear", b, s, ft, h, e), gemm("mlp.up", "linear", b, s, ft, h, e),
+                vec("mlp.silu", "gelu", rows, ft, e), vec("mlp.gate_mul", "mul", rows, ft, e),
+                gemm("mlp.down", "linear", b, s, h, ft, e)]
+    else:
+        act = "relu" if model.activation == "relu" else "gelu"
+        ops += [gemm("mlp.fc1", "linear", b, s, ft, h, e), vec("mlp.act", act, rows, ft, e),
+                gemm("mlp.fc2", "linear", b, s, h, ft, e)]
+    if model.dropout > 0:
+        ops.append(vec("mlp_dropout", "mul", rows, h, e))
+    ops.append(vec("residual2", "add", rows, h, e))
+    return ops
+
+
+def layer_backward_ops(model: ModelSpec, b: int, s: int, t: int, recompute: str = "none",
+                       dtype: str | None = None) -> list[Op]:
+    """Backward kernels of one block, including recomputation (selective: the attention core
+    again; full: the whole forward again)."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    fwd = layer_forward_ops(model, b, s, t, dtype)
+    ops: list[Op] = []
+    if recompute == "full":
+        ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd]
+    elif recompute == "selective":
+        ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name in ATTENTION_CORE]
+    for o in reversed(fwd):
+        ops += backward_of(o, e)
+    return ops
+
+
+def embedding_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    """First stage: token lookup (vocabulary-parallel, a gather over b*s*h) plus learned positions (gpt)."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    ops = [Op("embedding.lookup", "add", (b * s, model.hidden_size), 0.0, float(2 * e * b * s * model.hidden_size))]
+    if model.architecture == "gpt":
+        ops.append(vec("embedding.positions", "add", b * s, model.hidden_size, e))
+    return ops
+
+
+def embedding_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    e = DTYPE_BYTES[dtype or model.dtype]
+    ops = []
+    for o in embedding_forward_ops(model, b, s, t, dtype):
+        ops += backward_of(o, e)[:1]  # scatter-add of the gradient rows
+    return ops
+
+
+def head_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    """Last stage: final norm, LM head GEMM (vocabulary-parallel) and the cross-entropy softmax."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    h, V = model.hidden_size, model.vocab_size
+    Vt = -(-V // t)
+    return [vec("final_norm", "ln", b * s, h, e),
+            gemm("lm_head", "linear", b, s, Vt, h, e),
+            vec("cross_entropy", "softmax", b * s, Vt, e)]
+
+
+def head_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    e = DTYPE_BYTES[dtype or model.dtype]
+    ops = []
+    for o in reversed(head_forward_ops(model, b, s, t, dtype)):
+        ops += backward_of(o, e)
+    return ops
+
+
+def total_flops(ops) -> float:
+    return sum(o.flops for o in ops)
+
+
+def gemm_flops(ops) -> float:
+    return sum(o.flops for o in ops if o.is_gemm)
+
+
+def model_flops_per_token(model: ModelSpec) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters: blocks + LM head) + attention (12 L h s).
+
+    The attention term counts the two s x s GEMMs (scores and context), forward and backward
+    (PaLM's 6N + 12 L H Q T, with causal masking not discounted, as Megatron reports it).
+    """
+    n = model.num_layers * model.params_per_layer() + model.vocab_size * model.hidden_size
+    return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+
+
+__all__ = ["Op", "DTYPE_BYTES", "ATTENTION_CORE", "layer_forward_ops", "layer_backward_ops",
+           "embedding_forward_ops", "embedding_backward_ops", "head_forward_ops", "head_backward_ops",
+           "backward_of", "total_flops", "gemm_flops", "model_flops_per_token"]

@@ -1,0 +1,113 @@
+"""Latency of one operator on one device: the learned model when it is there, else a roofline.
+
+:func:`op_time` is the one place the predictor asks "how long does this kernel take". It uses
+``hetero.predictor.opmodel.default_model()`` (a learned efficiency over the roofline, fitted on
+measured GPU kernels) when that package and its shipped data import; otherwise
+:func:`roofline_time`: max(FLOPs / (peak x 0.70), bytes / (bandwidth x 0.80)) plus a kernel launch
+overhead of 5 us (accelerators) or 1 us (CPU) -- efficiencies typical of large cuBLAS GEMMs and
+streaming kernels (a documented assumption, used only until the learned model is present).
+
+For CPU-family devices (including emulated ``base: cpu`` devices) a model fitted on this
+machine's ``hetero profile`` records, from ``hetero.predictor.profiles.local_op_model``, is used
+when present (times the device's slowdown): see :func:`op_model_for`.
+"""
+from __future__ import annotations
+
+import functools
+
+from .ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+
+GEMM_EFFICIENCY = 0.70
+MEMORY_EFFICIENCY = 0.80
+LAUNCH_OVERHEAD = {"cpu": 1e-6}
+DEFAULT_LAUNCH_OVERHEAD = 5e-6
+
+
+def _work(op: str, dims: dict, dtype: str) -> tuple[float, float]:
+    e = DTYPE_BYTES.get(dtype, 4)
+    g = dims.get
+    if op in GEMM_OPS:
+        B, M, N, K = (float(g(k) or 1) for k in "BMNK")
+        flops = 2.0 * B * M * N * K
+        nbytes = e * B * (M * K + K * N + M * N) if op == "bmm" else e * (B * M * K + K * N + B * M * N)
+        return flops, nbytes
+    n = float(g("B") or 1) * float(g("H") or 1)
+    return VEC_FLOPS.get(op, 1) * n, e * n * (VEC_INPUTS.get(op, 1) + 1)
+
+
+def roofline_time(op: str, dims: dict, dtype: str, device) -> float:
+    """Roofline with fixed efficiencies plus a launch overhead (seconds)."""
+    flops, nbytes = _work(op, dims, dtype)
+    peak = device.matrix_flops(dtype) if op in GEMM_OPS else device.vector_flops(dtype)
+    t = max(flops / (peak * GEMM_EFFICIENCY), nbytes / (device.effective_memory_bandwidth * MEMORY_EFFICIENCY))
+    return t + LAUNCH_OVERHEAD.get(device.family, DEFAULT_LAUNCH_OVERHEAD)
+
+
+class _Roofline:
+    kind = "roofline"
+
+    def predict(self, op, dims, dtype, device) -> float:
+        return roofline_time(op, dims, dtype, device)
+
+
+ROOFLINE = _Roofline()
+
+
+@functools.lru_cache(maxsize=1)
+def learned_model():
+    """The shipped learned operator model, or None when it is not importable / has no data."""
+    try:
+        from .opmodel import default_model
+
+        model = default_model()
+        model.predict("linear", {"B": 1, "M": 64, "N": 64, "K": 64}, "fp32", _probe_device())
+        return model
+    except Exception:  # noqa: BLE001 - any failure means: use the roofline
+        return None
+
+
+def _probe_device():
+    from hetero.specs.device import DeviceType
+
+    return DeviceType(vendor="nvidia", memory=1e9, memory_bandwidth=1e12, peak_flops={"fp32": 1e13})
+
+
+def catalog_model():
+    """(model, kind) for devices described by their catalog numbers: learned if present, else roofline."""
+    m = learned_model()
+    return (m, "learned") if m is not None else (ROOFLINE, "roofline")
+
+
+def op_time(op: str, dims: dict, dtype: str, device) -> float:
+    """Seconds of one kernel ``op`` with ``dims`` on ``device`` (learned model, else roofline)."""
+    return catalog_model()[0].predict(op, dims, dtype, device)
+
+
+class _Scaled:
+    def __init__(self, model, factor: float):
+        self.model, self.factor = model, factor
+
+    def predict(self, op, dims, dtype, device) -> float:
+        return self.model.predict(op, dims, dtype, device) * self.factor
+
+
+def op_model_for(device_name: str, device) -> tuple[object, str]:
+    """(model with .predict(op, dims, dtype, device), provenance) for one device type.
+
+    CPU-family devices use this machine's profile when ``hetero.predictor.profiles`` has one
+    (provenance ``profile``); everything else uses the catalog numbers (``catalog``).
+    """
+    if device.family == "cpu":
+        try:
+            from .profiles import local_op_model
+
+            local = local_op_model(device_name)
+        except Exception:  # noqa: BLE001 - module not there yet, or no profile on this machine
+            local = None
+        if local is not None:
+            return _Scaled(local, device.slowdown), "profile"
+    return catalog_model()[0], "catalog"
+
+
+__all__ = ["op_time", "roofline_time", "learned_model", "catalog_model", "op_model_for",
+           "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY"]
