@@ -1,0 +1,92 @@
+"""``hetero predict --cluster C --model M --plan P``: predicted time, throughput and memory of a plan."""
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("predict", help="predict iteration time, throughput and memory of a plan",
+                       description="Score a plan on a cluster: per-stage forward/backward times and memory, "
+                                   "the iteration time (schedule simulation + DP sync + optimizer), tokens/s "
+                                   "and MFU, and where every device's numbers come from.")
+    p.add_argument("--cluster", required=True, help="cluster file")
+    p.add_argument("--model", required=True, help="model file")
+    p.add_argument("--plan", required=True, help="plan file")
+    p.add_argument("--calibration", help="calibration file written by 'hetero calibrate'")
+    p.add_argument("--json", action="store_true", help="print the Prediction JSON (SCHEMAS.md) only")
+    p.add_argument("--timeline", metavar="OUT.json",
+                   help="write a Chrome/Perfetto trace of the iteration (open in ui.perfetto.dev)")
+    p.set_defaults(func=run)
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms"
+
+
+def run(args) -> int:
+    from hetero.errors import HeteroError
+    from hetero.predictor import predict
+
+    from ._common import console, load_inputs, print_json
+
+    cluster, model, plan = load_inputs(args)
+    calibration = None
+    if args.calibration:
+        try:
+            from hetero import load_calibration
+
+            calibration = load_calibration(args.calibration)
+        except (ImportError, AttributeError) as e:
+            raise HeteroError(f"cannot load calibration '{args.calibration}': calibration support is not "
+                              f"available in this build ({e})") from None
+        except FileNotFoundError:
+            raise HeteroError(f"calibration file '{args.calibration}' not found") from None
+    pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(pred.timeline(), f)
+    if args.json:
+        print_json(pred.to_dict())
+        return 0
+
+    from rich.table import Table
+
+    out = console()
+    bp, bs = pred.bottleneck
+    for pi, (p, pp) in enumerate(zip(plan.pipelines, pred.pipelines)):
+        t = Table(title=f"pipeline {pi}: {pp.replicas} replica(s) x {pp.micro_batches} micro-batches of "
+                        f"{pp.micro_batch_size}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
+                  title_justify="left")
+        for col in ("stage", "group", "tp", "layers", "forward", "backward", "memory / capacity", "DP sync", ""):
+            t.add_column(col, justify="right" if col in ("tp", "forward", "backward", "DP sync") else "left")
+        for si, s in enumerate(pp.stages):
+            memtxt = f"{_gib(s.peak_memory_bytes)} / {_gib(s.memory_capacity_bytes)}"
+            if not s.fits:
+                memtxt = f"[red]{memtxt}[/red]"
+            mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
+            t.add_row(str(si), s.group, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})", _ms(s.forward_time_s),
+                      _ms(s.backward_time_s), memtxt, _ms(s.dp_sync_time_s), mark)
+        out.print(t)
+    out.print(f"[bold]iteration[/bold] {pred.iteration_time_s:.4f} s  (slowest pipeline "
+              f"{pred.pipelines[bp].pipeline_time_s:.4f} s + DP sync {pred.dp_sync_time_s:.4f} s + optimizer "
+              f"{pred.optimizer_time_s:.4f} s + overhead {pred.overhead_time_s:.4f} s)")
+    out.print(f"[bold]throughput[/bold] {pred.tokens_per_s:,.0f} tokens/s, {pred.samples_per_s:,.2f} samples/s, "
+              f"MFU {pred.mfu:.1%}")
+    if pred.fits_memory:
+        out.print("[bold]memory[/bold] [green]fits[/green] on every stage")
+    else:
+        out.print("[bold]memory[/bold] [red]does not fit[/red]:")
+        for pi, si, s in pred.memory_shortfalls():
+            out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
+                      f"needs {_gib(s.peak_memory_bytes)} of {_gib(s.memory_capacity_bytes)}: "
+                      f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
+    for dev, info in pred.provenance.items():
+        out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
+                  f"operator model {info['op_model']}")
+    if args.timeline:
+        out.print(f"timeline written to {args.timeline}")
+    return 0
