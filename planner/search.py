@@ -69,7 +69,9 @@ class Options:
     keep_per_block: int = 6
     """Shapes kept per group set (by the ranking key) for the combination step."""
     combos_per_block: int = 3
-    max_predictions: int = 48
+    combos_budget: int | None = None
+    """Shape combinations tried per set of pipelines (the best ``budget ** (1/k)`` of each of k parts)."""
+    max_predictions: int = 64
     """Plans sent to ``predict()`` before refinement."""
     refine_top: int = 3
     refine_rounds: int = 2
@@ -250,7 +252,8 @@ def combine(by_key: dict, groups: list[str], B: int, opts: Options) -> list[Cand
                 lists = [by_key.get(p) for p in subset]
                 if any(not x for x in lists):
                     continue
-                c = opts.combos_per_block if len(subset) <= 2 else max(1, opts.combos_per_block - 1)
+                budget = opts.combos_budget or (300 if len(groups) <= 2 else 64)
+                c = max(opts.combos_per_block, int(budget ** (1 / len(subset))))
                 for blocks in itertools.product(*[x[:c] for x in lists]):
                     sig = tuple(blocks)
                     if sig in seen:
@@ -264,25 +267,25 @@ def combine(by_key: dict, groups: list[str], B: int, opts: Options) -> list[Cand
 
 
 # ----------------------------------------------------------------------------- scoring
-def _default_predict():
-    from hetero.predictor import predict
-
-    return predict
-
-
 def _default_cost_model(cluster, model, calibration):
-    from hetero.predictor.costs import StageCostModel
+    from hetero.predictor import cost_model_for
 
-    return StageCostModel(cluster, model, calibration=calibration)
+    return cost_model_for(cluster, model, calibration)
 
 
 class _Scorer:
     """Memoised ``predict()`` on plans (keyed by the plan's dict)."""
 
-    def __init__(self, cluster, model, calibration, predict_fn):
+    def __init__(self, cluster, model, calibration, predict_fn, cost_model=None):
         self.cluster, self.model, self.cal, self.fn = cluster, model, calibration, predict_fn
         self.cache: dict = {}
         self.calls = 0
+        self.extra = {}
+        if predict_fn is None:  # the real predictor: share the planner's warm cost model
+            from hetero.predictor import cost_model_for, predict
+
+            self.fn = predict
+            self.extra = {"cost_model": cost_model or cost_model_for(cluster, model, calibration), "check": False}
 
     def __call__(self, plan: Plan):
         key = repr(plan.to_dict())
@@ -290,7 +293,7 @@ class _Scorer:
             self.calls += 1
             try:
                 check_plan(plan, self.cluster, self.model, "<planner>")
-                self.cache[key] = self.fn(self.cluster, self.model, plan, calibration=self.cal)
+                self.cache[key] = self.fn(self.cluster, self.model, plan, calibration=self.cal, **self.extra)
             except Exception as e:  # a plan the predictor rejects is not a candidate
                 self.cache[key] = e
         res = self.cache[key]
@@ -302,9 +305,15 @@ def _score(pred) -> float:
 
 
 def _neighbours(plan: Plan):
-    """Plans that move one layer across one stage boundary, or one micro-batch between pipelines."""
+    """Plans that move one layer across one stage boundary, or one micro-batch between pipelines.
+
+    Long pipelines: only boundaries between different groups / tp (inside a run of equal stages the
+    min-max split is already balanced)."""
     for pi, p in enumerate(plan.pipelines):
         for si in range(len(p.stages) - 1):
+            a, b = p.stages[si], p.stages[si + 1]
+            if len(p.stages) > 12 and (a.group, a.tp) == (b.group, b.tp):
+                continue
             for d in (-1, 1):
                 a, b = p.stages[si], p.stages[si + 1]
                 cut = a.layers[1] + d
@@ -475,7 +484,6 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
     from .explain import explain, infeasible_message
 
     opts = Options(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()})
-    predict_fn = predict_fn or _default_predict()
     B = int(global_batch_size)
     if B < 1:
         raise PlannerError(f"global_batch_size must be >= 1, got {B}")

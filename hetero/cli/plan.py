@@ -1,0 +1,104 @@
+"""``hetero plan``: search plans for a cluster and a model; show the best, save one as plan.yaml."""
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search the best hybrid-parallel plan",
+                       description="Search pipelines, stage splits, tp, micro-batching, recompute and ZeRO for "
+                                   "the highest predicted throughput that fits in memory; show the top plans "
+                                   "and why the best one wins.")
+    p.add_argument("--cluster", required=True, help="cluster file")
+    p.add_argument("--model", required=True, help="model file")
+    p.add_argument("--global-batch-size", type=int, required=True, metavar="N", help="samples per iteration")
+    p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the best plan here (YAML)")
+    p.add_argument("--calibration", help="calibration file from `hetero calibrate`")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def headroom(prediction) -> dict[str, float]:
+    """Smallest free fraction of device memory per group, over the plan's stages."""
+    d = prediction.to_dict()
+    out: dict[str, float] = {}
+    for p in d.get("pipelines", []):
+        for s in p.get("stages", []):
+            cap = s.get("memory_capacity_bytes") or 0
+            if not cap:
+                continue
+            free = 1 - s.get("peak_memory_bytes", 0) / cap
+            out[s["group"]] = min(out.get(s["group"], 1.0), free)
+    return out
+
+
+def run(args) -> int:
+    from hetero.planner import search
+
+    from ._common import console, load_inputs, print_json
+
+    if args.global_batch_size < 1:
+        print("error: --global-batch-size must be >= 1", file=sys.stderr)
+        return 1
+    cluster, model, _ = load_inputs(args, need_plan=False)
+    calibration = None
+    if args.calibration:
+        from hetero import load_calibration
+
+        calibration = load_calibration(args.calibration)
+    show_progress = not args.no_progress and sys.stderr.isatty()
+    results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=max(1, args.top_k),
+                     calibration=calibration, progress=show_progress)
+    best = results[0]
+    if args.output:
+        try:
+            best.plan.save(args.output, header=f"# hetero plan: {cluster.name} / {model.name}, "
+                                               f"predicted {best.prediction.tokens_per_s:,.0f} tokens/s\n"
+                                               f"# {best.one_line}")
+        except OSError as e:
+            from hetero.errors import HeteroError
+
+            raise HeteroError(f"cannot write {args.output}: {e.strerror or e}") from None
+    if args.json:
+        print_json([r.to_dict() for r in results])
+        return 0
+    out = console()
+    from rich.table import Table
+
+    ub = results.upper_bound_tokens_per_s
+    table = Table(title=f"{cluster.name} / {model.name}, global batch {args.global_batch_size}", title_justify="left")
+    table.add_column("", no_wrap=True)
+    table.add_column("tokens/s", justify="right")
+    table.add_column("iter (s)", justify="right")
+    table.add_column("MFU", justify="right")
+    if ub:
+        table.add_column("% bound", justify="right")
+    table.add_column("memory headroom")
+    table.add_column("plan")
+    for r in results:
+        pred = r.prediction
+        mark = "[bold green]*[/bold green]" if r is best else str(r.rank + 1)
+        room = ", ".join(f"{g} {v * 100:.0f}%" for g, v in headroom(pred).items())
+        mfu = getattr(pred, "mfu", None)
+        row = [mark, f"{pred.tokens_per_s:,.0f}", f"{pred.iteration_time_s:.3f}",
+               f"{mfu * 100:.1f}%" if mfu is not None else "-"]
+        if ub:
+            row.append(f"{pred.tokens_per_s / ub * 100:.1f}%")
+        row += [room, r.one_line]
+        table.add_row(*row)
+    out.print(table)
+    if ub:
+        parts = ", ".join(f"{g} {v:,.0f}" for g, v in results.upper_bound_by_group.items())
+        out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")
+    out.print("[bold]why[/bold]")
+    for reason in results.reasons:
+        out.print(f"  - {reason}")
+    if args.output:
+        out.print(f"[green]wrote[/green] {args.output} (* above)")
+    return 0
