@@ -1,0 +1,101 @@
+"""``hetero launch``: train a model on a (mixed) cluster with a plan; per-node torchrun under the hood."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch", help="train with a plan: per-node torchrun, pipeline/tensor/data parallel workers",
+        description="Build one torchrun per node from the cluster and the plan's rank layout (different "
+                    "process counts per node and device type, static rendezvous with explicit node ranks, "
+                    "per-vendor visible devices) and run the training workers. On one machine every node "
+                    "slot runs here, rendezvous on 127.0.0.1. Arguments after `--` go to every worker.")
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--plan", required=True)
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--summary", metavar="OUT.json", help="write the run summary (SCHEMAS.md) here")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
+    p.add_argument("--dry-run", action="store_true", help="print every node's command and environment, run nothing")
+    p.add_argument("--node-rank", type=int, help="run only this node slot (multi-node: one call per host)")
+    p.add_argument("--master-addr", help="rendezvous address (default 127.0.0.1 for local runs)")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--data", metavar="FILE", help="tokens (.npy, .bin uint16, .int32.bin) or text (byte tokens); "
+                                                  "default: seeded synthetic stream")
+    p.add_argument("--engine", choices=("native", "deepspeed"), default="native")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SEC",
+                   help="communicator timeout: a silent peer ends the job with an error naming it (default 60)")
+    p.add_argument("--inject-failure", metavar="STEP:RANK", help="that rank exits at that (1-based) step")
+    p.add_argument("--elastic", action="store_true", help="(reserved for elastic reconfiguration; not yet)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--save", metavar="DIR", help="save a torch.distributed.checkpoint here at the end")
+    p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--run-dir", help="where workers leave status files (default: a temporary directory)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def parse_failure(text: str | None) -> tuple[int, int] | None:
+    from hetero.errors import HeteroError
+
+    if not text:
+        return None
+    try:
+        step, rank = text.split(":")
+        out = (int(step), int(rank))
+    except ValueError:
+        raise HeteroError(f"--inject-failure {text!r}: expected STEP:RANK, e.g. 2:3") from None
+    if out[0] < 1 or out[1] < 0:
+        raise HeteroError(f"--inject-failure {text!r}: STEP is 1-based and RANK >= 0")
+    return out
+
+
+def run(args) -> int:
+    from hetero.errors import HeteroError
+    from hetero.runtime.launcher import dry_run_text, prepare
+    from hetero.runtime.launcher import run as run_launch
+    from hetero.runtime.spec import RunOptions
+
+    from ._common import console, load_inputs
+
+    cluster, model, plan = load_inputs(args)
+    if args.steps < 1:
+        raise HeteroError(f"--steps must be >= 1, got {args.steps}")
+    if args.elastic:
+        raise HeteroError("--elastic is not available yet in this build")
+    extra = list(args.extra or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    import os
+
+    options = RunOptions(steps=args.steps, seed=args.seed, data=os.path.abspath(args.data) if args.data else None,
+                         engine=args.engine, timeout_s=args.timeout,
+                         summary=os.path.abspath(args.summary) if args.summary else None,
+                         trace=os.path.abspath(args.trace) if args.trace else None,
+                         inject_failure=parse_failure(args.inject_failure), lr=args.lr,
+                         weight_decay=args.weight_decay, clip=args.clip,
+                         save=os.path.abspath(args.save) if args.save else None,
+                         load=os.path.abspath(args.load) if args.load else None,
+                         threads=args.threads, quiet=args.quiet, extra=extra)
+    if options.inject_failure:
+        world = sum(p.replicas * sum(s.tp for s in p.stages) for p in plan.pipelines)
+        if options.inject_failure[1] >= world:
+            raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
+    if options.data and not os.path.exists(options.data):
+        raise HeteroError(f"--data {args.data}: no such file")
+    launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
+                     run_dir=args.run_dir)
+    out = console()
+    if args.dry_run:
+        print(dry_run_text(launch))
+        return 0
+    run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
+    if options.summary and not options.quiet:
+        out.print(f"summary: {options.summary}")
+    return 0

@@ -1,0 +1,108 @@
+"""The worker's one door to communication: collectives and point-to-point over rank subsets.
+
+Every collective and send/recv of the worker goes through :class:`Collectives`, so moving to the
+project's unified communicator (``hetero.comm``: vendor libraries inside a vendor, a host bridge
+between vendors) is a change in this file only.
+
+Today it runs on ``torch.distributed`` (Gloo on CPU). Process groups for rank subsets are created
+up front by :meth:`Collectives.create_groups`: every rank passes the same list (derived from the
+shared rank layout), so ``new_group`` is called in the same order everywhere. Errors carry the
+peer ranks and their place in the plan, so a timeout names who did not answer.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hetero.errors import HeteroError
+
+
+class CommError(HeteroError):
+    """A collective or p2p operation failed or timed out; the message names the peers."""
+
+
+class Collectives:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str] = str):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.describe = describe
+        self._groups: dict[tuple[int, ...], object] = {}
+        self._pending: list = []
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def init(cls, rank: int, world_size: int, timeout_s: float, describe=str, backend: str = "gloo") -> "Collectives":
+        """``init_process_group`` from the launcher's environment (MASTER_ADDR/PORT), explicit rank."""
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self = cls(rank, world_size, timeout_s, describe)
+        # Collectives on their own group; the default group carries only p2p traffic.
+        self._groups[tuple(range(world_size))] = dist.new_group(list(range(world_size)))
+        return self
+
+    def create_groups(self, rank_sets: Iterable[Iterable[int]]) -> None:
+        """Create a process group for every subset (same list, same order, on every rank)."""
+        for ranks in sorted({tuple(sorted(r)) for r in rank_sets if len(tuple(r)) > 1}):
+            if ranks not in self._groups:
+                self._groups[ranks] = dist.new_group(list(ranks))
+
+    def group(self, ranks: Iterable[int]):
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            raise RuntimeError(f"no process group for ranks {list(key)}: add it to create_groups")
+        return self._groups[key]
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, ranks: Iterable[int] | None = None, op: str = "sum") -> torch.Tensor:
+        ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
+        if len(ranks) <= 1:
+            return tensor
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        self._run(lambda: dist.all_reduce(tensor, op=red, group=self.group(ranks)), "all_reduce", ranks)
+        return tensor
+
+    def all_gather_object(self, obj, ranks: Iterable[int] | None = None) -> list:
+        ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
+        out = [None] * len(ranks)
+        self._run(lambda: dist.all_gather_object(out, obj, group=self.group(ranks)), "all_gather", ranks)
+        return out
+
+    def barrier(self, ranks: Iterable[int] | None = None) -> None:
+        ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
+        if len(ranks) > 1:
+            self._run(lambda: dist.barrier(group=self.group(ranks)), "barrier", ranks)
+
+    # ------------------------------------------------------------------ point to point
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Asynchronous send; completed by :meth:`wait_sends` (or the next step)."""
+        self._pending.append((dist.isend(tensor.contiguous(), dst), dst))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self._run(lambda: dist.recv(tensor, src), "recv", (src,))
+        return tensor
+
+    def wait_sends(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, dst in pending:
+            self._run(work.wait, "send", (dst,))
+
+    # ------------------------------------------------------------------ errors
+    def _run(self, fn, what: str, peers: tuple[int, ...]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised with the peers named
+            others = [p for p in peers if p != self.rank]
+            who = "; ".join(self.describe(p) for p in others[:8]) + (" ..." if len(others) > 8 else "")
+            kind = "timed out" if "timeout" in str(e).lower() or "timed out" in str(e).lower() else "failed"
+            raise CommError(f"{what} {kind} after waiting on {who or 'peers'} "
+                            f"(timeout {self.timeout_s:g} s): {str(e).splitlines()[0][:300]}") from e
+
+    def shutdown(self) -> None:
+        try:
+            self.wait_sends()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""The native engine: one rank's stage, its tp sharding, its schedule, gradient sync and AdamW."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from hetero.runtime.data import TokenSource, replica_slice
+from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
+                                  scale_grads, sync_gradients)
+from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
+from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RunContext:
+    """The specs, the layout and this rank's place in it."""
+
+    def __init__(self, spec, rank: int):
+        import hetero
+
+        self.spec = spec
+        self.options = spec.options
+        self.cluster = hetero.load_cluster(spec.cluster)
+        self.model = hetero.load_model(spec.model)
+        self.plan = hetero.load_plan(spec.plan)
+        self.layout = spec.rank_layout()
+        self.rank = rank
+        self.me = self.layout.ranks[rank]
+        self.pipeline = self.plan.pipelines[self.me.pipeline]
+        self.num_stages = len(self.pipeline.stages)
+        self.first = self.me.stage == 0
+        self.last = self.me.stage == self.num_stages - 1
+        self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
+
+    def tp_groups(self) -> list[list[int]]:
+        seen = set()
+        out = []
+        for r in self.layout.ranks:
+            key = (r.pipeline, r.replica, r.stage)
+            if r.tp_size > 1 and key not in seen:
+                seen.add(key)
+                out.append(self.layout.stage_ranks(*key))
+        return out
+
+
+class NativeEngine:
+    """Hand-written pipeline (1F1B / GPipe), DTensor TP inside the stage, holder-set gradient sync."""
+
+    name = "native"
+
+    @staticmethod
+    def rank_sets(ctx: RunContext) -> list:
+        """Every process group any rank needs (identical list on all ranks)."""
+        ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
+        return ctx.tp_groups() + all_holder_sets(ctx._holders)
+
+    def __init__(self, ctx: RunContext, comm):
+        self.ctx, self.comm = ctx, comm
+        me, model, opts = ctx.me, ctx.model, ctx.options
+        if ctx.plan.recompute != "none" or ctx.plan.zero_stage:
+            pass  # accepted; the native engine keeps full activations and unsharded optimizer state
+        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed)
+        self.mesh = None
+        if me.tp_size > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
+            self.mesh = DeviceMesh.from_group(comm.group(tp_ranks), "cpu")
+            apply_tensor_parallel(self.module, self.mesh)
+        self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
+        self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank)
+        self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
+        self.mbs = ctx.plan.mbs(ctx.pipeline)
+        self.slice = replica_slice(ctx.plan, me.pipeline, me.replica)
+        self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_stages, ctx.pipeline.micro_batches)
+        self.executor = StageExecutor(self.module, comm, stage_peers(ctx.layout, me), first=ctx.first, last=ctx.last,
+                                      act_shape=(self.mbs, model.seq_length, model.hidden_size),
+                                      slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype])
+        self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
+
+    def train_step(self, step: int, timings: Timings) -> tuple[float, float]:
+        """One iteration (0-based ``step``); returns (this rank's loss share, global grad norm)."""
+        B = self.ctx.plan.global_batch_size
+        cache: dict[int, tuple] = {}
+
+        def batch(mb):
+            if mb not in cache:
+                cache[mb] = self.source.batch(*self.slice.sample_range(step, B, mb))
+            return cache[mb]
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
+                                 self.mbs / B, timings)
+        sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
+        total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
+        norm = math.sqrt(float(total[0]))
+        scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        dt = time.perf_counter() - t0
+        if self.ctx.slowdown > 1.0:
+            time.sleep((self.ctx.slowdown - 1.0) * dt)
+        reported = loss if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
+        return reported, norm
+
+    # checkpoint hooks
+    def save(self, path: str, step: int) -> None:
+        from hetero.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(path, self.module, self.optimizer, self.holders, self.ctx.rank, step)
+
+    def load(self, path: str) -> int:
+        from hetero.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.module, self.optimizer)

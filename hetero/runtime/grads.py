@@ -1,0 +1,123 @@
+"""Gradient synchronisation across pipelines of different shapes, and global-norm clipping.
+
+The loss of a step is the mean over the GLOBAL batch: every micro-batch loss is scaled by
+``micro_batch_size / global_batch_size`` before backward, so each replica's gradient is its share
+of the global gradient and the update equals the single-device one once the shares are SUMMED.
+
+Who sums with whom. Pipelines may split the layers differently and use different tp degrees, so
+there is no single data-parallel group per stage. Instead every parameter (named globally:
+``layers.<l>.<tensor>``, ``wte.weight``, ...) has a *holder set*: every rank, at every tp rank,
+whose stage holds it. With tied embeddings the first and last stages both hold ``wte.weight``,
+which makes the Megatron embedding all-reduce a case of the same rule. Parameters with the same
+holder set are flattened into one bucket and reduced with one all-reduce over that set.
+
+Sharded tensors. A tp rank's gradient of a column/row-parallel weight is a shard. Each rank first
+gathers the full gradient inside its tp group (``DTensor.full_tensor``), divides it by its tp size
+and all-reduces over the holder set: the tp copies of one replica add up to one full gradient, so
+the result is the sum over replicas whatever their tp degrees. Each rank then keeps its own shard.
+Replicated tensors of a tp group (norms, embeddings, the head) get identical full gradients on
+every tp rank, and follow the same rule.
+
+Clipping. After the reduction every holder has the same full gradient of each of its parameters;
+the squared global norm is ``sum over ranks, over held parameters, of |g|^2 / |holders(g)|``, one
+scalar all-reduce over the world, with no double counting of tp shards, replicas or tied copies.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from hetero.runtime.model import stage_param_shapes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    ranks: tuple[int, ...]
+    """The holder set: every rank that holds these parameters."""
+    names: tuple[str, ...]
+    """Global parameter names, in module order."""
+
+
+def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
+    """Global parameter name -> ranks holding it (any tp rank, any pipeline, any replica)."""
+    shapes = functools.lru_cache(maxsize=None)(
+        lambda layers, first, last: tuple(stage_param_shapes(model_spec, layers, first, last)))
+    holders: dict[str, list[int]] = {}
+    for r in layout.ranks:
+        p = plan.pipelines[r.pipeline]
+        n = len(p.stages)
+        for name in shapes(tuple(p.stages[r.stage].layers), r.stage == 0, r.stage == n - 1):
+            holders.setdefault(name, []).append(r.rank)
+    return {k: tuple(sorted(v)) for k, v in holders.items()}
+
+
+def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int) -> list[Bucket]:
+    """This rank's buckets (parameters grouped by holder set), in an order shared by all holders."""
+    by_set: dict[tuple[int, ...], list[str]] = {}
+    for name in my_names:
+        by_set.setdefault(holders[name], []).append(name)
+    return [Bucket(ranks, tuple(names)) for ranks, names in sorted(by_set.items())]
+
+
+def all_holder_sets(holders: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return sorted(set(holders.values()))
+
+
+def _full(g):
+    from torch.distributed.tensor import DTensor
+
+    return g.full_tensor() if isinstance(g, DTensor) else g
+
+
+def _set_grad(p, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    else:
+        p.grad = full
+
+
+def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm, tp_size: int) -> float:
+    """Sum gradients over holder sets (see module docstring); returns this rank's share of the
+    squared global norm (to be summed over the world)."""
+    params = dict(module.named_parameters())
+    sq = 0.0
+    for bucket in buckets:
+        fulls = []
+        for name in bucket.names:
+            p = params[name]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            fulls.append(_full(g).detach().float())
+        flat = torch.cat([f.reshape(-1) for f in fulls])
+        if tp_size > 1:
+            flat.div_(tp_size)
+        comm.all_reduce(flat, bucket.ranks)
+        offset = 0
+        for name, f in zip(bucket.names, fulls):
+            full = flat[offset:offset + f.numel()].view_as(f).clone()
+            offset += f.numel()
+            sq += float(full.double().pow(2).sum()) / len(holders[name])
+            _set_grad(params[name], full)
+    return sq
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """torch's clip_grad_norm_ rule: scale by max_norm / (norm + 1e-6) when that is below 1."""
+    if not max_norm or max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def scale_grads(module, coef: float) -> None:
+    if coef >= 1.0:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def make_optimizer(params, lr: float, weight_decay: float):
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, foreach=False)

@@ -1,0 +1,340 @@
+"""``hetero launch``: per-node torchrun invocations from the cluster and the rank layout.
+
+Each node slot of the layout (a node of a group that runs at least one rank) gets one torchrun
+with its own ``--nproc-per-node`` (so node types may run different process counts), static
+rendezvous with an explicit ``--node-rank`` (torchrun then numbers ranks node by node in
+node-rank order, which is the layout's order), the vendor's visible-devices variable, and the run
+file (the rank -> group / pipeline / stage map) in ``HETERO_RUN_SPEC``.
+
+On one machine (every used host is this one) the launcher runs all node slots itself, each as
+``python -m torch.distributed.run ...`` in its own session, rendezvous on 127.0.0.1. It watches
+the workers' pid / ready / done / error files: a rank that fails, dies, or never arrives ends the
+job with an error that names the rank and its stage, and every process of the job is ended (by
+process id) before returning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from hetero.errors import HeteroError
+from hetero.layout import RankLayout, build_layout
+from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
+
+LOCAL_HOSTS = {None, "localhost", "127.0.0.1", "::1"}
+VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
+                   "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
+WORKER_MODULE = "hetero.runtime.worker"
+
+
+class LaunchError(HeteroError):
+    """The job failed; the message names the rank(s) and their stage."""
+
+
+@dataclass
+class NodeCommand:
+    slot: int
+    group: str
+    node: int
+    host: str | None
+    first_rank: int
+    num_ranks: int
+    env: dict[str, str]
+    """Variables this node's launcher sets (on top of the caller's environment)."""
+    torchrun_args: list[str]
+
+    def argv(self, local: bool) -> list[str]:
+        head = [sys.executable, "-m", "torch.distributed.run"] if local else ["torchrun"]
+        return head + self.torchrun_args
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return f"{env} {shlex.join(self.argv(local=False))}".strip()
+
+
+@dataclass
+class Launch:
+    spec: RunSpec
+    spec_path: str
+    layout: RankLayout
+    nodes: list[NodeCommand]
+    master_addr: str
+    master_port: int
+    local: bool
+
+
+def _is_local(host: str | None) -> bool:
+    return host in LOCAL_HOSTS or host == socket.gethostname() or host == socket.getfqdn()
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | None = None,
+            master_port: int | None = None, run_dir: str | None = None) -> Launch:
+    """Check the plan, lay out ranks, write the run file and build every node's command."""
+    from hetero.specs.plan import check_plan
+
+    check_plan(plan, cluster, model)
+    if plan.schedule == "interleaved":
+        raise HeteroError("plan.schedule: the runtime runs 1f1b and gpipe; interleaved is not supported yet "
+                          "(use schedule: 1f1b)")
+    if options.engine == "deepspeed":
+        from hetero.runtime.ds_engine import check_deepspeed_plan
+
+        check_deepspeed_plan(plan)
+    layout = build_layout(cluster, plan)
+    local = all(_is_local(n.host) for n in layout.nodes)
+    addr = master_addr or ("127.0.0.1" if local else layout.nodes[0].host)
+    if addr is None:
+        raise HeteroError("the cluster spans several nodes without 'hosts': give --master-addr")
+    port = master_port or (free_port() if local else 29500)
+    run_dir = run_dir or tempfile.mkdtemp(prefix="hetero-run-")
+    os.makedirs(run_dir, exist_ok=True)
+    options.run_dir = os.path.abspath(run_dir)
+    spec = RunSpec(cluster=cluster.to_dict(), model=model.to_dict(), plan=plan.to_dict(),
+                   layout=[r.to_dict() for r in layout.ranks], nodes=[asdict(n) for n in layout.nodes],
+                   options=options)
+    spec_path = os.path.join(options.run_dir, "run.json")
+    spec.save(spec_path)
+    commands = []
+    for slot, node in enumerate(layout.nodes):
+        env = {SPEC_ENV: spec_path, SLOT_ENV: str(slot)}
+        family = cluster.device_type(node.group).family
+        var = VISIBLE_DEVICES.get(family)
+        if var:
+            env[var] = ",".join(str(i) for i in range(node.num_ranks))
+        if local and addr == "127.0.0.1":
+            env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+        env["OMP_NUM_THREADS"] = str(max(1, options.threads))
+        args = [f"--nnodes={len(layout.nodes)}", f"--node-rank={slot}", f"--nproc-per-node={node.num_ranks}",
+                "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}",
+                "--max-restarts=0", "--monitor-interval=0.2", "-m", WORKER_MODULE, "--spec", spec_path,
+                *options.extra]
+        commands.append(NodeCommand(slot=slot, group=node.group, node=node.node, host=node.host,
+                                    first_rank=node.first_rank, num_ranks=node.num_ranks, env=env,
+                                    torchrun_args=args))
+    return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
+                  master_port=port, local=local)
+
+
+def _loopback_ifname() -> str:
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        names = []
+    return "lo" if "lo" in names or not names else ("lo0" if "lo0" in names else names[0])
+
+
+def dry_run_text(launch: Launch) -> str:
+    lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
+             f"rendezvous static at {launch.master_addr}:{launch.master_port}"
+             + ("" if launch.master_addr in ("127.0.0.1", "::1") else " (non-loopback: reachable from the network)"),
+             f"# run file (rank -> group / pipeline / stage map): {launch.spec_path}"]
+    for r in launch.layout.ranks:
+        lines.append(f"#   {describe_rank(r)}  node {r.group}/{r.node} local_rank {r.local_rank}")
+    for cmd in launch.nodes:
+        last = cmd.first_rank + cmd.num_ranks - 1
+        lines.append(f"\n# node slot {cmd.slot}: group {cmd.group} node {cmd.node} host {cmd.host or 'localhost'}, "
+                     f"ranks {cmd.first_rank}-{last} ({cmd.num_ranks} processes)")
+        for k, v in cmd.env.items():
+            lines.append(f"export {k}={shlex.quote(v)}")
+        lines.append(shlex.join(cmd.argv(local=False)))
+        if not launch.local:
+            lines.append(f"# or, on {cmd.host}: hetero launch ... --node-rank {cmd.slot}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- running
+
+
+class _Job:
+    """The node launchers this process started, and the workers they started (from pid files)."""
+
+    def __init__(self, launch: Launch, slots: list[int]):
+        self.launch, self.slots = launch, slots
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.run_dir = launch.spec.options.run_dir
+        self.ranks = [r for s in slots for r in range(launch.nodes[s].first_rank,
+                                                      launch.nodes[s].first_rank + launch.nodes[s].num_ranks)]
+
+    def start(self) -> None:
+        for s in self.slots:
+            cmd = self.launch.nodes[s]
+            env = {**os.environ, **cmd.env}
+            self.procs[s] = subprocess.Popen(cmd.argv(local=True), env=env, start_new_session=True)
+
+    def _file(self, rank: int, suffix: str) -> str:
+        return os.path.join(self.run_dir, f"rank{rank}.{suffix}")
+
+    def has(self, rank: int, suffix: str) -> bool:
+        return os.path.exists(self._file(rank, suffix))
+
+    def worker_pid(self, rank: int) -> int | None:
+        try:
+            with open(self._file(rank, "pid")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def errors(self) -> list[dict]:
+        out = []
+        for r in self.ranks:
+            if self.has(r, "error.json"):
+                try:
+                    with open(self._file(r, "error.json")) as f:
+                        out.append(json.load(f))
+                except (OSError, ValueError):
+                    pass
+        return sorted(out, key=lambda e: e.get("time", 0))
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks that started, are gone, and left neither a done nor an error file."""
+        dead = []
+        for r in self.ranks:
+            pid = self.worker_pid(r)
+            if pid and not _alive_worker(pid) and not self.has(r, "done") and not self.has(r, "error.json"):
+                dead.append(r)
+        return dead
+
+    def teardown(self, grace_s: float = 3.0) -> None:
+        """End every process of the job, by id: node launchers (their sessions) and their workers."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                _signal_group(p.pid, signal.SIGTERM)
+        pids = [pid for r in self.ranks if (pid := self.worker_pid(r)) and _alive_worker(pid)]
+        for pid in pids:
+            _kill(pid, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and (any(p.poll() is None for p in self.procs.values())
+                                          or any(_alive_worker(pid) for pid in pids)):
+            time.sleep(0.05)
+        for p in self.procs.values():
+            if p.poll() is None:
+                _signal_group(p.pid, signal.SIGKILL)
+        for pid in pids:
+            if _alive_worker(pid):
+                _kill(pid, signal.SIGKILL)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _alive_worker(pid: int) -> bool:
+    """True while ``pid`` is a live (not zombie) hetero worker process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return WORKER_MODULE.encode() in f.read()
+    except OSError:
+        if sys.platform.startswith("linux"):
+            return False
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def _kill(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def _signal_group(pid: int, sig) -> None:
+    try:
+        os.killpg(pid, sig)  # the node launcher leads its own session
+    except OSError:
+        _kill(pid, sig)
+
+
+def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
+    """Run this machine's node slots to completion; raise LaunchError naming failed ranks."""
+    if node_rank is not None:
+        if not 0 <= node_rank < len(launch.nodes):
+            raise HeteroError(f"--node-rank {node_rank}: the layout has {len(launch.nodes)} node slots "
+                              f"(0..{len(launch.nodes) - 1})")
+        slots = [node_rank]
+    elif launch.local:
+        slots = list(range(len(launch.nodes)))
+    else:
+        hosts = sorted({n.host or "?" for n in launch.nodes})
+        raise HeteroError(f"this run spans hosts {', '.join(hosts)}: run `hetero launch ... --node-rank R` on each "
+                          f"(see --dry-run for every node's command)")
+    if launch.master_addr not in ("127.0.0.1", "::1", "localhost"):
+        print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback)")
+    job = _Job(launch, slots)
+    timeout = launch.spec.options.timeout_s
+    layout = launch.layout
+    job.start()
+    try:
+        first_seen = None
+        all_arrived_at = None
+        while True:
+            time.sleep(0.1)
+            codes = {s: p.poll() for s, p in job.procs.items()}
+            errors = job.errors()
+            failed = {s: c for s, c in codes.items() if c not in (None, 0)}
+            if errors or failed:
+                time.sleep(0.3)  # let simultaneous reports land, then name the first
+                raise LaunchError(_failure_message(job, layout, job.errors(), failed))
+            if all(c == 0 for c in codes.values()):
+                return
+            started = [r for r in job.ranks if job.has(r, "pid")]
+            now = time.time()
+            if started and first_seen is None:
+                first_seen = now
+            if first_seen and len(started) < len(job.ranks) and now - first_seen > timeout:
+                missing = [r for r in job.ranks if r not in started]
+                raise LaunchError("ranks never arrived within the timeout ({:g} s): {}".format(
+                    timeout, "; ".join(describe_rank(layout.ranks[r]) for r in missing)))
+            if len(started) == len(job.ranks) and all_arrived_at is None:
+                all_arrived_at = now
+            if all_arrived_at and now - all_arrived_at > timeout + 10 and \
+                    not all(job.has(r, "ready") for r in job.ranks):
+                missing = [r for r in job.ranks if not job.has(r, "ready")]
+                raise LaunchError("process group not formed within the timeout ({:g} s); not ready: {}".format(
+                    timeout, "; ".join(describe_rank(layout.ranks[r]) for r in missing)))
+            dead = job.dead_ranks()
+            if dead:
+                time.sleep(0.3)
+                raise LaunchError(_failure_message(job, layout, job.errors(), {}, dead))
+    finally:
+        job.teardown()
+
+
+def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: dict, dead=None) -> str:
+    dead = dead if dead is not None else job.dead_ranks()
+    lines = []
+    if errors:
+        e = errors[0]
+        lines.append(f"{e.get('where', 'rank %s' % e.get('rank'))} failed at step {e.get('step')}: {e.get('message')}")
+    for r in dead:
+        if not any(e.get("rank") == r for e in errors):
+            lines.append(f"{describe_rank(layout.ranks[r])} died without reporting (killed or crashed)")
+    if not lines:
+        for s, code in failed.items():
+            n = job.launch.nodes[s]
+            lines.append(f"node slot {s} ({n.group} node {n.node}, ranks {n.first_rank}-{n.first_rank + n.num_ranks - 1}) "
+                         f"exited with status {code}")
+    others = [e for e in errors[1:]]
+    if others:
+        lines.append("then: " + "; ".join(f"rank {e['rank']}: {e['message'][:160]}" for e in others[:4]))
+    return "training failed: " + "\n  ".join(lines)

@@ -1,0 +1,230 @@
+"""GPT and Llama blocks, and the part of the model one pipeline stage holds.
+
+A stage builds only its own layers: the token (and, for gpt, position) embedding on the first
+stage, the final norm and LM head on the last. Parameter names are global: ``layers.<l>.<tensor>``
+with ``l`` the model-wide layer index, ``wte.weight``, ``wpe.weight``, ``final_norm.*``,
+``head.weight``. With tied embeddings the last stage keeps its own copy of ``wte.weight`` (as
+Megatron does); its gradient is summed with the first stage's by the gradient synchroniser, so
+the copies never drift.
+
+Initialisation is a function of (seed, parameter name) only, on the full (unsharded) tensor, so
+any split of the model, any tp degree, gives the weights of the single-device model.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.specs.model import ModelSpec
+
+# ---------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); rotate pairs (even, odd) of the head dimension."""
+    T = x.shape[1]
+    c, s = cos[:T].view(1, T, 1, -1), sin[:T].view(1, T, 1, -1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention. Head counts are read from the projections' output widths, so the
+    same code runs unsharded and with column-parallel q/k/v (local heads only)."""
+
+    def __init__(self, spec: ModelSpec, rope: bool):
+        super().__init__()
+        h, kv, bias = spec.hidden_size, spec.kv_dim, spec.has_bias
+        self.head_dim = spec.head_dim
+        self.rope = rope
+        self.wq = nn.Linear(h, h, bias=bias)
+        self.wk = nn.Linear(h, kv, bias=bias)
+        self.wv = nn.Linear(h, kv, bias=bias)
+        self.wo = nn.Linear(h, h, bias=bias)
+        if rope:
+            cos, sin = rope_tables(spec.seq_length, spec.head_dim, spec.rope_theta)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.rope:
+            q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # grouped-query attention
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f, bias = spec.hidden_size, spec.ffn_hidden_size, spec.has_bias
+        self.gated = spec.gated_mlp
+        self.act = spec.activation
+        self.w1 = nn.Linear(h, f, bias=bias)      # up (gate for swiglu)
+        if self.gated:
+            self.w3 = nn.Linear(h, f, bias=bias)  # up
+        self.w2 = nn.Linear(f, h, bias=bias)      # down
+
+    def forward(self, x):
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        a = self.w1(x)
+        a = F.gelu(a, approximate="tanh") if self.act == "gelu" else F.relu(a)
+        return self.w2(a)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        llama = spec.architecture == "llama"
+        norm = (lambda: RMSNorm(spec.hidden_size, spec.norm_eps)) if llama else \
+            (lambda: nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps))
+        self.norm1 = norm()
+        self.attn = Attention(spec, rope=llama)
+        self.norm2 = norm()
+        self.mlp = MLP(spec)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+#: module paths inside a block that are column- / row-parallel under tensor parallelism
+COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")
+ROWWISE = ("attn.wo", "mlp.w2")
+
+# ---------------------------------------------------------------------------- one stage
+
+
+class StageModel(nn.Module):
+    """Layers ``[start, end)`` of ``spec``; embedding if ``first``, final norm + head if ``last``."""
+
+    def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool):
+        super().__init__()
+        self.spec, self.first, self.last = spec, first, last
+        self.start, self.end = layers
+        h = spec.hidden_size
+        tied = bool(spec.tie_embeddings)
+        if first or (last and tied):
+            self.wte = nn.Embedding(spec.vocab_size, h)
+        if first and spec.architecture == "gpt":
+            self.wpe = nn.Embedding(spec.seq_length, h)
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(self.start, self.end)})
+        if last:
+            self.final_norm = (RMSNorm(h, spec.norm_eps) if spec.architecture == "llama"
+                               else nn.LayerNorm(h, eps=spec.norm_eps))
+            if not tied:
+                self.head = nn.Linear(h, spec.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) on the first stage, else hidden states (B, T, h); returns hidden states,
+        or logits (B, T, vocab) on the last stage."""
+        if self.first:
+            tokens = x
+            x = self.wte(tokens)
+            if hasattr(self, "wpe"):
+                x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.layers.values():
+            x = block(x)
+        if self.last:
+            x = self.final_norm(x)
+            x = F.linear(x, self.wte.weight) if hasattr(self, "wte") and not hasattr(self, "head") \
+                else self.head(x)
+        return x
+
+
+def stage_param_shapes(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool) -> dict[str, tuple]:
+    """Global parameter names and full shapes of a stage, without building it (meta device)."""
+    with torch.device("meta"):
+        m = StageModel(spec, layers, first, last)
+    return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+@torch.no_grad()
+def init_weights(module: StageModel, seed: int) -> None:
+    """GPT-2 style init, deterministic per (seed, global parameter name)."""
+    spec = module.spec
+    std = 0.02
+    out_std = std / math.sqrt(2 * spec.num_layers)
+    for name, p in module.named_parameters():
+        g = torch.Generator().manual_seed(_seed_for(seed, name))
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name:
+            p.fill_(1.0 if leaf == "weight" else 0.0)
+        elif leaf == "bias":
+            p.zero_()
+        else:
+            s = out_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+
+
+def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int) -> StageModel:
+    m = StageModel(spec, tuple(layers), first, last)
+    init_weights(m, seed)
+    return m
+
+
+def apply_tensor_parallel(module: StageModel, mesh) -> None:
+    """Shard every block's attention and MLP Megatron-style over ``mesh`` (a 1-D DeviceMesh).
+
+    q/k/v and the MLP up projections are column-parallel (heads / ffn columns split), the output
+    and down projections row-parallel (an all-reduce at their output). Norms, embeddings and the
+    head stay replicated in the tp group: every tp rank computes them, so the residual stream
+    between blocks and stages is replicated.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in module.layers.values():
+        plan = {}
+        for path in COLWISE:
+            if _has(block, path):
+                plan[path] = ColwiseParallel()
+        for path in ROWWISE:
+            plan[path] = RowwiseParallel()
+        parallelize_module(block, mesh, plan)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of one micro-batch (fp32)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,43 @@
+"""The single-device reference: the whole model in one process, same data, init and optimizer.
+
+``reference_losses(model, seed, steps, global_batch)`` is what every plan's losses must match
+(tests: fp32, 1e-3 relative). It splits the global batch into chunks of ``chunk`` samples, each
+loss scaled by ``chunk / global_batch``, exactly the rule the distributed runtime follows.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hetero.runtime.data import TokenSource
+from hetero.runtime.grads import clip_coefficient, make_optimizer, scale_grads
+from hetero.runtime.model import build_stage, loss_fn
+
+
+def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
+                     lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
+                     return_model: bool = False):
+    import hetero
+
+    model = hetero.load_model(model) if not hasattr(model, "num_layers") else model
+    torch.manual_seed(seed)
+    m = build_stage(model, (0, model.num_layers), True, True, seed)
+    opt = make_optimizer(m.parameters(), lr, weight_decay)
+    src = TokenSource(model.vocab_size, model.seq_length, seed, data)
+    chunk = chunk or global_batch
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for first in range(0, global_batch, chunk):
+            n = min(chunk, global_batch - first)
+            x, y = src.batch(step * global_batch + first, n)
+            loss = loss_fn(m(x), y) * (n / global_batch)
+            loss.backward()
+            total += float(loss.detach())
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None))
+        scale_grads(m, clip_coefficient(norm, clip))
+        opt.step()
+        losses.append(total)
+    return (losses, m) if return_model else losses

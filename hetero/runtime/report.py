@@ -1,0 +1,58 @@
+"""What rank 0 prints: the run header, one line per step, per-rank times and predicted vs measured."""
+from __future__ import annotations
+
+import statistics
+
+
+class Reporter:
+    def __init__(self, trainer):
+        from rich.console import Console
+
+        self.t = trainer
+        self.out = Console(highlight=False, stderr=False)
+
+    def header(self) -> None:
+        ctx = self.t.ctx
+        self.out.print(f"[bold]hetero launch[/bold]: {ctx.model.name} on {ctx.cluster.name}, "
+                       f"{self.t.world} ranks, engine {ctx.options.engine}, schedule {ctx.plan.schedule}, "
+                       f"global batch {ctx.plan.global_batch_size}")
+        self.out.print(f"plan: {ctx.plan.one_line()}")
+
+    def step(self, r) -> None:
+        tps = self.t.tokens_per_step / r.time_s if r.time_s > 0 else 0.0
+        slowest = max(range(len(r.forward_s)), key=lambda i: r.forward_s[i] + r.backward_s[i])
+        self.out.print(f"step {r.step:>4}  loss {r.loss:8.4f}  time {r.time_s * 1e3:8.1f} ms  "
+                       f"{tps:10.0f} tok/s  |g| {r.grad_norm:7.3f}  slowest rank {slowest} "
+                       f"(F {r.forward_s[slowest] * 1e3:.1f} / B {r.backward_s[slowest] * 1e3:.1f} ms per mb)")
+
+    def footer(self, summary: dict) -> None:
+        from rich.table import Table
+
+        table = Table(title="per-rank compute per micro-batch (steady steps)")
+        for col in ("rank", "group", "pipeline", "replica", "stage", "layers", "tp", "forward ms", "backward ms"):
+            table.add_column(col, justify="right")
+        for r in summary["ranks"]:
+            a, b = r["layers"]
+            table.add_row(str(r["rank"]), r["group"], str(r["pipeline"]), str(r["replica"]), str(r["stage"]),
+                          f"{a}-{b - 1}", f"{r['tp_rank']}/{r['tp_size']}",
+                          f"{r['forward_time_s'] * 1e3:.2f}", f"{r['backward_time_s'] * 1e3:.2f}")
+        self.out.print(table)
+        measured = summary.get("median_iteration_time_s")
+        pred = summary.get("predicted_iteration_time_s")
+        cmp = Table(title="predicted vs measured")
+        for col in ("", "iteration time", "tokens/s"):
+            cmp.add_column(col, justify="right")
+        tokens = self.t.tokens_per_step
+        cmp.add_row("measured (median)", f"{measured * 1e3:.1f} ms" if measured else "-",
+                    f"{tokens / measured:.0f}" if measured else "-")
+        if pred:
+            err = (pred - measured) / measured * 100 if measured else float("nan")
+            cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
+            cmp.add_row("error", f"{err:+.1f} %", "")
+        else:
+            cmp.add_row("predicted", "n/a (predictor not available)", "")
+        self.out.print(cmp)
+        losses = summary["losses"]
+        if losses:
+            self.out.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                           f"mean step {statistics.fmean(summary['iteration_times_s']) * 1e3:.1f} ms")

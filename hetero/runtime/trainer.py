@@ -1,0 +1,166 @@
+"""The step loop: engine steps, per-step metrics, hooks that may pause at a step boundary.
+
+``Trainer.add_hook(fn)``: ``fn(trainer, result)`` runs after every step on every rank; returning
+``False`` (on any rank: the decision is all-reduced) stops the loop at that step boundary, with
+the model, optimizer and ``trainer.step`` intact, so elastic reconfiguration can take over from
+there. ``trainer.request_pause()`` does the same from elsewhere in the process.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hetero.runtime.collectives import Collectives
+from hetero.runtime.engine import NativeEngine, RunContext
+from hetero.runtime.pipeline import Timings
+from hetero.runtime.spec import describe_rank
+
+
+class InjectedFailure(SystemExit):
+    pass
+
+
+@dataclass
+class StepResult:
+    step: int
+    """1-based step number."""
+    loss: float
+    time_s: float
+    grad_norm: float
+    forward_s: list[float]
+    """Per rank: mean forward compute time of one micro-batch this step."""
+    backward_s: list[float]
+
+
+@dataclass
+class TrainState:
+    results: list[StepResult] = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, spec, rank: int, on_ready: Callable[[], None] | None = None):
+        self.ctx = ctx = RunContext(spec, rank)
+        self.rank, self.world = rank, ctx.layout.world_size
+        opts = ctx.options
+        torch.manual_seed(opts.seed)
+        torch.set_num_threads(max(1, opts.threads))
+        self.comm = Collectives.init(rank, self.world, opts.timeout_s,
+                                     describe=lambda r: describe_rank(ctx.layout.ranks[r]))
+        if on_ready:
+            on_ready()
+        engine_cls = NativeEngine
+        if opts.engine == "deepspeed":
+            from hetero.runtime.ds_engine import DeepSpeedEngine
+
+            engine_cls = DeepSpeedEngine
+        self.comm.create_groups(engine_cls.rank_sets(ctx))
+        self.engine = engine_cls(ctx, self.comm)
+        self.step = 0
+        if opts.load:
+            self.step = self.engine.load(opts.load)
+        self.hooks: list[Callable] = []
+        self._pause = False
+        self.state = TrainState()
+        self.tokens_per_step = ctx.plan.global_batch_size * ctx.model.seq_length
+
+    def add_hook(self, fn: Callable) -> None:
+        self.hooks.append(fn)
+
+    def request_pause(self) -> None:
+        self._pause = True
+
+    def train(self, steps: int, log: Callable[[StepResult], None] | None = None) -> TrainState:
+        end = self.step + steps
+        inject = self.ctx.options.inject_failure
+        while self.step < end:
+            number = self.step + 1
+            if inject and inject[0] == number and inject[1] == self.rank:
+                raise InjectedFailure(f"injected failure at step {number}")
+            timings = Timings()
+            t0 = time.perf_counter()
+            loss, norm = self.engine.train_step(self.step, timings)
+            # One all-reduce gives every rank the loss and every rank's compute times.
+            row = torch.zeros(2 * self.world + 1, dtype=torch.float64)
+            row[0] = loss
+            row[1 + 2 * self.rank] = _mean(timings.forward_s)
+            row[2 + 2 * self.rank] = _mean(timings.backward_s)
+            self.comm.all_reduce(row)
+            elapsed = time.perf_counter() - t0
+            result = StepResult(step=number, loss=float(row[0]), time_s=elapsed, grad_norm=norm,
+                                forward_s=[float(row[1 + 2 * r]) for r in range(self.world)],
+                                backward_s=[float(row[2 + 2 * r]) for r in range(self.world)])
+            self.state.results.append(result)
+            if self.ctx.options.trace:
+                self.state.events.extend((k, mb, number, t, d) for k, mb, t, d in timings.events)
+            self.step = number
+            if log:
+                log(result)
+            stop = self._pause or any(h(self, result) is False for h in self.hooks)
+            flag = self.comm.all_reduce(torch.tensor([1.0 if stop else 0.0]), op="max")
+            if float(flag[0]) > 0:
+                self._pause = False
+                break
+        return self.state
+
+    def save(self, path: str) -> None:
+        self.engine.save(path, self.step)
+
+    def gather_events(self) -> list | None:
+        events = self.comm.all_gather_object(self.state.events)
+        return events if self.rank == 0 else None
+
+
+def _mean(xs) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def steady(values: list[float]) -> list[float]:
+    """Drop the first (warm-up) step when there are more."""
+    return values[1:] if len(values) > 1 else values
+
+
+def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
+    """The training run summary of SCHEMAS.md (plus optional extra fields)."""
+    ctx, res = trainer.ctx, trainer.state.results
+    times = [r.time_s for r in res]
+    st = steady(times)
+    tokens_per_s = trainer.tokens_per_step / statistics.fmean(st) if st else 0.0
+    ranks = []
+    for info in ctx.layout.ranks:
+        f = steady([r.forward_s[info.rank] for r in res])
+        b = steady([r.backward_s[info.rank] for r in res])
+        ranks.append({"rank": info.rank, "group": info.group, "pipeline": info.pipeline, "replica": info.replica,
+                      "stage": info.stage, "layers": list(info.layers),
+                      "forward_time_s": _mean(f), "backward_time_s": _mean(b),
+                      "vendor": info.vendor, "tp_rank": info.tp_rank, "tp_size": info.tp_size})
+    return {"steps": len(res), "losses": [r.loss for r in res], "iteration_times_s": times,
+            "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
+            "reconfigurations": [],
+            "median_iteration_time_s": statistics.median(st) if st else None,
+            "grad_norms": [r.grad_norm for r in res], "engine": ctx.options.engine,
+            "schedule": ctx.plan.schedule, "global_batch_size": ctx.plan.global_batch_size,
+            "seq_length": ctx.model.seq_length, "world_size": trainer.world, "pid": os.getpid()}
+
+
+def trace_dict(layout, events_by_rank: list) -> dict:
+    """A Chrome / Perfetto trace: one process per rank, one complete event per F / B."""
+    all_t = [e[3] for evs in events_by_rank for e in evs]
+    t0 = min(all_t) if all_t else 0.0
+    out = []
+    for info in layout.ranks:
+        out.append({"name": "process_name", "ph": "M", "pid": info.rank, "tid": 0,
+                    "args": {"name": f"rank {info.rank} {info.group} p{info.pipeline}r{info.replica}s{info.stage}"
+                                     + (f" tp{info.tp_rank}" if info.tp_size > 1 else "")}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": info.rank, "tid": 0,
+                    "args": {"sort_index": info.rank}})
+        for kind, mb, step, t, d in events_by_rank[info.rank]:
+            out.append({"name": f"{kind}{mb}", "cat": "forward" if kind == "F" else "backward", "ph": "X",
+                        "pid": info.rank, "tid": 0, "ts": (t - t0) * 1e6, "dur": d * 1e6,
+                        "args": {"step": step, "micro_batch": mb, "stage": info.stage, "pipeline": info.pipeline}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -1,0 +1,118 @@
+"""The training worker: ``python -m hetero.runtime.worker --spec RUN.json`` (started by torchrun).
+
+Its rank is derived from the launcher's node slot (``HETERO_NODE_SLOT``) and ``LOCAL_RANK``
+against the rank layout in the run file, and checked against torchrun's ``RANK``. It leaves
+``rank<r>.pid`` / ``.ready`` / ``.done`` / ``.error.json`` files in the run directory, which
+the launcher watches to name a rank that died or never arrived.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunSpec, describe_rank
+
+
+def derive_rank(spec: RunSpec) -> int:
+    slot = int(os.environ.get(SLOT_ENV, "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    node = spec.nodes[slot]
+    if local >= node["num_ranks"]:
+        raise RuntimeError(f"LOCAL_RANK {local} but node slot {slot} runs {node['num_ranks']} ranks")
+    rank = node["first_rank"] + local
+    env_rank = os.environ.get("RANK")
+    if env_rank is not None and int(env_rank) != rank:
+        raise RuntimeError(f"torchrun assigned RANK={env_rank} but the layout puts node slot {slot} local rank "
+                           f"{local} at rank {rank}: the rendezvous ordered nodes differently (use static)")
+    return rank
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetero.runtime.worker")
+    ap.add_argument("--spec", default=os.environ.get(SPEC_ENV))
+    args, _extra = ap.parse_known_args(argv)
+    spec = RunSpec.load(args.spec)
+    rank = derive_rank(spec)
+    run_dir = spec.options.run_dir
+    base = os.path.join(run_dir, f"rank{rank}") if run_dir else None
+    if base:
+        _write(base + ".pid", str(os.getpid()))
+    info = spec.rank_layout().ranks[rank]
+    step_box = {"step": 0}
+    try:
+        _train(spec, rank, base, step_box)
+        if base:
+            _write(base + ".done", "ok")
+        return 0
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        from hetero.runtime.trainer import InjectedFailure
+
+        injected = isinstance(e, InjectedFailure)
+        msg = str(e) if injected else f"{type(e).__name__}: {e}"
+        if base:
+            _write(base + ".error.json", json.dumps({
+                "rank": rank, "time": time.time(), "step": step_box["step"] + 1,
+                "kind": "injected" if injected else "exception", "where": describe_rank(info),
+                "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
+        print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
+        if injected:
+            os._exit(17)  # die like a crashed process: no clean shutdown of the process group
+        return 1
+
+
+def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
+    from hetero.runtime.report import Reporter
+    from hetero.runtime.trainer import Trainer, summary_dict, trace_dict
+
+    trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
+    opts = spec.options
+    reporter = Reporter(trainer) if rank == 0 and not opts.quiet else None
+    if reporter:
+        reporter.header()
+
+    def log(result):
+        step_box["step"] = result.step
+        if reporter:
+            reporter.step(result)
+
+    trainer.add_hook(lambda t, r: step_box.__setitem__("step", r.step))
+    trainer.train(opts.steps, log=log)
+    if opts.save:
+        trainer.save(opts.save)
+    events = trainer.gather_events() if opts.trace else None
+    if rank == 0:
+        predicted = predict_iteration_time(trainer.ctx)
+        summary = summary_dict(trainer, predicted)
+        if opts.summary:
+            _write(opts.summary, json.dumps(summary, indent=2))
+        if opts.trace and events is not None:
+            _write(opts.trace, json.dumps(trace_dict(trainer.ctx.layout, events)))
+        if reporter:
+            reporter.footer(summary)
+    trainer.comm.barrier()
+    trainer.comm.shutdown()
+
+
+def predict_iteration_time(ctx) -> float | None:
+    """``hetero.predict(...).iteration_time_s`` when the predictor is installed, else None."""
+    try:
+        import hetero
+
+        return float(hetero.predict(ctx.cluster, ctx.model, ctx.plan).iteration_time_s)
+    except Exception:  # noqa: BLE001 - a missing or failing predictor must not fail the run
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
