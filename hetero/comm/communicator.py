@@ -323,7 +323,7 @@ class Communicator:
             who = f"ranks that did not arrive: {missing}"
         else:
             who = "every rank arrived; a peer failed or is too slow"
-        text = (f"hetero.comm: {what} failed on rank {self.rank} within its timeout of {self.timeout:g} s; "
+        text = (f"hetero.comm: {what} did not complete on rank {self.rank} within its timeout of {self.timeout:g} s; "
                 f"{who}. Cause: {msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__}")
         self._broken = text
         return HeteroCommTimeout(text, op=op, group=g.name, ranks=g.ranks, missing=missing)
