@@ -1,0 +1,73 @@
+"""``hetero profile``: operator micro-benchmarks on this machine's device, written as profile records.
+
+The records go to the per-device cache (``$HETERO_CACHE_DIR/profiles/<device>.csv``, read by the
+predictor for cpu-family devices) and, with ``-o``, to a file of your choice.
+"""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "profile", help="measure operator latencies on this machine",
+        description="Time the operators of a transformer layer (linear, bmm, ln, softmax, gelu, add, mul, "
+                    "div, pow, tanh, relu) over a grid of shapes on this machine's device and write profile "
+                    "records (SCHEMAS.md). The result is cached per device and used by the predictor.")
+    p.add_argument("--device", metavar="NAME",
+                   help="device type written in the records (default: the local accelerator's catalog name, "
+                        "or 'cpu'); a cpu-family name profiles the CPU")
+    p.add_argument("-o", "--output", metavar="FILE", help="also write the records to FILE (CSV)")
+    p.add_argument("--quick", action="store_true", help="a small grid in a few seconds (smoke tests)")
+    p.add_argument("--dtype", default=None, metavar="LIST",
+                   help="comma-separated dtypes (default: fp32 on CPU, fp32,fp16 on accelerators)")
+    p.add_argument("--no-cache", action="store_true", help="do not update the per-device cache")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hetero.errors import HeteroError
+    from hetero.predictor import profiles as P
+
+    from ._common import console
+
+    try:
+        import torch
+    except ImportError:
+        raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        name, torch_device = P.detect_device(args.device)
+    except RuntimeError as e:
+        raise HeteroError(str(e)) from None
+    dtypes = [d.strip() for d in (args.dtype or ("fp32" if torch_device == "cpu" else "fp32,fp16")).split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in P.TORCH_DTYPES]
+    if bad:
+        raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(P.TORCH_DTYPES)})")
+    grid = P.default_grid(quick=args.quick)
+    err = console(stderr=True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(grid) * len(dtypes)
+    err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
+              f"dtypes {','.join(dtypes)})")
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=False) as progress:
+        task = progress.add_task("profile", total=total)
+
+        def step(label: str) -> None:
+            progress.update(task, advance=1, description=f"{label:<36}")
+
+        records = P.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
+        progress.update(task, description="done")
+    written = []
+    if not args.no_cache:
+        written.append(P.write_records(P.cache_path(name), records))
+    if args.output:
+        written.append(P.write_records(args.output, records))
+    out = console()
+    for path in written:
+        out.print(f"wrote {len(records)} records to {path}")
+    if not written:
+        out.print(P.records_to_csv(records), end="")
+    return 0
