@@ -170,10 +170,9 @@ def infeasible_message(cluster, model, B, opts, cost_model, calibration) -> str:
     # model states: the whole model on one device, micro-batch 1, full recompute, no ZeRO
     g0 = cluster.groups[0].name
     states = cm.stage_memory(g0, 1, 1, (0, L), "full", 0, 1, 1, True, True)
-    lines = []
+    lines = [f"{model.name} needs >= {states / gb:,.0f} GB for weights, gradients and Adam states "
+             f"(plus activations); the cluster has {total_mem / gb:,.0f} GB of device memory in all"]
     if states > total_mem:
-        lines.append(f"{model.name} needs >= {states / gb:,.0f} GB for weights, gradients and Adam states "
-                     f"(plus activations); the cluster has {total_mem / gb:,.0f} GB of device memory in all")
         lines.append("fix: add devices (about {:.0f} more of {}), or a smaller model".format(
             (states - total_mem) / cm.capacity(g0) + 1, cluster.groups[0].device))
         return "; ".join(lines)
@@ -191,7 +190,7 @@ def infeasible_message(cluster, model, B, opts, cost_model, calibration) -> str:
     worst.sort()
     best_case = worst[0]
     over, name, tp, S, per, need, cap = best_case
-    lines.append(f"no plan fits in memory: even the most memory-frugal shape of group '{name}' "
+    lines.append(f"no plan fits: even the most memory-frugal shape of group '{name}' "
                  f"(tp{tp} x {S} stages of {per} layers, micro-batch 1, full recompute, "
                  f"zero_stage {max(opts.zero_stages)}) needs {need / gb:.1f} GB on its first stage, "
                  f"{over / gb:.1f} GB more than the {cap / gb:.1f} GB a device has")

@@ -404,12 +404,18 @@ def _search_core(cluster, model, B: int, opts: Options, cost_model, scorer: _Sco
         scored.append((_score(pred), plan, pred, c))
         progress("predict", i + 1, total)
     scored.sort(key=lambda x: -x[0])
-    # even-split twins of the best, so the tuned split is never worse than the uniform one
+    # even-split twins of the best (so the tuned split is never worse than the uniform one), and
+    # higher ZeRO stages (sharding the optimizer step can pay even where memory does not need it)
     for s, plan, pred, c in list(scored[: max(opts.refine_top, 5)]):
         u = dataclasses.replace(c, uniform=True)
         uplan = u.to_plan(B, L)
         upred = scorer(uplan)
         scored.append((_score(upred), uplan, upred, u))
+        for z in opts.zero_stages:
+            if z > plan.zero_stage:
+                zplan = dataclasses.replace(plan, zero_stage=z)
+                zpred = scorer(zplan)
+                scored.append((_score(zpred), zplan, zpred, c))
     scored.sort(key=lambda x: -x[0])
     # hill climb on the top few
     for idx in range(min(opts.refine_top, len(scored))):

@@ -69,6 +69,7 @@ def run(args) -> int:
         print_json([r.to_dict() for r in results])
         return 0
     out = console()
+    from rich.markup import escape
     from rich.table import Table
 
     ub = results.upper_bound_tokens_per_s
@@ -90,7 +91,7 @@ def run(args) -> int:
                f"{mfu * 100:.1f}%" if mfu is not None else "-"]
         if ub:
             row.append(f"{pred.tokens_per_s / ub * 100:.1f}%")
-        row += [room, r.one_line]
+        row += [room, escape(r.one_line)]
         table.add_row(*row)
     out.print(table)
     if ub:
@@ -98,7 +99,7 @@ def run(args) -> int:
         out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")
     out.print("[bold]why[/bold]")
     for reason in results.reasons:
-        out.print(f"  - {reason}")
+        out.print(f"  - {escape(reason)}")
     if args.output:
         out.print(f"[green]wrote[/green] {args.output} (* above)")
     return 0

@@ -1,0 +1,217 @@
+"""Planner: exact layer splits, exact batch sharing, search quality against brute force and the
+baselines (homogeneous groups, even splits), scale, infeasibility messages, the CLI.
+
+Everything that scores a plan here uses the real predictor (``hetero.predict``).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+import hetero
+from hetero.planner import PlannerError
+from hetero.planner.exhaustive import exhaustive_best
+from hetero.planner.search import Candidate, allocate
+from hetero.planner.blocks import Block
+from hetero.planner.space import Segment
+from hetero.planner.split import min_max_split, min_max_split_dp, uniform_split
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTERS = ROOT / "configs" / "clusters"
+MODELS = ROOT / "configs" / "models"
+
+
+def small_cluster(a="A100-SXM4-40GB", b="V100-SXM2-32GB", na=4, nb=4, cross="25 GB/s"):
+    return hetero.load_cluster({
+        "name": "small", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": cross}},
+        "groups": [{"name": "fast", "device": a, "nodes": 1, "devices_per_node": na},
+                   {"name": "slow", "device": b, "nodes": 1, "devices_per_node": nb}]})
+
+
+def small_model(layers=6, **kw):
+    spec = {"name": f"gpt-{layers}l", "architecture": "gpt", "num_layers": layers, "hidden_size": 2048,
+            "num_attention_heads": 16, "vocab_size": 50257, "seq_length": 2048, "dtype": "fp16"}
+    spec.update(kw)
+    return hetero.load_model(spec)
+
+
+def four_type_cluster(devices: int):
+    per = devices // 4
+    types = [("a100", "A100-SXM4-80GB"), ("h100", "H100-SXM5-80GB"), ("mi250x", "MI250X-GCD"),
+             ("ascend", "Ascend-910B")]
+    return hetero.load_cluster({
+        "name": f"four-type-{devices}",
+        "groups": [{"name": n, "device": d, "nodes": per // 8, "devices_per_node": 8} for n, d in types],
+        "network": {"inter_node": {"bandwidth": "100 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}}})
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_min_max_split_is_exact_against_the_dp_table():
+    rng = random.Random(0)
+    for _ in range(300):
+        L = rng.randint(2, 14)
+        S = rng.randint(1, min(L, 6))
+        per = [rng.uniform(0.5, 3.0) for _ in range(S)]
+        extra = [rng.uniform(0, 4.0) if i in (0, S - 1) else 0.0 for i in range(S)]
+        cap = [rng.randint(1, L) for _ in range(S)]
+
+        def cost(i, a, b):
+            n = b - a
+            return extra[i] + n * per[i] if n <= cap[i] else float("inf")
+
+        fast = min_max_split(per, extra, cap, L)
+        ref = min_max_split_dp(cost, S, L)
+        if ref is None:
+            assert fast is None
+            continue
+        assert fast is not None and sum(fast[0]) == L and all(1 <= n <= c for n, c in zip(fast[0], cap))
+        assert fast[1] == pytest.approx(ref[1])
+
+
+def test_uniform_split_covers_all_layers():
+    assert uniform_split(3, 10) == [4, 3, 3]
+    assert sum(uniform_split(7, 80)) == 80
+
+
+def test_allocate_shares_the_batch_exactly_in_proportion_to_speed():
+    fast = Block((Segment("a", 1, 1),), replicas=2, mbs=2, recompute="none", zero=0, counts=(4,),
+                 bottleneck=1.0, fill=1.0)
+    slow = Block((Segment("b", 1, 1),), replicas=3, mbs=1, recompute="none", zero=0, counts=(4,),
+                 bottleneck=2.0, fill=2.0)
+    m, t = allocate([fast, slow], 128)
+    assert fast.units * m[0] + slow.units * m[1] == 128
+    assert m[0] * fast.bottleneck == pytest.approx(m[1] * slow.bottleneck, rel=0.2)
+    assert allocate([slow], 128) is None  # 3 replicas x 1 never make 128 exactly
+
+
+# ----------------------------------------------------------------------------- quality
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", [
+    dict(cluster=dict(), model=dict(layers=6), B=8, space=dict(micro_batch_sizes=(1, 2), recompute=("none",),
+                                                                  zero_stages=(0,))),
+    dict(cluster=dict(a="A100-SXM4-80GB", b="MI250X-GCD", na=2, nb=4), model=dict(layers=5), B=8,
+         space=dict(micro_batch_sizes=(1, 2), recompute=("none", "full"), zero_stages=(0, 1))),
+    dict(cluster=dict(a="H100-SXM5-80GB", b="V100-SXM2-32GB", na=2, nb=2), model=dict(layers=8, hidden_size=4096,
+         num_attention_heads=32), B=16, space=dict(micro_batch_sizes=(1, 2, 4), recompute=("none", "selective", "full"),
+                                                   zero_stages=(0, 1, 2))),
+])
+def test_search_is_within_one_percent_of_brute_force(case):
+    cluster, model = small_cluster(**case["cluster"]), small_model(**case["model"])
+    best, best_pred, n = exhaustive_best(cluster, model, case["B"], **case["space"])
+    assert best is not None and n > 100
+    results = hetero.search(cluster, model, global_batch_size=case["B"], **case["space"])
+    found = results[0].prediction.tokens_per_s
+    assert found >= 0.99 * best_pred.tokens_per_s, (results[0].one_line, best.to_dict())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cluster_name,model_name", [
+    ("a100-v100", "gpt3-1.3b"), ("mixed-vendor", "llama2-7b"), ("h100-a100", "llama2-7b"), ("local-cpu", "tiny"),
+])
+def test_best_plan_beats_every_single_group_and_the_even_split(cluster_name, model_name):
+    cluster = hetero.load_cluster(CLUSTERS / f"{cluster_name}.yaml")
+    model = hetero.load_model(MODELS / f"{model_name}.yaml")
+    B = 64 if cluster_name == "local-cpu" else 512
+    results = hetero.search(cluster, model, global_batch_size=B, top_k=5)
+    best = results[0].prediction.tokens_per_s
+    for r in results:
+        hetero.check_plan(r.plan, cluster, model)
+        assert sum(p.replicas * p.micro_batches * r.plan.mbs(p) for p in r.plan.pipelines) == B
+        assert r.prediction.fits_memory
+        assert r.prediction.upper_bound_tokens_per_s == pytest.approx(results.upper_bound_tokens_per_s)
+    assert [r.prediction.tokens_per_s for r in results] == sorted((r.prediction.tokens_per_s for r in results),
+                                                                  reverse=True)
+    # every group alone, searched on its own
+    for g in cluster.groups:
+        sub = hetero.load_cluster({**cluster.to_dict(), "groups": [x for x in cluster.to_dict()["groups"]
+                                                                   if x["name"] == g.name]})
+        try:
+            alone = hetero.search(sub, model, global_batch_size=B, top_k=1, upper_bound=False)[0]
+        except PlannerError:
+            continue
+        again = hetero.predict(cluster, model, alone.plan)
+        assert best >= again.tokens_per_s * (1 - 1e-9), (g.name, alone.one_line)
+    # the same shapes with every pipeline's layers split evenly
+    for r in results:
+        pipes = []
+        for p in r.plan.pipelines:
+            counts, a, stages = uniform_split(len(p.stages), model.num_layers), 0, []
+            for s, n in zip(p.stages, counts):
+                stages.append(hetero.Stage(group=s.group, layers=(a, a + n), tp=s.tp))
+                a += n
+            pipes.append(hetero.Pipeline(micro_batches=p.micro_batches, stages=stages, replicas=p.replicas,
+                                         micro_batch_size=p.micro_batch_size))
+        even = hetero.Plan(global_batch_size=B, micro_batch_size=r.plan.micro_batch_size, pipelines=pipes,
+                           schedule=r.plan.schedule, recompute=r.plan.recompute, zero_stage=r.plan.zero_stage)
+        pe = hetero.predict(cluster, model, even)
+        if pe.fits_memory:
+            assert best >= pe.tokens_per_s * (1 - 1e-9), r.one_line
+
+
+def test_two_vendor_plan_reaches_95_percent_of_the_upper_bound():
+    cluster = small_cluster(a="A100-SXM4-80GB", b="MI250X-GCD", na=8, nb=8, cross="25 GB/s")
+    cluster = hetero.load_cluster({**cluster.to_dict(), "groups": [
+        {**g, "nodes": 2} for g in cluster.to_dict()["groups"]]})
+    model = hetero.load_model(MODELS / "llama2-7b.yaml")
+    results = hetero.search(cluster, model, global_batch_size=512)
+    assert results[0].prediction.tokens_per_s >= 0.95 * results.upper_bound_tokens_per_s
+
+
+@pytest.mark.timeout(120)
+def test_1024_devices_of_four_types_plan_llama2_70b_in_under_30_s():
+    cluster, model = four_type_cluster(1024), hetero.load_model(MODELS / "llama2-70b.yaml")
+    t0 = time.perf_counter()
+    results = hetero.search(cluster, model, global_batch_size=2048, top_k=3)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30, elapsed
+    assert results[0].prediction.fits_memory and results.upper_bound_tokens_per_s > 0
+
+
+# ----------------------------------------------------------------------------- messages, CLI
+def test_infeasible_problem_says_which_constraint_fails_and_the_fix():
+    cluster = hetero.load_cluster(CLUSTERS / "a100-v100.yaml")
+    model = hetero.load_model(MODELS / "llama2-70b.yaml")
+    with pytest.raises(PlannerError) as e:
+        hetero.search(cluster, model, global_batch_size=512)
+    msg = str(e.value)
+    assert "llama2-70b" in msg and "GB" in msg and "fix" in msg
+
+
+def test_reasons_explain_the_choice():
+    cluster = hetero.load_cluster(CLUSTERS / "mixed-vendor.yaml")
+    model = hetero.load_model(MODELS / "llama2-7b.yaml")
+    results = hetero.search(cluster, model, global_batch_size=512)
+    text = "\n".join(results.reasons)
+    assert "layers" in text and "upper bound" in text and "runner-up" in text
+    assert results[0].reasons == results.reasons
+
+
+def test_cli_plan_writes_a_plan_that_predict_and_launch_can_load(tmp_path, capsys):
+    from hetero.cli import main
+
+    out = tmp_path / "plan.yaml"
+    args = ["plan", "--cluster", str(CLUSTERS / "local-cpu.yaml"), "--model", str(MODELS / "tiny.yaml"),
+            "--global-batch-size", "16", "--top-k", "3", "-o", str(out), "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert 1 <= len(data) <= 3 and {"plan", "prediction"} <= set(data[0])
+    cluster = hetero.load_cluster(CLUSTERS / "local-cpu.yaml")
+    model = hetero.load_model(MODELS / "tiny.yaml")
+    plan = hetero.load_plan(out, cluster, model)
+    assert plan.to_dict() == data[0]["plan"]
+    assert hetero.predict(cluster, model, plan).tokens_per_s == pytest.approx(data[0]["prediction"]["tokens_per_s"])
+    assert main(args[:-1]) == 0  # the table
+    assert "why" in capsys.readouterr().out
+
+
+def test_cli_plan_infeasible_exits_1_with_the_reason(capsys):
+    from hetero.cli import main
+
+    rc = main(["plan", "--cluster", str(CLUSTERS / "a100-v100.yaml"), "--model", str(MODELS / "llama2-70b.yaml"),
+               "--global-batch-size", "512"])
+    assert rc == 1
+    assert "fix" in capsys.readouterr().err
