@@ -29,8 +29,8 @@ class StagePrediction:
     peak_memory_bytes: int
     memory_capacity_bytes: int
     # --- extras (not in the SCHEMAS.md JSON unless to_dict(extra=True)) ---
-    memory: dict = field(default_factory=dict)
-    """Breakdown: weights, gradients, optimizer, activations, overhead."""
+    memory_breakdown: object = None
+    """A ``MemoryBreakdown``: weights, gradients, optimizer, activations, overhead."""
     in_flight_microbatches: float = 1.0
     dp_sync_time_s: float = 0.0
     optimizer_time_s: float = 0.0
@@ -50,7 +50,7 @@ class StagePrediction:
                "forward_time_s": self.forward_time_s, "backward_time_s": self.backward_time_s,
                "peak_memory_bytes": self.peak_memory_bytes, "memory_capacity_bytes": self.memory_capacity_bytes}
         if extra:
-            out.update(memory=dict(self.memory), in_flight_microbatches=self.in_flight_microbatches,
+            out.update(memory=self.memory_breakdown.to_dict() if self.memory_breakdown else {}, in_flight_microbatches=self.in_flight_microbatches,
                        dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
                        p2p_time_s=self.p2p_time_s)
         return out
@@ -132,8 +132,8 @@ def cost_model_for(cluster, model, calibration=None) -> StageCostModel:
     return cm
 
 
-def _same_node(cluster, pipeline, group: str, tp_by_group: dict) -> bool:
-    g = cluster.group(group)
+def _same_node(cm, group: str, tp_by_group: dict) -> bool:
+    g = cm._groups[group]
     return g.nodes == 1 or tp_by_group.get(group, 0) <= g.devices_per_node
 
 
@@ -168,7 +168,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                 if phys == 1:
                     p2p.append(0.0)
                 else:
-                    same = s.group == nxt.group and _same_node(cluster, p, s.group, tp_by_group)
+                    same = s.group == nxt.group and _same_node(cm, s.group, tp_by_group)
                     p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same))
         m = p.micro_batches
         ptime = pipeline_time(plan.schedule, fwd, bwd, p2p, m, v)
@@ -190,7 +190,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             stage_preds.append(StagePrediction(
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
                 peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
-                memory=br.to_dict(), in_flight_microbatches=inflight, dp_sync_time_s=dp_times.get((pi, i), 0.0),
+                memory_breakdown=br, in_flight_microbatches=inflight, dp_sync_time_s=dp_times.get((pi, i), 0.0),
                 optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0))
         pipes.append(PipelinePrediction(replicas=p.replicas, micro_batches=m, stages=stage_preds,
                                         micro_batch_size=mbs, pipeline_time_s=ptime))

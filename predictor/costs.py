@@ -71,6 +71,8 @@ class StageCostModel:
         self._cache: dict = {}
         self._op_cache: dict = {}
         self._seg_cache: dict = {}
+        self._dp_cache: dict = {}
+        self._params_per_layer = model.params_per_layer()
 
     # ------------------------------------------------------------------ basics
     def device(self, group: str):
@@ -169,11 +171,16 @@ class StageCostModel:
     def optimizer_time(self, group: str, tp: int, layers, first: bool, last: bool,
                        zero_stage: int = 0, dp: int = 1) -> float:
         """Adam step of one device's shard: memory-bound over params, grads and states."""
-        params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
-        if zero_stage >= 1:
-            params /= max(1, dp)
-        per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
-        return params * per / self._dev[group].effective_memory_bandwidth * self._factors[group].compute
+        key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp)
+        hit = self._cache.get(key)
+        if hit is None:
+            params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
+            if zero_stage >= 1:
+                params /= max(1, dp)
+            per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
+            hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
+                                      * self._factors[group].compute)
+        return hit
 
     # ------------------------------------------------------------------ memory
     def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
@@ -223,7 +230,7 @@ class StageCostModel:
 
     def layer_grad_bytes(self) -> float:
         """Gradient bytes of one transformer layer (all tp shards together), in the model dtype."""
-        return float(self.model.params_per_layer() * self.e)
+        return float(self._params_per_layer * self.e)
 
     def _segment_time(self, holders: tuple, grad_bytes: float, zero_stage: int) -> float:
         """Sync time of one unit (layer / embedding / head) of ``grad_bytes`` held by ``holders``:
@@ -269,7 +276,19 @@ class StageCostModel:
         return max(self.dp_sync_times(plan).values(), default=0.0)
 
     def dp_sync_times(self, plan) -> dict[tuple[int, int], float]:
-        """Per (pipeline, physical stage): seconds that device spends syncing its gradients."""
+        """Per (pipeline, physical stage): seconds that device spends syncing its gradients
+        (memoised on the plan's structure)."""
+        struct = (plan.zero_stage, plan.schedule, plan.interleave,
+                  tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
+                        for p in plan.pipelines))
+        hit = self._dp_cache.get(struct)
+        if hit is None:
+            if len(self._dp_cache) > 100_000:
+                self._dp_cache.clear()
+            hit = self._dp_cache[struct] = self._dp_sync_times(plan)
+        return hit
+
+    def _dp_sync_times(self, plan) -> dict[tuple[int, int], float]:
         L = self.model.num_layers
         cuts = {0, L}
         holders_at: list[tuple[int, int, str, int, int]] = []  # (start, end, group, tp, replicas)
@@ -279,12 +298,14 @@ class StageCostModel:
                 cuts.add(s.layers[1])
                 holders_at.append((s.layers[0], s.layers[1], s.group, s.tp, p.replicas))
         cuts = sorted(cuts)
-        seg_time: dict[int, float] = {}
+        prefix = {cuts[0]: 0.0}  # cut -> sync time of layers [0, cut)
         G = self.layer_grad_bytes()
         zs = plan.zero_stage
+        acc = 0.0
         for a, b in zip(cuts, cuts[1:]):
             hs = tuple(sorted((g, tp, r) for s0, s1, g, tp, r in holders_at if s0 <= a < s1))
-            seg_time[a] = self._segment_time(hs, G, zs) * (b - a)
+            acc += self._segment_time(hs, G, zs) * (b - a)
+            prefix[b] = acc
         first_h = tuple(sorted((p.stages[0].group, p.stages[0].tp, p.replicas) for p in plan.pipelines))
         last_h = tuple(sorted((p.stages[-1].group, p.stages[-1].tp, p.replicas) for p in plan.pipelines))
         emb = self._segment_time(first_h, self.model.embedding_params() * self.e, zs)
@@ -293,7 +314,7 @@ class StageCostModel:
         for pi, p in enumerate(plan.pipelines):
             phys = len(plan.physical_stages(p))
             for k, s in enumerate(p.stages):
-                t = sum(seg_time[c] for c in cuts if s.layers[0] <= c < s.layers[1])
+                t = prefix[s.layers[1]] - prefix[s.layers[0]]
                 if k == 0:
                     t += emb
                 if k == len(p.stages) - 1:

@@ -1,0 +1,179 @@
+"""Predicted vs measured peak memory of one training step (CPU, fp32, a GPT block stack in torch).
+
+The model is built here from nn.Linear / nn.LayerNorm / matmul / softmax, op for op the
+decomposition of ``hetero.predictor.ops`` (tied embeddings, learned positions, no dropout).
+Measured: the persistent tensors (weights, gradients kept with zero_grad(set_to_none=False) as
+Megatron's grad buffer does, Adam moments after a warm-up step) plus the peak storage bytes of
+tensors live at once during the second step, tracked by a TorchDispatchMode (every op's outputs,
+released by weakref finalizers when their last tensor dies).
+
+    python benchmarks/bench_memory.py            # prints a table, writes benchmarks/out/memory.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+CASES = [  # (layers, hidden, heads, seq, micro-batch, vocab)
+    (2, 128, 4, 128, 2, 1000),
+    (4, 256, 8, 128, 4, 2000),
+    (4, 256, 4, 256, 2, 5000),
+    (6, 384, 6, 64, 8, 3000),
+    (2, 512, 8, 512, 1, 8000),
+]
+
+
+def build(layers, hidden, heads, seq, vocab):
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(hidden)
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+            self.out = nn.Linear(hidden, hidden)
+            self.ln2 = nn.LayerNorm(hidden)
+            self.fc1 = nn.Linear(hidden, 4 * hidden)
+            self.fc2 = nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x, mask):
+            b, s, h = x.shape
+            d = h // heads
+            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, heads, d).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            ctx = (p @ v).transpose(1, 2).reshape(b, s, h)
+            x = x + self.out(ctx)
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, hidden)
+            self.pos = nn.Parameter(torch.zeros(seq, hidden))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(hidden)
+            self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1))
+
+        def forward(self, ids):
+            x = self.tok(ids) + self.pos
+            for blk in self.blocks:
+                x = blk(x, self.mask)
+            return self.ln_f(x) @ self.tok.weight.t()   # tied LM head
+
+    return GPT()
+
+
+def measure(layers, hidden, heads, seq, mbs, vocab, seed=0) -> int:
+    """Peak bytes of live tensors during one training step (after a warm-up step)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    model = build(layers, hidden, heads, seq, vocab)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    ids = torch.randint(0, vocab, (mbs, seq))
+    tgt = torch.randint(0, vocab, (mbs, seq))
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(ids).view(-1, vocab), tgt.view(-1))
+        loss.backward()
+        opt.step()
+
+    step()  # creates gradients and Adam states
+    persistent_tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    for st in opt.state.values():
+        persistent_tensors += [v for v in st.values() if torch.is_tensor(v)]
+    persistent_tensors += list(model.buffers())
+    persistent = sum(t.numel() * t.element_size() for t in persistent_tensors if t.dim() > 0)
+    tracker = LiveBytes(ignore={t.untyped_storage().data_ptr() for t in persistent_tensors})
+    with tracker:
+        step()
+    return persistent + tracker.peak
+
+
+class LiveBytes:
+    """A TorchDispatchMode that tracks the storage bytes of live tensors created inside it
+    (views share their base's storage; a storage counts until its last tensor dies)."""
+
+    def __new__(cls, ignore=()):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ignore = set(ignore)
+                self.refs: dict[int, int] = {}
+                self.sizes: dict[int, int] = {}
+                self.live = 0
+                self.peak = 0
+
+            def _release(self, key):
+                self.refs[key] -= 1
+                if self.refs[key] == 0:
+                    del self.refs[key]
+                    self.live -= self.sizes.pop(key)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import weakref
+
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    key = st.data_ptr()
+                    if key in self.ignore or st.nbytes() == 0:
+                        continue
+                    if key not in self.refs:
+                        self.refs[key] = 0
+                        self.sizes[key] = st.nbytes()
+                        self.live += st.nbytes()
+                        self.peak = max(self.peak, self.live)
+                    self.refs[key] += 1
+                    weakref.finalize(t, self._release, key)
+                return out
+
+        return _Mode()
+
+
+def predicted(layers, hidden, heads, seq, mbs, vocab) -> float:
+    from hetero.predictor.memory import stage_memory
+    from hetero.specs.model import load_model
+
+    model = load_model({"name": "bench", "architecture": "gpt", "num_layers": layers, "hidden_size": hidden,
+                        "num_attention_heads": heads, "vocab_size": vocab, "seq_length": seq, "dtype": "fp32"})
+    return stage_memory(model, "cpu", 1, mbs, layers, "none", 0, 1, 1, True, True).total
+
+
+def main() -> int:
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    rows = []
+    print(f"{'layers':>6} {'hidden':>6} {'heads':>5} {'seq':>5} {'mbs':>4} {'vocab':>6} "
+          f"{'predicted MiB':>14} {'measured MiB':>13} {'error':>7}")
+    for case in CASES:
+        p = predicted(*case)
+        m = measure(*case)
+        err = (p - m) / m
+        rows.append({"case": dict(zip(("layers", "hidden", "heads", "seq", "mbs", "vocab"), case)),
+                     "predicted_bytes": p, "measured_bytes": m, "relative_error": err})
+        print(f"{case[0]:>6} {case[1]:>6} {case[2]:>5} {case[3]:>5} {case[4]:>4} {case[5]:>6} "
+              f"{p / 2**20:>14.2f} {m / 2**20:>13.2f} {err:>+7.1%}")
+    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
+    with open(os.path.join(os.path.dirname(__file__), "out", "memory.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    worst = max(abs(r["relative_error"]) for r in rows)
+    print(f"worst relative error {worst:.1%}")
+    return 0 if worst <= 0.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

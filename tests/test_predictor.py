@@ -1,0 +1,418 @@
+"""Predictor: operator FLOPs, memory formulas, schedule simulation, predict() contracts, CLI, speed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import hetero
+from hetero.predictor import CalibrationFactors, StageCostModel, predict
+from hetero.predictor import comm
+from hetero.predictor import memory as M
+from hetero.predictor import ops as O
+from hetero.predictor.schedule import pipeline_time, simulate
+from hetero.specs.errors import SpecError
+
+REPO = Path(__file__).resolve().parents[1]
+
+CLUSTER = {
+    "name": "mix",
+    "groups": [
+        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
+         "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
+        {"name": "mi250", "device": "MI250X", "nodes": 1, "devices_per_node": 8,
+         "intra_node": {"bandwidth": "100 GB/s"}},
+    ],
+    "network": {"inter_node": {"bandwidth": "100 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
+}
+GPT = {"name": "gpt2-large", "architecture": "gpt", "num_layers": 36, "hidden_size": 1280,
+       "num_attention_heads": 20, "vocab_size": 50257, "seq_length": 1024, "dtype": "bf16"}
+
+
+def plan_dict(**kw):
+    d = {"global_batch_size": 128, "micro_batch_size": 2, "pipelines": [
+        {"replicas": 2, "micro_batches": 16, "stages": [{"group": "a100", "tp": 2, "layers": [0, 20]},
+                                                        {"group": "mi250", "tp": 2, "layers": [20, 36]}]},
+        {"replicas": 2, "micro_batches": 16, "stages": [{"group": "a100", "tp": 4, "layers": [0, 36]}]}]}
+    d.update(kw)
+    return d
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return hetero.load_cluster(CLUSTER), hetero.load_model(GPT), hetero.load_plan(plan_dict())
+
+
+# ---------------------------------------------------------------- operators
+@pytest.mark.parametrize("b,s,h,a", [(1, 1024, 1280, 20), (4, 2048, 4096, 32), (2, 128, 768, 12)])
+def test_block_flops_match_analytic_formula(b, s, h, a):
+    model = hetero.load_model({**GPT, "hidden_size": h, "num_attention_heads": a, "seq_length": s})
+    fwd = O.layer_forward_ops(model, b, s, 1)
+    assert O.gemm_flops(fwd) == pytest.approx(24 * b * s * h * h + 4 * b * s * s * h, rel=1e-12)
+    # tp splits the GEMMs evenly across ranks; backward GEMMs are twice the forward
+    assert 2 * O.gemm_flops(O.layer_forward_ops(model, b, s, 2)) == pytest.approx(O.gemm_flops(fwd), rel=1e-12)
+    assert O.gemm_flops(O.layer_backward_ops(model, b, s, 1)) == pytest.approx(2 * O.gemm_flops(fwd), rel=1e-12)
+
+
+def test_recompute_adds_forward_work():
+    model = hetero.load_model(GPT)
+    f = O.gemm_flops(O.layer_forward_ops(model, 2, 1024, 1))
+    none = O.gemm_flops(O.layer_backward_ops(model, 2, 1024, 1, "none"))
+    sel = O.gemm_flops(O.layer_backward_ops(model, 2, 1024, 1, "selective"))
+    full = O.gemm_flops(O.layer_backward_ops(model, 2, 1024, 1, "full"))
+    assert full == pytest.approx(none + f)
+    assert sel == pytest.approx(none + 4 * 2 * 1024 * 1024 * 1280)  # scores + context again
+
+
+def test_llama_ops_have_gqa_swiglu_rope():
+    model = hetero.load_model({"name": "l", "architecture": "llama", "num_layers": 2, "hidden_size": 4096,
+                               "num_attention_heads": 32, "num_kv_heads": 8, "vocab_size": 32000,
+                               "seq_length": 128})
+    ops = {o.name: o for o in O.layer_forward_ops(model, 1, 128, 2)}
+    assert ops["qkv"].dims[2] == (4096 + 2 * 1024) // 2
+    assert {"mlp.gate", "mlp.up", "mlp.down", "mlp.silu", "rope.add"} <= set(ops)
+    params = sum(o.dims[2] * o.dims[3] for o in ops.values() if o.op == "linear") * 2
+    assert params == model.params_per_layer() - 2 * 4096  # all weights but the two RMSNorms
+
+
+# ---------------------------------------------------------------- memory
+def test_activation_memory_is_korthikanti():
+    m = hetero.load_model({**GPT, "dtype": "fp16", "dropout": 0.1})
+    s, b, h, a = 1024, 4, 1280, 20
+    for t in (1, 2, 4):
+        assert M.activation_bytes_per_layer(m, b, s, t) == pytest.approx(M.korthikanti_bytes(s, b, h, a, t))
+    # selective drops the 5as/h term; full keeps only the layer input
+    assert M.activation_bytes_per_layer(m, b, s, 1, "selective") == pytest.approx(s * b * h * 34)
+    assert M.activation_bytes_per_layer(m, b, s, 1, "full") == pytest.approx(2 * s * b * h)
+    # fp32 without dropout: 16 elements of sbh (4 bytes) + the softmax output
+    m32 = hetero.load_model(GPT | {"dtype": "fp32"})
+    assert M.activation_bytes_per_layer(m32, b, s, 1) == pytest.approx(4 * (16 * s * b * h + a * s * s * b))
+
+
+def test_model_states_zero():
+    for dtype in ("fp32", "bf16"):
+        w, g, o = M.model_state_bytes(1000, dtype)
+        assert w + g + o == 16000
+    w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=1, dp=4)
+    assert (w, g, o) == (2000, 2000, 3000)
+    w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=2, dp=4)
+    assert (w, g, o) == (2000, 500, 3000)
+
+
+def test_in_flight_microbatches():
+    assert [M.in_flight_microbatches("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert M.in_flight_microbatches("1f1b", 0, 4, 2) == 2
+    assert M.in_flight_microbatches("gpipe", 3, 4, 8) == 8
+    # interleaved, p=4, v=2: stage 0 warms up (3*2 + 4) chunk-forwards + 1 in flight, each 1/2 of its layers
+    assert M.in_flight_microbatches("interleaved", 0, 4, 8, 2) == pytest.approx(11 / 2)
+
+
+def test_memory_grows_with_micro_batches_in_flight(inputs):
+    cluster, model, _ = inputs
+    cm = StageCostModel(cluster, model)
+    one = cm.stage_memory("a100", 2, 2, (0, 10), "none", 0, 1, 1, False, False)
+    four = cm.stage_memory("a100", 2, 2, (0, 10), "none", 0, 1, 4, False, False)
+    act = M.activation_bytes_per_layer(model, 2, 1024, 2) * 10
+    assert four - one == pytest.approx(3 * act)
+    assert cm.capacity("a100") == 80 * 2**30
+
+
+# ---------------------------------------------------------------- schedule
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 7), (4, 1), (4, 3), (4, 8), (8, 32)])
+def test_1f1b_uniform_is_exact(p, m):
+    f, b = 0.3, 0.7
+    assert simulate("1f1b", [f] * p, [b] * p, [0.0] * (p - 1), m)[0] == pytest.approx((m + p - 1) * (f + b), rel=1e-12)
+
+
+def test_gpipe_bubble():
+    p, m, f, b = 4, 12, 1.0, 2.0
+    t = simulate("gpipe", [f] * p, [b] * p, [0.0] * (p - 1), m)[0]
+    assert t == pytest.approx((m + p - 1) * (f + b))
+    bubble = (t - m * (f + b)) / t
+    assert bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_p2p_adds_latency_to_the_fill():
+    p, m = 3, 4
+    base = simulate("gpipe", [1.0] * p, [2.0] * p, [0.0] * (p - 1), m)[0]
+    with_comm = simulate("gpipe", [1.0] * p, [2.0] * p, [0.1] * (p - 1), m)[0]
+    assert with_comm == pytest.approx(base + 2 * (p - 1) * 0.1)
+    # in 1F1B the transfers also sit on the steady-state critical path
+    base = simulate("1f1b", [1.0] * p, [2.0] * p, [0.0] * (p - 1), m)[0]
+    assert simulate("1f1b", [1.0] * p, [2.0] * p, [0.1] * (p - 1), m)[0] >= base + 2 * (p - 1) * 0.1 - 1e-12
+
+
+def test_interleaved_reduces_the_bubble():
+    p, m, v = 4, 8, 2
+    one = simulate("1f1b", [1.0] * p, [2.0] * p, [0.0] * (p - 1), m)[0]
+    inter = simulate("interleaved", [0.5] * (p * v), [1.0] * (p * v), [0.0] * (p * v - 1), m, v)[0]
+    assert inter == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)  # Megatron: bubble / v
+    assert inter < one
+
+
+def test_uneven_stages_bottleneck():
+    f, b = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0]
+    m = 16
+    t = simulate("1f1b", f, b, [0.0, 0.0], m)[0]
+    assert t >= m * (3.0 + 6.0)
+    assert t <= m * 9.0 + sum(f) + sum(b)
+    # memoised entry point agrees
+    assert pipeline_time("1f1b", f, b, [0.0, 0.0], m) == t
+
+
+def test_two_pipelines_iteration_is_the_max(inputs):
+    cluster, model, plan = inputs
+    pred = predict(cluster, model, plan)
+    slowest = max(p.pipeline_time_s for p in pred.pipelines)
+    assert pred.iteration_time_s == pytest.approx(
+        slowest + pred.dp_sync_time_s + pred.optimizer_time_s + pred.overhead_time_s)
+    assert pred.pipelines[0].pipeline_time_s != pred.pipelines[1].pipeline_time_s
+
+
+def test_uneven_plan_marks_the_heavy_stage(inputs):
+    cluster, model, _ = inputs
+    plan = hetero.load_plan({"global_batch_size": 32, "micro_batch_size": 2, "pipelines": [
+        {"replicas": 1, "micro_batches": 16, "stages": [{"group": "a100", "tp": 2, "layers": [0, 4]},
+                                                        {"group": "a100", "tp": 2, "layers": [4, 32]},
+                                                        {"group": "a100", "tp": 2, "layers": [32, 36]}]}]})
+    pred = predict(cluster, model, plan)
+    assert pred.bottleneck == (0, 1)
+    s = pred.pipelines[0].stages[1]
+    assert pred.pipelines[0].pipeline_time_s >= 16 * (s.forward_time_s + s.backward_time_s)
+
+
+# ---------------------------------------------------------------- communication
+def test_collectives():
+    assert comm.ring_allreduce(1e9, 1, 1e9, 1e-5) == 0
+    assert comm.ring_allreduce(8e9, 8, 100e9, 0) == pytest.approx(2 * 7 / 8 * 8e9 / 100e9)
+    assert comm.allgather(8e9, 8, 100e9, 0) == pytest.approx(7 / 8 * 8e9 / 100e9)
+    small = comm.allreduce(1024, 64, 100e9, 1e-5)
+    assert small == pytest.approx(comm.tree_allreduce(1024, 64, 100e9, 1e-5))
+    assert small < comm.ring_allreduce(1024, 64, 100e9, 1e-5)
+    big = comm.allreduce(8e9, 8, 100e9, 1e-5)
+    assert big == pytest.approx(comm.ring_allreduce(8e9, 8, 100e9, 1e-5))
+
+
+def test_cross_vendor_p2p_pays_host_staging(inputs):
+    cluster, model, _ = inputs
+    cm = StageCostModel(cluster, model)
+    nbytes = 2 * 1024 * 1280 * 2
+    link = cluster.network.cross_group
+    assert cm.p2p_time("a100", "mi250", 2) == pytest.approx(
+        link.latency + nbytes / link.bandwidth + 2 * nbytes / comm.HOST_STAGING_BANDWIDTH)
+    intra = cluster.group("a100").intra_node
+    assert cm.p2p_time("a100", "a100", 2, same_node=True) == pytest.approx(intra.latency + nbytes / intra.bandwidth)
+
+
+def test_dp_sync_grows_with_model_size(inputs):
+    cluster, _, plan = inputs
+    times = []
+    for h, a in ((768, 12), (1280, 20), (2560, 32)):
+        model = hetero.load_model({**GPT, "hidden_size": h, "num_attention_heads": a})
+        times.append(StageCostModel(cluster, model).dp_sync_time(plan))
+    assert times[0] < times[1] < times[2]
+
+
+def test_dp_sync_zero_when_no_replicas(inputs):
+    cluster, model, _ = inputs
+    plan = hetero.load_plan({"global_batch_size": 8, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 8, "stages": [{"group": "a100", "tp": 8, "layers": [0, 36]}]}]})
+    assert StageCostModel(cluster, model).dp_sync_time(plan) == 0.0
+
+
+def test_tp_adds_communication(inputs):
+    cluster, model, _ = inputs
+    cm = StageCostModel(cluster, model)
+    c1 = cm.layer_compute_times("a100", 2, 2, "none")
+    f, b = cm.layer_times("a100", 2, 2, "none")
+    assert f > c1[0] and b > c1[1]
+    assert cm.layer_times("a100", 1, 2, "none") == cm.layer_compute_times("a100", 1, 2, "none")
+
+
+# ---------------------------------------------------------------- predict() contract
+def test_to_dict_keys_exactly_schema(inputs):
+    cluster, model, plan = inputs
+    d = predict(cluster, model, plan).to_dict()
+    assert set(d) == {"iteration_time_s", "tokens_per_s", "samples_per_s", "mfu", "fits_memory",
+                      "upper_bound_tokens_per_s", "pipelines"}
+    assert d["upper_bound_tokens_per_s"] is None
+    for p in d["pipelines"]:
+        assert set(p) == {"replicas", "micro_batches", "stages"}
+        for s in p["stages"]:
+            assert set(s) == {"group", "tp", "layers", "forward_time_s", "backward_time_s",
+                              "peak_memory_bytes", "memory_capacity_bytes"}
+            assert isinstance(s["layers"], list)
+    json.dumps(d)
+    assert d["tokens_per_s"] == pytest.approx(128 * 1024 / d["iteration_time_s"])
+    assert 0 < d["mfu"] < 1
+    extra = predict(cluster, model, plan).to_dict(extra=True)
+    assert extra["provenance"]["A100-SXM4-80GB"]["source"] == "catalog"
+
+
+def test_predict_uses_the_stage_cost_model(inputs):
+    cluster, model, plan = inputs
+    cm = StageCostModel(cluster, model)
+    pred = predict(cluster, model, plan, cost_model=cm)
+    s = pred.pipelines[0].stages[0]
+    assert (s.forward_time_s, s.backward_time_s) == cm.stage_times("a100", 2, 2, (0, 20), "none", True, False)
+    assert hetero.predict(cluster, model, plan).iteration_time_s == pytest.approx(pred.iteration_time_s)
+
+
+def test_bad_plan_raises_spec_error(inputs):
+    cluster, model, _ = inputs
+    bad = hetero.load_plan(plan_dict(global_batch_size=100))
+    with pytest.raises(SpecError):
+        predict(cluster, model, bad)
+    gap = plan_dict()
+    gap["pipelines"][1]["stages"][0]["layers"] = [0, 30]
+    with pytest.raises(SpecError):
+        predict(cluster, model, hetero.load_plan(gap))
+
+
+def test_memory_shortfall_reported(inputs):
+    cluster, _, _ = inputs
+    big = hetero.load_model({**GPT, "hidden_size": 8192, "num_attention_heads": 64, "num_layers": 36})
+    plan = hetero.load_plan({"global_batch_size": 8, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 8, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
+    pred = predict(cluster, big, plan)
+    assert not pred.fits_memory
+    (pi, si, s), = pred.memory_shortfalls()
+    assert s.memory_shortfall_bytes == s.peak_memory_bytes - s.memory_capacity_bytes > 0
+
+
+class _Cal:
+    def __init__(self, **kw):
+        self.f = CalibrationFactors(**kw)
+
+    def factors_for(self, device_name, device):
+        return self.f if device_name == "A100-SXM4-80GB" else None
+
+
+def test_calibration_factors_apply(inputs):
+    cluster, model, plan = inputs
+    base = StageCostModel(cluster, model)
+    cal = StageCostModel(cluster, model, _Cal(compute=2.0))
+    assert cal.layer_compute_times("a100", 2, 2, "none")[0] == pytest.approx(2 * base.layer_compute_times("a100", 2, 2, "none")[0])
+    assert cal.layer_compute_times("mi250", 2, 2, "none") == base.layer_compute_times("mi250", 2, 2, "none")
+    ov = StageCostModel(cluster, model, _Cal(layer_overhead_s=1e-3))
+    f0, b0 = base.layer_times("a100", 2, 2, "none")
+    f1, b1 = ov.layer_times("a100", 2, 2, "none")
+    assert (f1 - f0, b1 - b0) == pytest.approx((1e-3, 2e-3))
+    p0 = predict(cluster, model, plan)
+    p1 = predict(cluster, model, plan, _Cal(iteration_overhead_s=0.5))
+    assert p1.iteration_time_s == pytest.approx(p0.iteration_time_s + 0.5)
+    assert p1.provenance["A100-SXM4-80GB"]["source"] == "calibration"
+    comm2 = StageCostModel(cluster, model, _Cal(communication=3.0))
+    assert comm2.p2p_time("a100", "a100", 2) == pytest.approx(3 * base.p2p_time("a100", "a100", 2))
+
+
+def test_cpu_devices_use_local_profile(monkeypatch):
+    class Local:
+        def predict(self, op, dims, dtype, device):
+            return 1e-3
+
+    fake = types.ModuleType("hetero.predictor.profiles")
+    fake.local_op_model = lambda name: Local() if name == "cpu-slow" else None
+    monkeypatch.setitem(sys.modules, "hetero.predictor.profiles", fake)
+    cluster = hetero.load_cluster({"name": "cpus", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
+                                   "groups": [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 2},
+                                              {"name": "slow", "device": "cpu-slow", "nodes": 1, "devices_per_node": 2}]})
+    model = hetero.load_model({**GPT, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                               "seq_length": 32, "vocab_size": 100, "dtype": "fp32"})
+    cm = StageCostModel(cluster, model)
+    prov = cm.provenance()
+    assert prov["cpu-slow"]["source"] == "profile" and prov["cpu"]["source"] == "catalog"
+    n = len(O.layer_forward_ops(model, 1, 32, 1))
+    assert cm.layer_compute_times("slow", 1, 1, "none")[0] == pytest.approx(n * 1e-3 * 2.0)
+    # cpu <-> emulated vendor: cross-group but no host staging (both live in host memory)
+    link = cluster.network.cross_group
+    assert cm.p2p_time("fast", "slow", 1) == pytest.approx(link.latency + 32 * 64 * 4 / link.bandwidth)
+
+
+def test_timeline_shape(inputs):
+    cluster, model, plan = inputs
+    pred = predict(cluster, model, plan, timeline=True)
+    tl = pred.timeline()
+    evs = tl["traceEvents"]
+    json.dumps(tl)
+    xs = [e for e in evs if e["ph"] == "X"]
+    names = {e["name"] for e in xs}
+    assert {"F0", "B0", "F15", "B15", "optimizer", "dp grad sync"} <= names
+    assert any(e["cat"] == "p2p" for e in xs)
+    assert {(e["pid"], e["tid"]) for e in xs if e["cat"] == "forward"} == {(0, 0), (0, 2), (1, 0)}
+    assert sum(1 for e in xs if e["cat"] == "forward" and e["pid"] == 0) == 2 * 16
+    end = max(e["ts"] + e["dur"] for e in xs if e["cat"] in ("forward", "backward") and e["pid"] == 1)
+    assert end == pytest.approx(pred.pipelines[1].pipeline_time_s * 1e6)
+
+
+def test_interleaved_plan_predicts(inputs):
+    cluster, model, _ = inputs
+    stages = [{"group": "a100", "tp": 2, "layers": [0, 9]}, {"group": "a100", "tp": 2, "layers": [9, 18]},
+              {"group": "a100", "tp": 2, "layers": [18, 27]}, {"group": "a100", "tp": 2, "layers": [27, 36]}]
+    two = [{"group": "a100", "tp": 2, "layers": [0, 18]}, {"group": "a100", "tp": 2, "layers": [18, 36]}]
+    base = {"global_batch_size": 16, "micro_batch_size": 2,
+            "pipelines": [{"replicas": 1, "micro_batches": 8, "stages": stages}]}
+    inter = predict(cluster, model, hetero.load_plan({**base, "schedule": "interleaved", "interleave": 2}))
+    one = predict(cluster, model, hetero.load_plan({**base, "pipelines": [{"replicas": 1, "micro_batches": 8,
+                                                                           "stages": two}]}))
+    assert inter.iteration_time_s < one.iteration_time_s
+    assert len(inter.pipelines[0].stages) == 4
+
+
+# ---------------------------------------------------------------- CLI, purity, speed
+def _write_inputs(tmp_path):
+    import yaml
+
+    for name, data in (("c", CLUSTER), ("m", GPT), ("p", plan_dict())):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    return [str(tmp_path / f"{n}.yaml") for n in "cmp"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "hetero", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_and_timeline(tmp_path, inputs):
+    c, m, p = _write_inputs(tmp_path)
+    tl = tmp_path / "tl.json"
+    r = _cli("predict", "--cluster", c, "--model", m, "--plan", p, "--json", "--timeline", str(tl))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d == json.loads(json.dumps(predict(*inputs).to_dict()))
+    assert "traceEvents" in json.loads(tl.read_text())
+    r = _cli("predict", "--cluster", c, "--model", m, "--plan", p)
+    assert r.returncode == 0 and "bottleneck" in r.stdout and "provenance" in r.stdout
+
+
+def test_cli_bad_plan_exit_1(tmp_path):
+    import yaml
+
+    c, m, p = _write_inputs(tmp_path)
+    Path(p).write_text(yaml.safe_dump(plan_dict(global_batch_size=7)))
+    r = _cli("predict", "--cluster", c, "--model", m, "--plan", p)
+    assert r.returncode == 1 and "global_batch_size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_predict_path_does_not_import_torch():
+    code = ("import sys, hetero, hetero.predictor\n"
+            f"c = hetero.load_cluster({CLUSTER!r}); m = hetero.load_model({GPT!r}); p = hetero.load_plan({plan_dict()!r})\n"
+            "hetero.predict(c, m, p).to_dict()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_speed_at_least_2000_plans_per_second():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_predict_speed as bench
+    finally:
+        sys.path.pop(0)
+    cluster, model, plans, cm = bench.setup(150)
+    bench.rate(cluster, model, plans, cm)  # warm the caches
+    best = max(bench.rate(cluster, model, plans, cm) for _ in range(3))
+    assert best >= 2000, f"{best:.0f} plans/s"
