@@ -205,7 +205,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     peak = 0.0
     for p in plan.pipelines:
         for s in plan.physical_stages(p):
-            peak += p.replicas * s.tp * cm.device(s.group).matrix_flops(model.dtype)
+            peak += p.replicas * s.tp * cm.peak_flops(s.group)
     mfu = model_flops_per_token(model) * tokens / (it * peak) if it > 0 and peak > 0 else 0.0
     sp = pipes[slowest].stages
     m = pipes[slowest].micro_batches

@@ -90,6 +90,14 @@ class StageCostModel:
                                       "op_model": self._opkind[name]})["groups"].append(name)
         return out
 
+    def peak_flops(self, group: str) -> float:
+        """Peak matrix FLOP/s of one device of ``group`` in the model dtype (MFU denominator)."""
+        key = ("pf", group)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = float(self._dev[group].matrix_flops(self.dtype))
+        return hit
+
     def capacity(self, group: str) -> float:
         return float(self._dev[group].memory)
 

@@ -95,13 +95,20 @@ def op_model_for(device_name: str, device) -> tuple[object, str]:
     """(model with .predict(op, dims, dtype, device), provenance) for one device type.
 
     CPU-family devices use this machine's profile when ``hetero.predictor.profiles`` has one
-    (provenance ``profile``); everything else uses the catalog numbers (``catalog``).
+    (their own, else the ``cpu`` one; times the device's slowdown; provenance ``profile``);
+    everything else uses the catalog numbers (``catalog``).
     """
     if device.family == "cpu":
+        local = None
         try:
             from .profiles import local_op_model
 
-            local = local_op_model(device_name)
+            # an emulated device runs on this machine's CPU: its own profile if one was cached,
+            # else the plain "cpu" one (the hardware it runs on); the slowdown is applied here
+            for name in dict.fromkeys((device_name, "cpu")):
+                local = local_op_model(name)
+                if local is not None:
+                    break
         except Exception:  # noqa: BLE001 - module not there yet, or no profile on this machine
             local = None
         if local is not None:

@@ -316,7 +316,7 @@ def test_cpu_devices_use_local_profile(monkeypatch):
             return 1e-3
 
     fake = types.ModuleType("hetero.predictor.profiles")
-    fake.local_op_model = lambda name: Local() if name == "cpu-slow" else None
+    fake.local_op_model = lambda name: Local() if name == "cpu-slow" else None  # no plain "cpu" profile
     monkeypatch.setitem(sys.modules, "hetero.predictor.profiles", fake)
     cluster = hetero.load_cluster({"name": "cpus", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
                                    "groups": [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 2},
@@ -416,3 +416,21 @@ def test_speed_at_least_2000_plans_per_second():
     bench.rate(cluster, model, plans, cm)  # warm the caches
     best = max(bench.rate(cluster, model, plans, cm) for _ in range(3))
     assert best >= 2000, f"{best:.0f} plans/s"
+
+
+def test_emulated_cpu_falls_back_to_the_cpu_profile(monkeypatch):
+    class Local:
+        def predict(self, op, dims, dtype, device):
+            return 1e-3
+
+    fake = types.ModuleType("hetero.predictor.profiles")
+    fake.local_op_model = lambda name: Local() if name == "cpu" else None
+    monkeypatch.setitem(sys.modules, "hetero.predictor.profiles", fake)
+    cluster = hetero.load_cluster({"name": "cpus", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 3.0}},
+                                   "groups": [{"name": "slow", "device": "cpu-slow", "nodes": 1, "devices_per_node": 2}]})
+    model = hetero.load_model({**GPT, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                               "seq_length": 32, "vocab_size": 100, "dtype": "fp32"})
+    cm = StageCostModel(cluster, model)
+    assert cm.provenance()["cpu-slow"]["source"] == "profile"
+    n = len(O.layer_forward_ops(model, 1, 32, 1))
+    assert cm.layer_compute_times("slow", 1, 1, "none")[0] == pytest.approx(n * 3e-3)
