@@ -105,6 +105,19 @@ def _diff(a, b) -> str:
             if x[0] != y[0]:
                 parts.append(f"{x[0]} vs {y[0]} layers")
             out.append(f"{g} " + ", ".join(parts))
+    def order(plan):
+        out = []
+        for p in plan.pipelines:
+            groups = []
+            for s in p.stages:
+                if not groups or groups[-1] != s.group:
+                    groups.append(s.group)
+            out.append(" > ".join(groups))
+        return out
+
+    if len(a.pipelines) == len(b.pipelines) and order(a) != order(b) and sorted(sa) == sorted(sb):
+        out.append(f"stage order {', '.join(order(a))} vs {', '.join(order(b))} (embedding on the first "
+                   f"stage, LM head on the last, cross-group hops)")
     if len(a.pipelines) != len(b.pipelines):
         out.append(f"{len(a.pipelines)} vs {len(b.pipelines)} pipeline shapes")
     return "; ".join(out)
