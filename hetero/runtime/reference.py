@@ -17,7 +17,7 @@ from hetero.runtime.model import build_stage, loss_fn
 
 def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
                      lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
-                     return_model: bool = False):
+                     return_model: bool = False, return_norms: bool = False):
     import hetero
 
     model = hetero.load_model(model) if not hasattr(model, "num_layers") else model
@@ -26,7 +26,7 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
     opt = make_optimizer(m.parameters(), lr, weight_decay)
     src = TokenSource(model.vocab_size, model.seq_length, seed, data)
     chunk = chunk or global_batch
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -40,4 +40,12 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
         scale_grads(m, clip_coefficient(norm, clip))
         opt.step()
         losses.append(total)
+        norms.append(norm)
+    if return_norms:
+        return losses, norms
     return (losses, m) if return_model else losses
+
+
+def reference_run(model, seed: int, steps: int, global_batch: int, **kw) -> tuple[list[float], list[float]]:
+    """(losses, gradient norms before clipping) of the single-device reference."""
+    return reference_losses(model, seed, steps, global_batch, return_norms=True, **kw)

@@ -1,0 +1,282 @@
+"""Training runtime: loss equivalence with the single-device reference across plans, DeepSpeed,
+checkpoints across plans, failure handling without orphans. Tiny models, 5 steps, CPU / Gloo."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = {
+    "name": "local-cpu-test",
+    "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"},
+                "cpu-emu-b": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
+    "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2},
+               {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 2}],
+}
+GPT = {"name": "tiny", "architecture": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+       "vocab_size": 512, "seq_length": 32, "dtype": "fp32", "tie_embeddings": True}
+LLAMA = {"name": "tiny-llama", "architecture": "llama", "num_layers": 4, "hidden_size": 64,
+         "num_attention_heads": 4, "num_kv_heads": 2, "vocab_size": 512, "seq_length": 32, "dtype": "fp32"}
+LR = 1e-2  # large enough that a wrong gradient shows in the losses within 5 steps
+STEPS = 5
+RTOL = 1e-3
+
+
+def _plan(pipelines, gbs=8, mbs=2, **kw):
+    return {"global_batch_size": gbs, "micro_batch_size": mbs, "pipelines": pipelines, **kw}
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> str:
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _launch(tmp_path: Path, model: dict, plan: dict, *extra: str, timeout: float = 150, check: bool = True):
+    summary = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", CLUSTER),
+           "--model", _write(tmp_path, "model.yaml", model), "--plan", _write(tmp_path, "plan.yaml", plan),
+           "--steps", str(STEPS), "--seed", "0", "--lr", str(LR), "--summary", str(summary), "--timeout", "20",
+           "--run-dir", str(tmp_path / "run"), "--quiet", *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc.elapsed = time.time() - t0
+    assert not _leftover(tmp_path / "run"), "worker or launcher processes left behind"
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(summary.read_text()), proc
+    return None, proc
+
+
+def _leftover(run_dir: Path) -> list[int]:
+    """Processes whose command line mentions this run's directory (the run file lives there)."""
+    needle = str(run_dir).encode()
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+_REF: dict = {}
+
+
+def _reference(model: dict, gbs: int = 8):
+    key = (model["name"], gbs)
+    if key not in _REF:
+        from hetero.runtime.reference import reference_run
+
+        _REF[key] = reference_run(model, 0, STEPS, gbs, lr=LR)
+    return _REF[key]
+
+
+def _assert_matches(summary: dict, model: dict, gbs: int = 8):
+    losses, norms = _reference(model, gbs)
+    assert summary["steps"] == STEPS
+    assert summary["losses"] == pytest.approx(losses, rel=RTOL), (summary["losses"], losses)
+    assert summary["grad_norms"] == pytest.approx(norms, rel=RTOL), (summary["grad_norms"], norms)
+
+
+# ---------------------------------------------------------------------------- in-process units
+
+
+def test_split_init_equals_single_device():
+    import hetero
+    from hetero.runtime.model import build_stage
+
+    spec = hetero.load_model(GPT)
+    full = dict(build_stage(spec, (0, 4), True, True, seed=3).named_parameters())
+    parts = [build_stage(spec, (0, 1), True, False, 3), build_stage(spec, (1, 3), False, False, 3),
+             build_stage(spec, (3, 4), False, True, 3)]
+    seen = set()
+    for part in parts:
+        for name, p in part.named_parameters():
+            assert torch.equal(p, full[name]), name
+            seen.add(name)
+    assert seen == set(full)
+    assert "wte.weight" in dict(parts[2].named_parameters())  # tied copy on the last stage
+
+
+def test_split_forward_equals_full_model():
+    import hetero
+    from hetero.runtime.model import build_stage
+
+    for raw in (GPT, LLAMA):
+        spec = hetero.load_model(raw)
+        x = torch.randint(0, spec.vocab_size, (2, spec.seq_length))
+        full = build_stage(spec, (0, 4), True, True, 0)(x)
+        h = build_stage(spec, (0, 2), True, False, 0)(x)
+        out = build_stage(spec, (2, 4), False, True, 0)(h)
+        torch.testing.assert_close(out, full)
+
+
+def test_data_is_a_function_of_seed_and_index():
+    from hetero.runtime.data import TokenSource
+
+    a, b = TokenSource(512, 32, 7), TokenSource(512, 32, 7)
+    assert torch.equal(a.batch(10, 3)[0], torch.stack([b.sample(i)[:-1] for i in (10, 11, 12)]))
+    assert not torch.equal(a.sample(1), TokenSource(512, 32, 8).sample(1))
+
+
+def test_data_file_tokens(tmp_path):
+    import numpy as np
+
+    from hetero.runtime.data import TokenSource
+
+    np.save(tmp_path / "t.npy", np.arange(1000, dtype=np.int32) % 500)
+    src = TokenSource(512, 16, 0, str(tmp_path / "t.npy"))
+    x, y = src.batch(0, 2)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    (tmp_path / "t.txt").write_text("hello world " * 20)
+    assert int(TokenSource(512, 16, 0, str(tmp_path / "t.txt")).sample(0).max()) < 256
+
+
+def test_schedules():
+    from hetero.runtime.pipeline import schedule_actions
+
+    for kind in ("1f1b", "gpipe"):
+        for stage in range(3):
+            acts = schedule_actions(kind, stage, 3, 5)
+            assert sorted(acts) == sorted([("F", m) for m in range(5)] + [("B", m) for m in range(5)])
+            done = set()
+            for k, m in acts:  # backward of a micro-batch only after its forward
+                assert k == "F" or m in done
+                done.add(m)
+    assert schedule_actions("1f1b", 0, 3, 5)[:3] == [("F", 0), ("F", 1), ("F", 2)]
+    assert schedule_actions("1f1b", 2, 3, 5)[:2] == [("F", 0), ("B", 0)]
+
+
+def test_reference_chunking_invariant():
+    from hetero.runtime.reference import reference_losses
+
+    a = reference_losses(GPT, 0, 3, 8, lr=LR)
+    b = reference_losses(GPT, 0, 3, 8, lr=LR, chunk=2)
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_dry_run_prints_every_node(tmp_path):
+    plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
+                  {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}])
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "c.yaml", CLUSTER),
+           "--model", _write(tmp_path, "m.yaml", GPT), "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run",
+           "--run-dir", str(tmp_path / "run")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "--nproc-per-node=2" in text and "--nproc-per-node=1" in text
+    assert "--node-rank=0" in text and "--node-rank=1" in text and "--rdzv-backend=static" in text
+    assert "--master-addr=127.0.0.1" in text and "HETERO_NODE_SLOT=1" in text
+    assert "stage 0" in text and not _leftover(tmp_path / "run")
+
+
+def test_bad_inputs_exit_1(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                   {"group": "slow", "layers": [3, 4]}]}])
+    base = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "c.yaml", CLUSTER),
+            "--model", _write(tmp_path, "m.yaml", GPT), "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run"]
+    for extra, needle in ((["--engine", "deepspeed"], "one stage"), (["--inject-failure", "x"], "STEP:RANK")):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------------- multi-process runs
+
+
+@pytest.mark.timeout(180)
+def test_uneven_pp_two_vendors_matches_reference(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                   {"group": "slow", "layers": [3, 4]}]}], schedule="1f1b")
+    summary, _ = _launch(tmp_path, GPT, plan, "--trace", str(tmp_path / "trace.json"))
+    _assert_matches(summary, GPT)
+    for key in ("steps", "losses", "iteration_times_s", "tokens_per_s", "predicted_iteration_time_s", "ranks",
+                "reconfigurations"):
+        assert key in summary
+    assert [r["layers"] for r in summary["ranks"]] == [[0, 3], [3, 4]]
+    assert summary["reconfigurations"] == [] and summary["tokens_per_s"] > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"F0", "B3"} <= names
+
+
+@pytest.mark.timeout(180)
+def test_tp2_and_pp2_shapes_with_1_to_3_micro_batches(tmp_path):
+    plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
+                  {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 1]},
+                                                  {"group": "slow", "layers": [1, 4]}]}])
+    summary, _ = _launch(tmp_path, GPT, plan)
+    _assert_matches(summary, GPT)
+
+
+@pytest.mark.timeout(180)
+def test_pp_x_dp_llama_gpipe(tmp_path):
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                                 {"group": "slow", "layers": [2, 4]}]}],
+                 schedule="gpipe")
+    summary, _ = _launch(tmp_path, LLAMA, plan)
+    _assert_matches(summary, LLAMA)
+    assert {(r["pipeline"], r["replica"], r["stage"]) for r in summary["ranks"]} == \
+        {(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)}
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_zero2_unequal_micro_batches(tmp_path):
+    pytest.importorskip("deepspeed")
+    plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "layers": [0, 4]}]},
+                  {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}], zero_stage=2)
+    summary, _ = _launch(tmp_path, GPT, plan, "--engine", "deepspeed", timeout=220)
+    _assert_matches(summary, GPT)
+    assert summary["engine"] == "deepspeed"
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_reloads_under_another_plan(tmp_path):
+    global STEPS
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    plan_a = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 1]},
+                                                     {"group": "slow", "layers": [1, 4]}]}])
+    plan_b = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
+                    {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}])
+    old = STEPS
+    try:
+        STEPS = 2
+        first, _ = _launch(a, GPT, plan_a, "--save", ckpt)
+        STEPS = 3
+        second, _ = _launch(b, GPT, plan_b, "--load", ckpt)
+    finally:
+        STEPS = old
+    losses, _ = _reference(GPT)
+    assert first["losses"] + second["losses"] == pytest.approx(losses, rel=RTOL)
+
+
+@pytest.mark.timeout(120)
+def test_injected_failure_names_rank_and_stage_without_orphans(tmp_path):
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                                 {"group": "slow", "layers": [2, 4]}]}])
+    _, proc = _launch(tmp_path, GPT, plan, "--inject-failure", "2:3", "--steps", "50", check=False, timeout=100)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr
+    assert "rank 3" in err and "stage 1" in err and "step 2" in err, err
+    assert "Traceback" not in err.split("error:")[-1]
+    assert proc.elapsed < 20 + 60  # within the communicator timeout (plus start-up)
+    assert not _leftover(tmp_path / "run")
