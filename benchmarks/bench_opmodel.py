@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Leave-one-device-out benchmark of the learned op model against two baselines.
+
+For each of the five NeuSight GPUs: fit on the other four (at most --train-rows rows per
+(op, device), fixed seed), predict EVERY row of the held-out GPU, and compare
+  learned    OpModel (roofline x exp(gradient-boosted trees on dimensionless features))
+  roofline   max(flops/peak, bytes/bw) x one per-op factor fitted on the training GPUs
+  linreg     per-op least squares of log latency on log(flops/peak), log(bytes/bw), log(roofline)
+MAPE = mean |pred - meas| / meas; medAPE = median. Family and overall figures are the unweighted
+mean of the per-op figures (every op counts the same); pooled figures (all rows) are in the JSON.
+Hyperparameters are fixed in predictor/opmodel/model.py (HGB_PARAMS), never chosen on a held-out GPU.
+Writes benchmarks/results/opmodel_lodo.json. Needs $HETERO_SHARED_DATA or ../shared/data.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("learned", "roofline", "linreg")
+
+
+def main(argv=None) -> int:
+    from hetero.predictor.opmodel import load_neusight, shared_data_dir
+    from hetero.predictor.opmodel.lodo import FAMILIES, run_lodo
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--train-rows", type=int, default=4000, help="max training rows per (op, device)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "opmodel_lodo.json"))
+    args = ap.parse_args(argv)
+
+    data = Path(args.data) if args.data else shared_data_dir(REPO)
+    if not (data / "neusight" / "ops").is_dir():
+        print(f"no NeuSight data under {data}; set HETERO_SHARED_DATA", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    rec, devices = load_neusight(data)
+    print(__doc__.split("\n\n")[1])
+    print(f"\n{len(rec)} records; training subsample <= {args.train_rows} rows per (op, device)\n")
+    res = run_lodo(rec, devices, train_rows_per_group=args.train_rows)
+
+    print("\nPer held-out GPU, overall (mean over the 11 ops) MAPE / medAPE:")
+    print(f"{'held-out GPU':26s}" + "".join(f"{m:>18s}" for m in METHODS))
+    for dev, r in res.items():
+        print(f"{dev:26s}" + "".join(f"{r[m]['overall']['mape']:>10.1%} /{r[m]['overall']['medape']:>6.1%}" for m in METHODS))
+    for fam in FAMILIES:
+        print(f"\nFamily {fam} ({', '.join(FAMILIES[fam])}): MAPE / medAPE")
+        for dev, r in res.items():
+            print(f"{dev:26s}" + "".join(f"{r[m]['family'][fam]['mape']:>10.1%} /{r[m]['family'][fam]['medape']:>6.1%}" for m in METHODS))
+    print("\nLearned model per op, MAPE (medAPE):")
+    ops = list(next(iter(res.values()))["learned"]["op"])
+    print(f"{'held-out GPU':26s}" + "".join(f"{o:>14s}" for o in ops))
+    for dev, r in res.items():
+        print(f"{dev:26s}" + "".join(f"{r['learned']['op'][o]['mape']:>7.1%}({r['learned']['op'][o]['medape']:>4.0%})" for o in ops))
+    ok = {d: r["learned"]["overall"]["mape"] <= 0.15 and r["learned"]["overall"]["medape"] <= 0.10 for d, r in res.items()}
+    print(f"\nTarget (overall MAPE <= 15% and medAPE <= 10%) met on: {[d for d, v in ok.items() if v]}; "
+          f"missed on: {[d for d, v in ok.items() if not v]}")
+    print(f"total {time.time() - t0:.0f}s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"method": __doc__, "train_rows_per_group": args.train_rows,
+                               "evaluation": "all rows of the held-out GPU", "results": res}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

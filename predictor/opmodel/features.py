@@ -1,0 +1,174 @@
+"""Roofline and dimensionless features of one operator on one device.
+
+Every function here takes a math namespace ``xp`` (``SCALAR`` for Python floats, ``VECTOR`` for
+numpy arrays), so the single-call fast path and the vectorised path share one definition.
+
+Device identity enters only through spec ratios: intensity relative to the ridge point
+(peak / bandwidth), waves of tiles over the compute units, working set relative to L2, and the
+roofline time relative to a fixed 10 us (launch-overhead scale).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+GEMM_OPS = ("linear", "bmm")
+NORM_OPS = ("ln", "softmax")
+ELEMENTWISE_OPS = ("add", "mul", "div", "pow", "tanh", "relu", "gelu")
+VECTOR_OPS = NORM_OPS + ELEMENTWISE_OPS
+OPS = GEMM_OPS + VECTOR_OPS
+FAMILY = {**{o: "gemm" for o in GEMM_OPS}, **{o: "vector" for o in VECTOR_OPS}}
+
+# Tensors read per output element (binary ops read two same-shaped tensors) and FLOPs per element.
+VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
+VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
+OP_INDEX = {o: i for i, o in enumerate(VECTOR_OPS)}
+
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+OVERHEAD_SCALE = 1e-5  # seconds; roofline time is expressed relative to it
+GEMM_TILES = ((32, 32), (64, 64), (128, 64), (128, 128), (256, 128))
+
+DEFAULT_COMPUTE_UNITS = 64
+DEFAULT_L2 = 4 * 2**20
+
+
+class _Scalar:
+    log2 = staticmethod(math.log2)
+    ceil = staticmethod(math.ceil)
+    maximum = staticmethod(max)
+
+
+class _Vector:
+    log2 = staticmethod(np.log2)
+    ceil = staticmethod(np.ceil)
+    maximum = staticmethod(np.maximum)
+
+
+SCALAR = _Scalar()
+VECTOR = _Vector()
+
+
+def device_params(device, dtype: str) -> tuple[float, float, float, float, float]:
+    """(matrix FLOP/s, vector FLOP/s, bytes/s, compute units, L2 bytes) of a ``DeviceType``."""
+    return (float(device.matrix_flops(dtype)), float(device.vector_flops(dtype)),
+            float(device.effective_memory_bandwidth),
+            float(device.compute_units or DEFAULT_COMPUTE_UNITS),
+            float(device.l2_cache or DEFAULT_L2))
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPE_BYTES)})") from None
+
+
+def gemm_work(xp, is_bmm, B, M, N, K, e):
+    """(batch, rows, flops, bytes). linear: (B*M) x K @ K x N, one weight; bmm: B independent GEMMs."""
+    Bb = 1 + is_bmm * (B - 1)
+    Mr = M * B / Bb
+    flops = 2.0 * Bb * Mr * N * K
+    nbytes = e * Bb * (Mr * K + K * N + Mr * N)
+    return Bb, Mr, flops, nbytes
+
+
+def gemm_roofline(xp, is_bmm, B, M, N, K, e, P, BW):
+    _, _, flops, nbytes = gemm_work(xp, is_bmm, B, M, N, K, e)
+    return xp.maximum(flops / P, nbytes / BW)
+
+
+def gemm_features(xp, is_bmm, B, M, N, K, e, P, BW, SM, L2):
+    """Return (features list, roofline seconds)."""
+    Bb, Mr, flops, nbytes = gemm_work(xp, is_bmm, B, M, N, K, e)
+    tc = flops / P
+    tm = nbytes / BW
+    troof = xp.maximum(tc, tm)
+    f = [xp.log2(Mr), xp.log2(N), xp.log2(K), xp.log2(Bb), is_bmm,
+         xp.log2(tc / tm), xp.log2(troof / OVERHEAD_SCALE), xp.log2(nbytes / L2)]
+    for tm_, tn_ in GEMM_TILES:
+        tiles = Bb * xp.ceil(Mr / tm_) * xp.ceil(N / tn_)
+        waves = xp.ceil(tiles / SM)
+        f.append(xp.log2(waves))
+        f.append(tiles / (waves * SM))
+    f.append(xp.log2(Bb * xp.ceil(Mr / 128) * xp.ceil(N / 128) / SM))
+    f.append(Mr * N / (xp.ceil(Mr / 64) * xp.ceil(N / 64) * 4096.0))
+    return f, troof
+
+
+GEMM_FEATURE_NAMES = (["log_m", "log_n", "log_k", "log_batch", "is_bmm", "log_ai_over_ridge",
+                       "log_troof_over_10us", "log_bytes_over_l2"]
+                      + [n for t in GEMM_TILES for n in (f"log_waves_{t[0]}x{t[1]}", f"wave_eff_{t[0]}x{t[1]}")]
+                      + ["log_tiles128_per_cu", "pad_eff_64"])
+
+
+def vector_work(xp, n_in, fpe, B, H, e):
+    n = B * H
+    return n, fpe * n, e * n * (n_in + 1)
+
+
+def vector_roofline(xp, n_in, fpe, B, H, e, Pv, BW):
+    _, flops, nbytes = vector_work(xp, n_in, fpe, B, H, e)
+    return xp.maximum(flops / Pv, nbytes / BW)
+
+
+def vector_features(xp, onehot, n_in, fpe, B, H, e, Pv, BW, SM, L2):
+    """``onehot``: list of 0/1 (scalars or arrays), one per op of ``VECTOR_OPS``."""
+    n, flops, nbytes = vector_work(xp, n_in, fpe, B, H, e)
+    tc = flops / Pv
+    tm = nbytes / BW
+    troof = xp.maximum(tc, tm)
+    row_waves = xp.ceil(B / SM)
+    blocks = xp.ceil(n / 512.0)
+    blk_waves = xp.ceil(blocks / (4 * SM))
+    f = list(onehot) + [xp.log2(n), xp.log2(B), xp.log2(H), xp.log2(troof / OVERHEAD_SCALE),
+                        xp.log2(nbytes / L2), xp.log2(row_waves), B / (row_waves * SM),
+                        xp.log2(blk_waves), blocks / (blk_waves * 4 * SM)]
+    return f, troof
+
+
+VECTOR_FEATURE_NAMES = ([f"op_{o}" for o in VECTOR_OPS]
+                        + ["log_n", "log_rows", "log_cols", "log_troof_over_10us", "log_bytes_over_l2",
+                           "log_row_waves", "row_wave_eff", "log_block_waves", "block_wave_eff"])
+
+
+def _dim(dims, key, default=1.0):
+    v = dims.get(key)
+    if v is None:
+        return default
+    v = float(v)
+    return default if v != v else v
+
+
+def roofline_latency(op: str, dims, dtype: str, device) -> float:
+    """Plain roofline, seconds: max(FLOPs / peak, bytes / bandwidth) with the dtype's peak (matrix
+    peak for linear/bmm, vector peak otherwise) and bytes per element. Usable as a fallback."""
+    P, Pv, BW, _, _ = device_params(device, dtype)
+    e = dtype_bytes(dtype)
+    if op in GEMM_OPS:
+        return gemm_roofline(SCALAR, 1.0 if op == "bmm" else 0.0, _dim(dims, "B"), _dim(dims, "M"),
+                             _dim(dims, "N"), _dim(dims, "K"), e, P, BW)
+    if op in VECTOR_OPS:
+        return vector_roofline(SCALAR, VEC_INPUTS[op], VEC_FLOPS[op], _dim(dims, "B"), _dim(dims, "H"), e, Pv, BW)
+    raise ValueError(f"unknown op '{op}' (known: {', '.join(OPS)})")
+
+
+def build_matrix(family: str, ops, dims: dict, e, P, Pv, BW, SM, L2):
+    """Vectorised features for rows of one family. dims: arrays B, M, N, K, H (NaN -> 1)."""
+    ops = np.asarray(ops)
+
+    def d(k):
+        v = np.asarray(dims.get(k, np.ones(len(ops))), dtype=float)
+        return np.where(np.isnan(v), 1.0, v)
+
+    if family == "gemm":
+        is_bmm = (ops == "bmm").astype(float)
+        f, troof = gemm_features(VECTOR, is_bmm, d("B"), d("M"), d("N"), d("K"), e, P, BW, SM, L2)
+    else:
+        onehot = [(ops == o).astype(float) for o in VECTOR_OPS]
+        n_in = np.array([VEC_INPUTS[o] for o in ops], dtype=float)
+        fpe = np.array([VEC_FLOPS[o] for o in ops], dtype=float)
+        f, troof = vector_features(VECTOR, onehot, n_in, fpe, d("B"), d("H"), e, Pv, BW, SM, L2)
+    n = len(ops)
+    X = np.column_stack([np.broadcast_to(np.asarray(c, dtype=float), (n,)) for c in f])
+    return X, np.broadcast_to(troof, (n,)).astype(float)

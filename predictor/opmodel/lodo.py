@@ -1,0 +1,126 @@
+"""Leave-one-device-out evaluation of the op model against two baselines (used by the benchmark
+and the accuracy test).
+
+Baselines, fitted on the same training devices:
+  roofline   max(flops/peak, bytes/bandwidth) times one factor per op, the median of
+             measured/roofline over the training rows (``roofline_raw``: factor 1).
+  linreg     per op, ordinary least squares of log(latency) on [log(flops/peak), log(bytes/bw),
+             log(roofline)] plus an intercept.
+Metrics: APE = |pred - measured| / measured; MAPE (mean) and median APE per op, per family
+(gemm: linear+bmm, norm: ln+softmax, elementwise: the other 7) and overall, where family and
+overall numbers are the unweighted mean over their ops of the per-op metric (each op counts the
+same however many rows it has). ``pooled_*`` are over all rows instead.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from . import features as F
+from .model import OpModel
+from .specs import Records
+
+FAMILIES = {"gemm": list(F.GEMM_OPS), "norm": list(F.NORM_OPS), "elementwise": list(F.ELEMENTWISE_OPS)}
+
+
+def _work(rec: Records, devices: Mapping):
+    """flops/peak, bytes/bw, roofline seconds for each row."""
+    n = len(rec)
+    tc, tm = np.empty(n), np.empty(n)
+    d = {k: np.where(np.isnan(v), 1.0, v) for k, v in rec.dims.items()}
+    for name in np.unique(rec.device):
+        for dt in np.unique(rec.dtype):
+            for op in np.unique(rec.op):
+                m = (rec.device == name) & (rec.dtype == dt) & (rec.op == op)
+                if not m.any():
+                    continue
+                P, Pv, BW, _, _ = F.device_params(devices[name], dt)
+                e = F.dtype_bytes(dt)
+                if op in F.GEMM_OPS:
+                    _, _, fl, by = F.gemm_work(F.VECTOR, float(op == "bmm"), d["B"][m], d["M"][m], d["N"][m],
+                                               d["K"][m], e)
+                    tc[m], tm[m] = fl / P, by / BW
+                else:
+                    _, fl, by = F.vector_work(F.VECTOR, F.VEC_INPUTS[op], F.VEC_FLOPS[op], d["B"][m], d["H"][m], e)
+                    tc[m], tm[m] = fl / Pv, by / BW
+    return tc, tm, np.maximum(tc, tm)
+
+
+def baseline_predictions(train: Records, test: Records, devices: Mapping) -> dict[str, np.ndarray]:
+    from sklearn.linear_model import LinearRegression
+
+    _, _, r_tr = _work(train, devices)
+    tc, tm, r_te = _work(test, devices)
+    tc_tr, tm_tr, _ = _work(train, devices)
+    y_tr = train.latency_ms * 1e-3
+    out = {"roofline_raw": r_te.copy(), "roofline": np.empty(len(test)), "linreg": np.empty(len(test))}
+    for op in np.unique(test.op):
+        mtr, mte = train.op == op, test.op == op
+        factor = float(np.exp(np.median(np.log(y_tr[mtr] / r_tr[mtr]))))
+        out["roofline"][mte] = factor * r_te[mte]
+        Xtr = np.log(np.column_stack([tc_tr[mtr], tm_tr[mtr], r_tr[mtr]]))
+        Xte = np.log(np.column_stack([tc[mte], tm[mte], r_te[mte]]))
+        lr = LinearRegression().fit(Xtr, np.log(y_tr[mtr]))
+        out["linreg"][mte] = np.exp(lr.predict(Xte))
+    return out
+
+
+def metrics(ops: np.ndarray, pred: np.ndarray, meas: np.ndarray) -> dict:
+    ape = np.abs(pred - meas) / meas
+    per_op = {op: {"mape": float(np.mean(ape[ops == op])), "medape": float(np.median(ape[ops == op])),
+                   "n": int((ops == op).sum())} for op in F.OPS if (ops == op).any()}
+    fam = {}
+    for name, members in FAMILIES.items():
+        ms = [per_op[o] for o in members if o in per_op]
+        if ms:
+            fam[name] = {"mape": float(np.mean([m["mape"] for m in ms])),
+                         "medape": float(np.mean([m["medape"] for m in ms]))}
+    overall = {"mape": float(np.mean([m["mape"] for m in per_op.values()])),
+               "medape": float(np.mean([m["medape"] for m in per_op.values()])),
+               "pooled_mape": float(np.mean(ape)), "pooled_medape": float(np.median(ape)), "n": int(len(ape))}
+    return {"overall": overall, "family": fam, "op": per_op}
+
+
+def stratified_sample(rec: Records, per_group: int, seed: int) -> np.ndarray:
+    """Indices of at most ``per_group`` rows of each (op, device) group (fixed seed)."""
+    rng = np.random.default_rng(seed)
+    groups = np.char.add(np.char.add(rec.op, "|"), rec.device)
+    keep = []
+    for g in np.unique(groups):
+        idx = np.flatnonzero(groups == g)
+        keep.append(idx if len(idx) <= per_group else rng.choice(idx, per_group, replace=False))
+    return np.sort(np.concatenate(keep))
+
+
+def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = None,
+             train_rows_per_group: int | None = 4000, test_rows_per_group: int | None = None,
+             seed: int = 0, model_kwargs: Mapping | None = None, log=print) -> dict:
+    """Train on all but one device, evaluate on it, for each device. Training uses at most
+    ``train_rows_per_group`` rows per (op, device) (fixed seed); evaluation uses every held-out row
+    unless ``test_rows_per_group`` is given."""
+    measured = sorted(set(rec.device.tolist()) & set(devices))
+    holdouts = list(holdouts) if holdouts else measured
+    results = {}
+    for dev in holdouts:
+        t0 = time.time()
+        train = rec.subset(rec.device != dev)
+        if train_rows_per_group:
+            train = train.subset(stratified_sample(train, train_rows_per_group, seed))
+        test = rec.subset(rec.device == dev)
+        if test_rows_per_group:
+            test = test.subset(stratified_sample(test, test_rows_per_group, seed + 1))
+        model = OpModel().fit(train, devices, seed=seed, **(model_kwargs or {}))
+        preds = {"learned": model.predict_records(test, devices)}
+        preds.update(baseline_predictions(train, test, devices))
+        meas = test.latency_ms * 1e-3
+        results[dev] = {k: metrics(test.op, p, meas) for k, p in preds.items()}
+        results[dev]["n_train"] = len(train)
+        results[dev]["seconds"] = time.time() - t0
+        if log:
+            r = results[dev]
+            log(f"{dev:24s} learned MAPE {r['learned']['overall']['mape']:.3f} med {r['learned']['overall']['medape']:.3f}"
+                f" | roofline {r['roofline']['overall']['mape']:.3f} | linreg {r['linreg']['overall']['mape']:.3f}"
+                f"  ({r['seconds']:.0f}s)")
+    return results
