@@ -1,0 +1,179 @@
+"""Runtime benchmark: the planner's split vs the uniform split on the emulated mixed CPU cluster.
+
+Cluster: configs/clusters/local-cpu.yaml cut to ONE device per group (one `fast` CPU process and
+one `slow` CPU process that computes 2x slower), so the emulation is honest on a 2-core machine
+(two busy workers, one core each). Model: GPT, 6 layers, hidden 256, seq 128 (compute dominates).
+
+- uniform: two pipeline stages with the same number of layers (3 | 3);
+- planned: ``hetero.search`` over this cluster (same global batch), when the planner is installed;
+  otherwise the layer split proportional to the measured device speed (fast:slow = 2:1 -> 4 | 2).
+
+Both plans are trained with ``hetero launch`` for a few steps; we compare the median step time and
+tokens/s, and the planned plan's ``predicted_iteration_time_s`` (the predictor with this machine's
+operator profile, ``hetero profile``; measured once and cached) with its measured median step.
+Prints a table and writes benchmarks/results/runtime.json.
+
+    .venv/bin/python benchmarks/bench_runtime.py [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = {"name": "bench-gpt-6L-256", "architecture": "gpt", "num_layers": 6, "hidden_size": 256,
+         "num_attention_heads": 4, "vocab_size": 2048, "seq_length": 128, "dtype": "fp32",
+         "tie_embeddings": True}
+GBS, MBS = 16, 2
+
+
+def bench_cluster() -> dict:
+    import yaml
+
+    data = yaml.safe_load((ROOT / "configs/clusters/local-cpu.yaml").read_text())
+    data["name"] = "local-cpu-1+1"
+    for g in data["groups"]:
+        g["devices_per_node"] = 1
+    return data
+
+
+def uniform_plan() -> dict:
+    return {"global_batch_size": GBS, "micro_batch_size": MBS, "schedule": "1f1b",
+            "pipelines": [{"micro_batches": GBS // MBS, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                                  {"group": "slow", "layers": [3, 6]}]}]}
+
+
+def proportional_plan(speed: dict[str, float]) -> dict:
+    L = MODEL["num_layers"]
+    fast = round(L * speed["fast"] / (speed["fast"] + speed["slow"]))
+    return {"global_batch_size": GBS, "micro_batch_size": MBS, "schedule": "1f1b",
+            "pipelines": [{"micro_batches": GBS // MBS, "stages": [{"group": "fast", "layers": [0, fast]},
+                                                                  {"group": "slow", "layers": [fast, L]}]}]}
+
+
+def ensure_profile() -> str:
+    from hetero.predictor import profiles as P
+
+    path = P.cache_path("cpu")
+    if not path.exists():
+        print("profiling this machine's CPU once (hetero profile --threads 1) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "hetero", "profile", "--threads", "1"], cwd=ROOT, check=True)
+    return str(path)
+
+
+def planner_plan(cluster, model) -> tuple[dict | None, str]:
+    try:
+        import hetero
+
+        results = hetero.search(cluster, model, global_batch_size=GBS, top_k=1, micro_batch_sizes=(MBS,))
+        best = list(results)[0]
+        return best.plan.to_dict(), "hetero.search (top-1)"
+    except Exception as e:  # noqa: BLE001 - fall back to the measured-speed split, and say so
+        return None, f"split proportional to measured speed (planner unavailable: {type(e).__name__}: {e})"
+
+
+def launch(tmp: Path, name: str, cluster: dict, plan: dict, steps: int) -> dict:
+    import yaml
+
+    d = tmp / name
+    d.mkdir()
+    for fname, data in (("cluster.yaml", cluster), ("model.yaml", MODEL), ("plan.yaml", plan)):
+        (d / fname).write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", str(d / "cluster.yaml"), "--model",
+           str(d / "model.yaml"), "--plan", str(d / "plan.yaml"), "--steps", str(steps), "--summary",
+           str(d / "summary.json"), "--timeout", "60", "--quiet", "--run-dir", str(d / "run")]
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+    return json.loads((d / "summary.json").read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime.json"))
+    args = ap.parse_args()
+    import hetero
+    from rich.console import Console
+    from rich.table import Table
+
+    t_start = time.time()
+    profile = ensure_profile()
+    cluster_d = bench_cluster()
+    cluster, model = hetero.load_cluster(cluster_d), hetero.load_model(MODEL)
+    planned, source = planner_plan(cluster, model)
+    speed = {g.name: 1.0 / cluster.device_type(g.name).slowdown for g in cluster.groups}
+    if planned is None:
+        planned = proportional_plan(speed)
+    # Alternate the two plans over several rounds and pool the steady steps: this machine may be
+    # shared, and alternating spreads background load over both plans.
+    runs: dict[str, list[dict]] = {"uniform": [], "planned": []}
+    with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp:
+        for r in range(args.rounds):
+            runs["uniform"].append(launch(Path(tmp), f"uniform{r}", cluster_d, uniform_plan(), args.steps))
+            runs["planned"].append(launch(Path(tmp), f"planned{r}", cluster_d, planned, args.steps))
+    tokens_per_step = GBS * MODEL["seq_length"]
+
+    def pooled(name):
+        steps = [t for s in runs[name] for t in s["iteration_times_s"][1:]]
+        med = statistics.median(steps)
+        return {"median_iteration_time_s": med, "tokens_per_s": tokens_per_step / med,
+                "mean_tokens_per_s": statistics.fmean(s["tokens_per_s"] for s in runs[name]),
+                "iteration_times_s": [s["iteration_times_s"] for s in runs[name]],
+                "losses": runs[name][0]["losses"],
+                "predicted_iteration_time_s": runs[name][0]["predicted_iteration_time_s"]}
+
+    uni, pla = pooled("uniform"), pooled("planned")
+    plan_obj = hetero.load_plan(planned)
+    pred = None
+    try:
+        pred = hetero.predict(cluster, model, plan_obj).iteration_time_s
+    except Exception as e:  # noqa: BLE001
+        print(f"predictor unavailable: {e}")
+    med_u, med_p = uni["median_iteration_time_s"], pla["median_iteration_time_s"]
+    speedup_time = med_u / med_p
+    speedup_tokens = pla["mean_tokens_per_s"] / uni["mean_tokens_per_s"]
+    pred_err = (pred - med_p) / med_p if pred else None
+    result = {
+        "cluster": cluster_d["name"], "model": MODEL, "global_batch_size": GBS, "steps": args.steps,
+        "rounds": args.rounds, "load_average": os.getloadavg(),
+        "planned_plan": planned, "planned_source": source, "uniform_plan": uniform_plan(),
+        "uniform": uni,
+        "planned": {**pla, "predicted_iteration_time_s": pred},
+        "speedup_median_step": speedup_time, "speedup_tokens_per_s": speedup_tokens,
+        "prediction_error": pred_err, "profile": profile,
+        "targets": {"speedup": 1.25, "prediction_error": 0.25},
+        "pass_speedup": speedup_time >= 1.25 and speedup_tokens >= 1.25,
+        "pass_prediction": pred_err is not None and abs(pred_err) <= 0.25,
+        "wall_s": time.time() - t_start,
+    }
+    out = Console(highlight=False)
+    out.print(f"planned split from: {source}")
+    out.print(f"planned: {plan_obj.one_line()}   uniform: {hetero.load_plan(uniform_plan()).one_line()}")
+    t = Table(title=f"runtime: planned vs uniform split on {cluster_d['name']} ({MODEL['name']}, gbs {GBS})")
+    for c in ("plan", "median step ms", "tokens/s (mean)", "predicted ms", "pred. error"):
+        t.add_column(c, justify="right")
+    t.add_row("uniform", f"{med_u * 1e3:.1f}", f"{uni['mean_tokens_per_s']:.0f}", "", "")
+    t.add_row("planned", f"{med_p * 1e3:.1f}", f"{pla['mean_tokens_per_s']:.0f}",
+              f"{pred * 1e3:.1f}" if pred else "n/a", f"{pred_err * 100:+.1f} %" if pred_err is not None else "n/a")
+    out.print(t)
+    out.print(f"speedup: {speedup_time:.2f}x median step, {speedup_tokens:.2f}x tokens/s (target >= 1.25x); "
+              f"prediction error {pred_err * 100:+.1f} % (target within 25 %)" if pred_err is not None else
+              f"speedup: {speedup_time:.2f}x median step, {speedup_tokens:.2f}x tokens/s (target >= 1.25x)")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    out.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
