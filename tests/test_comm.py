@@ -237,6 +237,7 @@ def _missing_worker(rank, world_size, absent, timeout):
         out["after"] = "no error"
     except HeteroCommError as e:
         out["after"] = str(e)
+    time.sleep(1.0)  # rank 0 hosts the store: stay until the other ranks have read it
     return out
 
 

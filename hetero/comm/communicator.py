@@ -25,11 +25,15 @@ the emulated vendor's own backend name); vendors meet only on the host bridge (G
 from __future__ import annotations
 
 import collections
+import datetime
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
 
 from .bridge import Bridge, BridgeGroup, StagingPool, make_bridge, wait_work
 from .errors import HeteroCommError, HeteroCommTimeout, ReduceOp, divide_
@@ -40,8 +44,7 @@ DEFAULT_TIMEOUT = 300.0
 
 
 # ------------------------------------------------------------------------------------------- stats
-@dataclass(frozen=True)
-class TraceEntry:
+class TraceEntry(NamedTuple):
     op: str  # the user-facing operation (all_reduce, send, ...)
     path: str  # "vendor" or "bridge"
     vendor: Optional[str]  # the vendor tag of a vendor path (None on the bridge)
@@ -59,8 +62,11 @@ class CommStats:
     trace: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, op: str, path: str, vendor: Optional[str], ranks: Sequence[int], nbytes: int) -> None:
+    def record(self, op: str, path: str, vendor: Optional[str], ranks: Sequence[int], nbytes: int,
+               count: bool = False) -> None:
         with self._lock:
+            if count:
+                self.ops[op] = self.ops.get(op, 0) + 1
             if path == "bridge":
                 self.bridge_bytes += nbytes
             else:
@@ -81,7 +87,7 @@ class CommStats:
     def to_dict(self) -> dict:
         with self._lock:
             return {"bridge_bytes": self.bridge_bytes, "vendor_bytes": dict(self.vendor_bytes), "ops": dict(self.ops),
-                    "trace": [e.__dict__.copy() for e in self.trace]}
+                    "trace": [e._asdict() for e in self.trace]}
 
 
 # ------------------------------------------------------------------------------------------- group
@@ -169,8 +175,6 @@ class Communicator:
 
     def __init__(self, vendor_of_rank: Sequence[str], bridge: str = "gloo", timeout: float = DEFAULT_TIMEOUT,
                  backend_of_vendor: Optional[Mapping[str, str]] = None, device=None):
-        import torch
-        import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("hetero.comm: torch.distributed is not initialised (call "
@@ -181,6 +185,9 @@ class Communicator:
         self.vendor_of_rank: List[str] = list(vendor_of_rank)
         self.vendor = self.vendor_of_rank[self.rank]
         self.timeout = float(timeout)
+
+        self._timeout_td = datetime.timedelta(seconds=self.timeout)
+        self._ar_opts: Dict[object, object] = {}
         self.backend_of_vendor: Dict[str, str] = {}
         for tag in dict.fromkeys(self.vendor_of_rank):
             self.backend_of_vendor[tag] = backend_for(tag, backend_of_vendor)
@@ -224,9 +231,7 @@ class Communicator:
         return self._build_group(ranks, name or f"g{self._counter}")
 
     def _vendor_pg(self, tag: str, ranks: Sequence[int]):
-        import datetime
 
-        import torch.distributed as dist
 
         key = (tag, tuple(ranks))
         if key not in self._vendor_pgs:
@@ -351,7 +356,6 @@ class Communicator:
 
     @staticmethod
     def _sync(t) -> None:
-        import torch
 
         if t.device.type == "cuda":
             torch.cuda.current_stream(t.device).synchronize()
@@ -362,7 +366,6 @@ class Communicator:
     def all_reduce(self, tensor, op="sum", group: Optional[Group] = None, async_op: bool = False,
                    timeout: Optional[float] = None):
         """Reduce ``tensor`` in place over the group (SUM, MAX, MIN, AVG = sum / group size)."""
-        import torch.distributed as dist
 
         g = self._group(group)
         rop = ReduceOp.parse(op)
@@ -372,12 +375,20 @@ class Communicator:
 
         if not g.hierarchical:
             pg = g.vendor_pg
+            direct = tensor.layout == torch.strided and not tensor.is_complex()
+            if direct and not async_op and pg is not None and self._pending == 0:
+                return self._all_reduce_now(tensor, top, avg, g, pg, nbytes, timeout)
 
             def issue(deadline):
                 if pg is None:
                     return [], (lambda: tensor)
                 self.stats.record("all_reduce", "vendor", self.vendor, g.my_vendor_ranks, nbytes)
-                w = dist.all_reduce(tensor, op=top, group=pg, async_op=True)
+                if direct:  # the process group itself: skips torch.distributed's Python wrapper
+                    opts = dist.AllreduceOptions()
+                    opts.reduceOp = top
+                    w = pg.allreduce([tensor], opts)
+                else:
+                    w = dist.all_reduce(tensor, op=top, group=pg, async_op=True)
                 if avg:
                     return [w], (lambda: divide_(tensor, g.size))
                 return [w], (lambda: tensor)
@@ -390,9 +401,27 @@ class Communicator:
 
         return self._launch("all_reduce", g, run, async_op, timeout, hierarchical=True)
 
+    def _all_reduce_now(self, tensor, top, avg, g, pg, nbytes, timeout):
+        """The synchronous flat all-reduce, with nothing between the caller and the process group
+        but the bookkeeping (sequence number, statistics, deadline)."""
+
+        seq = self._monitor.enter(g.name)
+        self.stats.record("all_reduce", "vendor", self.vendor, g.my_vendor_ranks, nbytes, count=True)
+        opts = self._ar_opts.get(top)
+        if opts is None:
+            opts = self._ar_opts[top] = dist.AllreduceOptions()
+            opts.reduceOp = top
+        td = self._timeout_td if timeout is None else datetime.timedelta(seconds=float(timeout))
+        try:
+            pg.allreduce([tensor], opts).wait(td)
+        except Exception as e:  # noqa: BLE001
+            raise self._failure("all_reduce", g, seq, e, None) from e
+        if avg:
+            divide_(tensor, g.size)
+        return tensor
+
     def _hier_reduce(self, tensor, rop: ReduceOp, g: Group, deadline: float, op: str) -> None:
         """Hierarchical all-reduce in place: vendor reduce, leaders over the bridge, vendor broadcast."""
-        import torch.distributed as dist
 
         nbytes = tensor.numel() * tensor.element_size()
         pg = g.vendor_pg
@@ -413,7 +442,6 @@ class Communicator:
     def broadcast(self, tensor, src: int, group: Optional[Group] = None, async_op: bool = False,
                   timeout: Optional[float] = None):
         """Copy ``tensor`` of global rank ``src`` to every rank of the group."""
-        import torch.distributed as dist
 
         g = self._group(group)
         if src not in g._index:
@@ -469,7 +497,6 @@ class Communicator:
     def all_gather(self, output_list, tensor, group: Optional[Group] = None, async_op: bool = False,
                    timeout: Optional[float] = None):
         """``output_list[i]`` gets the tensor of the group's i-th rank (all the same size)."""
-        import torch
 
         g = self._group(group)
         if len(output_list) != g.size:
@@ -485,8 +512,6 @@ class Communicator:
         return self._all_gather(out2d, inp, g, async_op, timeout, finalize)
 
     def _all_gather(self, out2d, inp, g: Group, async_op, timeout, finalize):
-        import torch
-        import torch.distributed as dist
 
         nbytes = inp.numel() * inp.element_size()
         if not g.hierarchical:
@@ -541,7 +566,6 @@ class Communicator:
 
         Two operations: the sizes, then the data padded to the largest size (trimmed on return).
         """
-        import torch
 
         g = self._group(group)
         n = torch.tensor([tensor.shape[0] if tensor.dim() else 1], dtype=torch.int64, device=tensor.device)
@@ -563,7 +587,6 @@ class Communicator:
         default: equal parts. Across vendors: a hierarchical all-reduce of a copy of ``input``,
         then each rank keeps its part.
         """
-        import torch.distributed as dist
 
         g = self._group(group)
         rop = ReduceOp.parse(op)
@@ -605,7 +628,6 @@ class Communicator:
 
     def barrier(self, group: Optional[Group] = None, async_op: bool = False, timeout: Optional[float] = None):
         """Wait until every rank of the group has arrived (hierarchically across vendors)."""
-        import torch
 
         g = self._group(group)
         t = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -633,8 +655,6 @@ class Communicator:
         return self.recv(tensor, src, tag, group, async_op=True, timeout=timeout)
 
     def _p2p(self, op, tensor, peer, tag, group, async_op, timeout):
-        import torch
-        import torch.distributed as dist
 
         g = self._group(group)
         if peer not in g._index or peer == self.rank:

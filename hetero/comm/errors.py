@@ -33,8 +33,9 @@ class ReduceOp(str, enum.Enum):
 
     @classmethod
     def parse(cls, op) -> "ReduceOp":
-        if isinstance(op, cls):
-            return op
+        hit = _PARSED.get(op) if isinstance(op, (str, ReduceOp)) else None
+        if hit is not None:
+            return hit
         if isinstance(op, str):
             try:
                 return cls(op.lower())
@@ -48,10 +49,16 @@ class ReduceOp(str, enum.Enum):
 
     def torch_op(self):
         """The ``torch.distributed.ReduceOp`` used for this op (AVG is reduced as SUM, then divided)."""
-        import torch.distributed as dist
+        if not _TORCH_OPS:
+            import torch.distributed as dist
 
-        return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-                "avg": dist.ReduceOp.SUM}[self.value]
+            _TORCH_OPS.update(sum=dist.ReduceOp.SUM, max=dist.ReduceOp.MAX, min=dist.ReduceOp.MIN,
+                              avg=dist.ReduceOp.SUM)
+        return _TORCH_OPS[self.value]
+
+
+_TORCH_OPS: dict = {}
+_PARSED = {**{m: m for m in ReduceOp}, **{m.value: m for m in ReduceOp}, **{m.value.upper(): m for m in ReduceOp}}
 
 
 def divide_(tensor, count: int):

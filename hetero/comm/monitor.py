@@ -80,7 +80,7 @@ class ArrivalMonitor:
                 if not self.store.check([key]) or int(self.store.get(key)) < seq:
                     out.append(r)
             return out
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - e.g. the store's host (rank 0) has exited
             return None
 
     def close(self) -> None:
