@@ -54,11 +54,27 @@ CHOICES = {"dtype": ("fp32", "fp16", "bf16"), "recompute": ("none", "selective",
            "architecture": ("gpt", "llama"), "schedule": ("gpipe", "1f1b", "interleaved")}
 
 PARAMS = ("compute", "communication", "layer_overhead_s", "iteration_overhead_s")
-BOUNDS = ((0.05, 0.0, 0.0, 0.0), (50.0, 50.0, 0.1, 60.0))
+"""The factors every predictor applies (:class:`~hetero.predictor.factors.CalibrationFactors`)."""
+EXTRA = ("op_floor_s", "network")
+"""Extra structure this module fits and applies in :func:`predict_calibrated`:
+``op_floor_s``: no modelled kernel takes less than this (seconds, after the compute factor): the
+host issues kernels at a finite rate, so small kernels are dispatch-bound, and the time of a layer
+is a max (device work, host dispatch), not a sum -- an additive overhead cannot express that
+small models are launch-bound while large ones are compute-bound.
+``network``: multiplies the time of traffic over the inter-node network (on top of
+``communication``): NICs and NVLink reach different fractions of their nominal bandwidth."""
+ALL = PARAMS + EXTRA
+IDENTITY_THETA = (1.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+START_THETA = (1.0, 1.0, 0.0, 0.0, 3e-5, 1.0)
+"""Fitting starts with a small floor: at exactly 0 no kernel touches it and its gradient is 0."""
+BOUNDS = ((0.05, 1e-3, 0.0, 0.0, 0.0, 0.05), (50.0, 50.0, 0.1, 60.0, 0.01, 50.0))
+FD_STEPS = (1e-3, 1e-3, 1e-6, 1e-4, 1e-6, 1e-3)
+THETA_SCALE = (1.0, 1.0, 1e-3, 1e-2, 1e-5, 1.0)
 PRIOR_WEIGHT = 0.02
 """Weight of each prior residual relative to one run's log error (weak: 0.02 ~ one run at 2%)."""
-PRIOR_SCALE = {"layer_overhead_s": 1e-3, "iteration_overhead_s": 0.1}
-"""Overheads are pulled to 0 in units of these scales (1 ms per layer, 100 ms per iteration)."""
+PRIOR_SCALE = (None, None, 1e-3, 0.1, 1e-4, None)
+"""Additive terms are pulled to 0 in units of these scales (1 ms per layer, 100 ms per iteration,
+100 us per kernel); the multiplicative ones (None) towards 1 in log space."""
 
 
 class CalibrationError(HeteroError):
@@ -91,6 +107,8 @@ class Run:
     num_kv_heads: int | None = None
     schedule: str = "1f1b"
     zero_stage: int = 0
+    dropout: float = 0.0
+    """Optional column: Megatron's hidden / attention dropout (adds the dropout kernels)."""
     row: int = 0
     """Line number in the CSV (header = 1)."""
     source: str = "<runs>"
@@ -166,6 +184,11 @@ def _parse_run(row: Mapping, i: int, source: str) -> Run:
         raise CalibrationError(f"{where('iteration_time_ms')}: '{t}' is not a number") from None
     if not (vals["iteration_time_ms"] > 0 and math.isfinite(vals["iteration_time_ms"])):
         raise CalibrationError(f"{where('iteration_time_ms')}: must be a positive time in ms, got '{t}'")
+    if row.get("dropout"):
+        try:
+            vals["dropout"] = float(row["dropout"])
+        except ValueError:
+            raise CalibrationError(f"{where('dropout')}: '{row['dropout']}' is not a number") from None
     vals["device"] = row.get("device") or ""
     if not vals["device"]:
         raise CalibrationError(f"{where('device')}: empty (name a device type of the cluster)")
@@ -218,7 +241,8 @@ def run_setup(cluster, run: Run):
                      source=cluster.source)
     model_dict = dict(name=f"run-row{run.row}", architecture=run.architecture, num_layers=run.num_layers,
                       hidden_size=run.hidden_size, num_attention_heads=run.num_attention_heads,
-                      vocab_size=run.vocab_size, seq_length=run.seq_length, dtype=run.dtype)
+                      vocab_size=run.vocab_size, seq_length=run.seq_length, dtype=run.dtype,
+                      dropout=run.dropout)
     if run.ffn_hidden_size:
         model_dict["ffn_hidden_size"] = run.ffn_hidden_size
     if run.num_kv_heads:
@@ -253,23 +277,48 @@ class Calibration:
     """Per-device-type factors fitted on run logs, plus how well they fit."""
 
     factors: dict[str, CalibrationFactors] = field(default_factory=dict)
-    """Device type name -> factors."""
+    """Device type name -> the factors every predictor applies."""
+    extra: dict[str, dict] = field(default_factory=dict)
+    """Device type name -> {op_floor_s, network} (see ``EXTRA``), applied by :func:`predict_calibrated`
+    and by ``predict`` once :class:`CalibrationFactors` carries fields of those names."""
     meta: dict = field(default_factory=dict)
     """Provenance: cluster, runs file, number of runs, fit statistics, time."""
     runs: list[dict] = field(default_factory=list)
     """In-sample table: row, device, description, measured, uncalibrated and calibrated ms."""
 
+    def _name_for(self, device_name: str, device=None) -> str | None:
+        if device_name in self.factors:
+            return device_name
+        base = getattr(device, "base", None) if device is not None else None
+        return base if base in self.factors else None
+
     def factors_for(self, device_name: str, device=None) -> CalibrationFactors | None:
-        """Factors for a device type: by name, else by the type it inherits (``base:``), else None."""
-        hit = self.factors.get(device_name)
-        if hit is None and device is not None and getattr(device, "base", None):
-            hit = self.factors.get(device.base)
-        return hit
+        """Factors for a device type: by name, else by the type it inherits (``base:``), else None.
+        Extra fields are passed on when the predictor's :class:`CalibrationFactors` knows them."""
+        name = self._name_for(device_name, device)
+        if name is None:
+            return None
+        f = self.factors[name]
+        native = {x.name for x in dataclasses.fields(CalibrationFactors)}
+        extra = {k: v for k, v in self.extra.get(name, {}).items() if k in native}
+        return dataclasses.replace(f, **extra) if extra else f
+
+    def extra_for(self, device_name: str, device=None) -> dict:
+        name = self._name_for(device_name, device)
+        return dict(self.extra.get(name, {})) if name else {}
+
+    def theta(self, device_name: str) -> tuple:
+        f, x = self.factors[device_name], self.extra.get(device_name, {})
+        return tuple(getattr(f, k) for k in PARAMS) + tuple(x.get(k, d) for k, d in zip(EXTRA, IDENTITY_THETA[4:]))
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION,
-                "factors": {name: {k: getattr(f, k) for k in (*PARAMS, "source")} for name, f in self.factors.items()},
-                "meta": self.meta, "runs": self.runs}
+        out = {}
+        for name, f in self.factors.items():
+            entry = {k: getattr(f, k) for k in PARAMS}
+            entry.update(self.extra.get(name, {}))
+            entry["source"] = f.source
+            out[name] = entry
+        return {"format": FORMAT, "version": VERSION, "factors": out, "meta": self.meta, "runs": self.runs}
 
     def save(self, path) -> Path:
         """Write JSON atomically (temporary file + rename)."""
@@ -282,10 +331,10 @@ class Calibration:
     @classmethod
     def from_dict(cls, data, source: str = "<calibration>") -> "Calibration":
         def bad(where, what):
-            return CalibrationError(f"{source}: {where}: {what}")
+            return CalibrationError(f"{source}: field '{where}': {what}")
 
         if not isinstance(data, dict):
-            raise bad("top level", f"expected a JSON object, got {type(data).__name__}")
+            raise CalibrationError(f"{source}: expected a JSON object at the top, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise bad("format", f"expected '{FORMAT}', got {data.get('format')!r} (not a calibration file?)")
         if data.get("version") != VERSION:
@@ -293,32 +342,36 @@ class Calibration:
         raw = data.get("factors")
         if not isinstance(raw, dict):
             raise bad("factors", "expected an object mapping device type -> factors")
-        factors = {}
+        factors, extra = {}, {}
         for name, entry in raw.items():
             if not isinstance(entry, dict):
                 raise bad(f"factors.{name}", f"expected an object, got {type(entry).__name__}")
-            unknown = set(entry) - set(PARAMS) - {"source"}
+            unknown = set(entry) - set(ALL) - {"source"}
             if unknown:
-                raise bad(f"factors.{name}.{sorted(unknown)[0]}", f"unknown field (known: {', '.join(PARAMS)}, source)")
+                raise bad(f"factors.{name}.{sorted(unknown)[0]}", f"unknown field (known: {', '.join(ALL)}, source)")
             vals = {}
-            for k in PARAMS:
-                v = entry.get(k, getattr(CalibrationFactors, k))
+            for k, default, lo in zip(ALL, IDENTITY_THETA, BOUNDS[0]):
+                v = entry.get(k, default)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise bad(f"factors.{name}.{k}", f"expected a finite number, got {v!r}")
-                if v < 0 or (k in ("compute", "communication") and v <= 0 and k == "compute"):
-                    raise bad(f"factors.{name}.{k}", f"must be {'positive' if k == 'compute' else '>= 0'}, got {v}")
+                if v < 0 or (lo > 0 and v <= 0):
+                    raise bad(f"factors.{name}.{k}", f"must be {'positive' if lo > 0 else '>= 0'}, got {v}")
                 vals[k] = float(v)
             src = entry.get("source", "calibration")
             if not isinstance(src, str):
                 raise bad(f"factors.{name}.source", f"expected a string, got {src!r}")
-            factors[name] = CalibrationFactors(**vals, source=src)
-        meta = data.get("meta", {})
-        runs = data.get("runs", [])
+            factors[name] = CalibrationFactors(**{k: vals[k] for k in PARAMS}, source=src)
+            extra[name] = {k: vals[k] for k in EXTRA}
+        meta, runs = data.get("meta", {}), data.get("runs", [])
         if not isinstance(meta, dict):
             raise bad("meta", "expected an object")
         if not isinstance(runs, list):
             raise bad("runs", "expected a list")
-        return cls(factors=factors, meta=meta, runs=runs)
+        return cls(factors=factors, extra=extra, meta=meta, runs=runs)
+
+    def predict(self, cluster, model, plan, **kw):
+        """``predict`` with every fitted factor applied, extras included (see :func:`predict_calibrated`)."""
+        return predict_calibrated(cluster, model, plan, self, **kw)
 
 
 def load_calibration(path) -> Calibration:
@@ -337,19 +390,84 @@ def load_calibration(path) -> Calibration:
     return Calibration.from_dict(data, str(path))
 
 
+# ============================================================================ applying the extras
+def _native_extras() -> set[str]:
+    return {x.name for x in dataclasses.fields(CalibrationFactors)} & set(EXTRA)
+
+
+def _cost_model_class():
+    from .costs import StageCostModel
+
+    class FlooredCostModel(StageCostModel):
+        """StageCostModel whose kernels take at least ``op_floor_s`` each (after the compute factor).
+        Used only while the predictor's own CalibrationFactors lacks ``op_floor_s``."""
+
+        floors: dict = {}
+
+        def _ops_time(self, group, ops):
+            floor = self.floors.get(group, 0.0)
+            if floor <= 0:
+                return super()._ops_time(group, ops)
+            dev, opm, c = self._dev[group], self._opm[group], self._factors[group].compute
+            total = 0.0
+            for o in ops:
+                key = (group, o.op, o.dims)
+                t = self._op_cache.get(key)
+                if t is None:
+                    t = self._op_cache[key] = opm.predict(o.op, o.dims_dict(), self.dtype, dev)
+                total += max(t * c, floor)
+            return total
+
+    return FlooredCostModel
+
+
+def with_network(cluster, factor: float):
+    """``cluster`` with its inter-node network ``factor`` times slower (links that are the network
+    -- e.g. a tensor-parallel group wider than a node -- too)."""
+    if factor == 1.0:
+        return cluster
+    from hetero.specs.cluster import Link
+
+    old = cluster.network.inter_node
+    new = Link(bandwidth=old.bandwidth / factor, latency=old.latency * factor)
+    groups = tuple(dataclasses.replace(g, intra_node=new) if g.intra_node is old else g for g in cluster.groups)
+    return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))
+
+
+def predict_calibrated(cluster, model, plan, calibration, *, check: bool = True):
+    """``hetero.predictor.predict`` with a calibration's standard factors and its extras (op floor,
+    network) applied here for as long as the predictor does not apply them itself. With a single
+    network factor for the whole cluster (the largest over the device types it holds)."""
+    from . import predict
+
+    if calibration is None or not hasattr(calibration, "extra_for"):
+        return predict(cluster, model, plan, calibration=calibration, check=check)
+    native = _native_extras()
+    floors, net = {}, 1.0
+    for g in cluster.groups:
+        x = calibration.extra_for(g.device, cluster.device_type(g.name))
+        if "op_floor_s" not in native and x.get("op_floor_s", 0.0) > 0:
+            floors[g.name] = x["op_floor_s"]
+        if "network" not in native:
+            net = max(net, x.get("network", 1.0))
+    cluster = with_network(cluster, net)
+    cm = None
+    if floors:
+        cm = _cost_model_class()(cluster, model, calibration)
+        cm.floors = floors
+    return predict(cluster, model, plan, calibration=calibration, check=check, cost_model=cm)
+
+
 # ============================================================================ fitting
-def _factors(theta, source: str = "calibration") -> CalibrationFactors:
-    return CalibrationFactors(**{k: float(v) for k, v in zip(PARAMS, theta)}, source=source)
+class _Fixed(Calibration):
+    """One set of factors for every device (used while fitting)."""
 
+    def __init__(self, theta):
+        super().__init__(factors={"*": CalibrationFactors(**dict(zip(PARAMS, map(float, theta[:4]))))},
+                         extra={"*": dict(zip(EXTRA, map(float, theta[4:])))})
 
-class _Fixed:
-    """A calibration that answers the same factors for every device (used while fitting)."""
-
-    def __init__(self, factors: CalibrationFactors | None):
-        self.f = factors
-
-    def factors_for(self, device_name, device=None):
-        return self.f
+    def _name_for(self, device_name, device=None):
+        return "*"
 
 
 class _Problem:
@@ -361,76 +479,81 @@ class _Problem:
         self.measured = [r.iteration_time_s for r in runs]
 
     def times(self, theta) -> list[float]:
-        from . import predict
+        cal = _Fixed(theta)
+        return [predict_calibrated(c, m, p, cal, check=False).iteration_time_s for c, m, p in self.setups]
 
-        cal = _Fixed(_factors(theta))
-        return [predict(c, m, p, calibration=cal, check=False).iteration_time_s for c, m, p in self.setups]
-
-    def jacobian(self, theta, rel: float = 1e-3):
+    def jacobian(self, theta, free):
         """Per run, d T / d theta by forward differences (T is piecewise linear: exact on a piece)."""
         import numpy as np
 
         base = np.array(self.times(theta))
-        J = np.empty((len(base), len(PARAMS)))
-        steps = (rel * max(theta[0], 0.1), rel * max(theta[1], 0.1), 1e-6, 1e-4)
-        for i, h in enumerate(steps):
+        J = np.zeros((len(base), len(ALL)))
+        for i in np.flatnonzero(free):
+            h = FD_STEPS[i] * (max(theta[i], 0.1) if i < 2 or i == 5 else 1.0)
             t = list(theta)
             t[i] += h
             J[:, i] = (np.array(self.times(t)) - base) / h
         return base, J
 
 
-def _fit_linearised(J, T0, theta0, measured, prior: float):
+def _fit_linearised(J, T0, theta0, measured, prior: float, free):
     """min sum (log(T0 + J (theta - theta0)) - log measured)^2 + prior terms, bounded."""
     import numpy as np
     from scipy.optimize import least_squares
 
     y = np.log(measured)
     offset = T0 - J @ theta0
-    scales = np.array([1.0, 1.0, PRIOR_SCALE["layer_overhead_s"], PRIOR_SCALE["iteration_overhead_s"]])
+    idx = np.flatnonzero(free)
+    lo, hi = np.array(BOUNDS[0])[idx], np.array(BOUNDS[1])[idx]
 
-    def resid(th):
+    def full(x):
+        th = np.array(theta0, dtype=float)
+        th[idx] = x
+        return th
+
+    def resid(x):
+        th = full(x)
         t = np.maximum(offset + J @ th, 1e-12)
-        pri = np.empty(4)
-        pri[0] = math.log(th[0])
-        pri[1] = math.log(max(th[1], 1e-6))
-        pri[2:] = th[2:] / scales[2:]
-        return np.concatenate([np.log(t) - y, prior * pri])
+        pri = [math.log(th[i]) if PRIOR_SCALE[i] is None else th[i] / PRIOR_SCALE[i] for i in idx]
+        return np.concatenate([np.log(t) - y, prior * np.array(pri)])
 
-    x0 = np.clip(theta0, np.array(BOUNDS[0]) + 1e-9, np.array(BOUNDS[1]) - 1e-9)
-    x0[1] = max(x0[1], 1e-3)
-    res = least_squares(resid, x0, bounds=(np.array(BOUNDS[0]) + (0, 1e-6, 0, 0), BOUNDS[1]),
-                        x_scale=np.array([1.0, 1.0, 1e-3, 1e-2]), method="trf")
-    return res.x
+    x0 = np.clip(np.asarray(theta0, dtype=float)[idx], lo + 1e-12, hi - 1e-12)
+    res = least_squares(resid, x0, bounds=(lo, hi), x_scale=np.array(THETA_SCALE)[idx], method="trf")
+    return full(res.x)
 
 
-def fit_factors(cluster, runs: list[Run], rounds: int = 6, prior: float = PRIOR_WEIGHT,
-                source: str = "calibration") -> tuple[CalibrationFactors, dict]:
-    """Fit one device type's factors on its runs (Gauss-Newton on the real predictor)."""
+def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_WEIGHT,
+                fit: Iterable[str] = ALL) -> tuple[tuple, dict]:
+    """Fit one device type's parameters (``ALL``, or the subset ``fit``; the rest stay at identity)
+    on its runs: Gauss-Newton on the real predictor. Returns (theta, info)."""
     import numpy as np
 
+    fit = set(fit)
+    unknown = fit - set(ALL)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)} (known: {', '.join(ALL)})")
+    free = np.array([k in fit for k in ALL])
     prob = _Problem(cluster, runs)
     measured = np.array(prob.measured)
-    theta = np.array([1.0, 1.0, 0.0, 0.0])
-    history = []
-    for _ in range(rounds):
-        T0, J = prob.jacobian(theta)
-        new = _fit_linearised(J, T0, theta, measured, prior)
-        history.append(new.tolist())
-        moved = np.max(np.abs(new - theta) / np.array([1.0, 1.0, 1e-3, 1e-2]))
+    theta = np.where(free, START_THETA, IDENTITY_THETA).astype(float)
+    n = 0
+    for n in range(1, rounds + 1):
+        T0, J = prob.jacobian(theta, free)
+        new = _fit_linearised(J, T0, theta, measured, prior, free)
+        moved = np.max(np.abs(new - theta) / np.array(THETA_SCALE))
         theta = new
         if moved < 1e-3:
             break
     final = np.array(prob.times(theta))
     err = np.abs(final / measured - 1)
-    return _factors(theta, source), {"rounds": len(history), "mape": float(err.mean()),
-                                     "predicted_s": final.tolist()}
+    return tuple(float(v) for v in theta), {"rounds": n, "mape": float(err.mean()), "predicted_s": final.tolist()}
 
 
-def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT) -> Calibration:
-    """Fit :class:`CalibrationFactors` per device type to a run log (path or list of :class:`Run`).
+def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] = ALL) -> Calibration:
+    """Fit per-device-type factors to a run log (a CSV path, or a list of :class:`Run`).
 
-    ``cluster`` is a :class:`~hetero.specs.cluster.Cluster` or a cluster file / dict.
+    ``cluster`` is a :class:`~hetero.specs.cluster.Cluster` or a cluster file / dict. ``fit`` names
+    the parameters to fit (default all of ``ALL``; the others stay at identity).
     """
     import numpy as np
 
@@ -449,35 +572,38 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT) -> Calibration:
     for r in runs:
         _group_for(cluster, r)
         by_device.setdefault(r.device, []).append(r)
-    factors, fits, table = {}, {}, []
+    cal = Calibration()
+    fits, table = {}, []
     for device, rs in by_device.items():
+        theta, info = fit_factors(cluster, rs, prior=prior, fit=fit)
         src = f"calibration ({len(rs)} runs of {Path(source).name})"
-        f, info = fit_factors(cluster, rs, prior=prior, source=src)
-        factors[device] = f
-        base = np.array(_Problem(cluster, rs).times((1.0, 1.0, 0.0, 0.0)))
+        cal.factors[device] = CalibrationFactors(**dict(zip(PARAMS, theta[:4])), source=src)
+        cal.extra[device] = dict(zip(EXTRA, theta[4:]))
+        base = np.array(_Problem(cluster, rs).times(IDENTITY_THETA))
         measured = np.array([r.iteration_time_s for r in rs])
-        fits[device] = {"runs": len(rs), "rounds": info["rounds"],
-                        "mape": info["mape"], "mape_uncalibrated": float(np.mean(np.abs(base / measured - 1)))}
+        fits[device] = {"runs": len(rs), "rounds": info["rounds"], "mape": info["mape"],
+                        "mape_uncalibrated": float(np.mean(np.abs(base / measured - 1)))}
         for r, b, p in zip(rs, base, info["predicted_s"]):
-            table.append({"row": r.row, "device": r.device, "run": r.describe(), "measured_ms": r.iteration_time_ms,
-                          "uncalibrated_ms": float(b) * 1e3, "calibrated_ms": float(p) * 1e3})
+            table.append({"row": r.row, "device": r.device, "run": r.describe(), "num_devices": r.num_devices,
+                          "measured_ms": r.iteration_time_ms, "uncalibrated_ms": float(b) * 1e3,
+                          "calibrated_ms": float(p) * 1e3})
     table.sort(key=lambda d: d["row"])
-    meta = {"cluster": cluster.name, "runs_file": source, "num_runs": len(runs), "fit": fits,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "method": "gauss-newton on log error, per device type",
-            "prior_weight": prior}
-    return Calibration(factors=factors, meta=meta, runs=table)
+    cal.meta = {"cluster": cluster.name, "runs_file": source, "num_runs": len(runs), "fit": fits,
+                "fitted": [k for k in ALL if k in set(fit)], "prior_weight": prior,
+                "method": "Gauss-Newton on squared log error of hetero.predictor.predict, per device type",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    cal.runs = table
+    return cal
 
 
 def evaluate(cluster, runs: Iterable[Run], calibration=None) -> list[float]:
-    """Predicted iteration seconds of ``runs`` (with ``calibration`` or the catalog alone)."""
-    from . import predict
-
+    """Predicted iteration seconds of ``runs`` (with ``calibration``, extras applied, or the catalog alone)."""
     out = []
     for r in runs:
         c, m, p = run_setup(cluster, r)
-        out.append(predict(c, m, p, calibration=calibration, check=False).iteration_time_s)
+        out.append(predict_calibrated(c, m, p, calibration, check=False).iteration_time_s)
     return out
 
 
-__all__ = ["Calibration", "CalibrationError", "Run", "calibrate", "evaluate", "fit_factors", "load_calibration",
-           "read_runs", "run_setup"]
+__all__ = ["ALL", "Calibration", "CalibrationError", "EXTRA", "PARAMS", "Run", "calibrate", "evaluate", "fit_factors",
+           "load_calibration", "predict_calibrated", "read_runs", "run_setup", "with_network"]
