@@ -1,0 +1,62 @@
+"""``hetero calibrate``: fit the predictor's per-device factors to measured runs (a run-log CSV)."""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate", help="fit the predictor to measured runs",
+        description="Fit per-device-type calibration factors (compute, communication, overheads, kernel floor, "
+                    "network) to measured iteration times of homogeneous Megatron-style runs (run log CSV, "
+                    "SCHEMAS.md), print them with the in-sample error table and write them as JSON.")
+    p.add_argument("--cluster", required=True, help="cluster file the runs were measured on")
+    p.add_argument("--runs", required=True, help="run log CSV")
+    p.add_argument("-o", "--output", required=True, metavar="CAL", help="calibration JSON to write")
+    p.add_argument("--json", action="store_true", help="print the calibration JSON instead of tables")
+    p.add_argument("--max-rows", type=int, default=40, help="rows of the error table to show (worst first)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import dataclasses
+
+    from hetero.predictor.calibration import ALL, calibrate, read_runs
+    from hetero.specs.cluster import load_cluster
+
+    from ._common import console, print_json
+
+    cluster = load_cluster(args.cluster)
+    runs = read_runs(args.runs)
+    cal = calibrate(cluster, runs)
+    cal.meta["runs_file"] = args.runs
+    for name, f in list(cal.factors.items()):
+        cal.factors[name] = dataclasses.replace(f, source=f"calibration ({cal.meta['fit'][name]['runs']} runs of {args.runs})")
+    path = cal.save(args.output)
+    if args.json:
+        print_json(cal.to_dict())
+        return 0
+    from rich.table import Table
+
+    out = console()
+    ft = Table(title=f"Calibration factors ({len(runs)} runs, cluster '{cluster.name}')")
+    ft.add_column("device")
+    for k in ALL:
+        ft.add_column(k, justify="right")
+    ft.add_column("MAPE before", justify="right")
+    ft.add_column("MAPE after", justify="right")
+    for name in cal.factors:
+        theta = cal.theta(name)
+        fit = cal.meta["fit"][name]
+        ft.add_row(name, *(f"{v:.4g}" for v in theta), f"{fit['mape_uncalibrated']:.1%}", f"{fit['mape']:.1%}")
+    out.print(ft)
+    rows = sorted(cal.runs, key=lambda d: -abs(d["calibrated_ms"] / d["measured_ms"] - 1))
+    et = Table(title="In-sample error per run" + (f" (worst {args.max_rows} of {len(rows)})"
+                                                  if len(rows) > args.max_rows else ""))
+    for col in ("row", "run", "measured ms", "uncalibrated ms", "calibrated ms", "error"):
+        et.add_column(col, justify="left" if col == "run" else "right")
+    for d in rows[: args.max_rows]:
+        err = d["calibrated_ms"] / d["measured_ms"] - 1
+        et.add_row(str(d["row"]), d["run"], f"{d['measured_ms']:.1f}", f"{d['uncalibrated_ms']:.1f}",
+                   f"{d['calibrated_ms']:.1f}", f"{err:+.1%}")
+    out.print(et)
+    out.print(f"wrote {path}")
+    return 0
