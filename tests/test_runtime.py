@@ -211,6 +211,7 @@ def test_uneven_pp_two_vendors_matches_reference(tmp_path):
         assert key in summary
     assert [r["layers"] for r in summary["ranks"]] == [[0, 3], [3, 4]]
     assert summary["reconfigurations"] == [] and summary["tokens_per_s"] > 0
+    assert summary["communicator"] == "hetero.comm"
     trace = json.loads((tmp_path / "trace.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"F0", "B3"} <= names

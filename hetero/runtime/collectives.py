@@ -4,7 +4,11 @@ Every collective and send/recv of the worker goes through :class:`Collectives`, 
 project's unified communicator (``hetero.comm``: vendor libraries inside a vendor, a host bridge
 between vendors) is a change in this file only.
 
-Today it runs on ``torch.distributed`` (Gloo on CPU). Process groups for rank subsets are created
+With ``hetero.comm`` installed (the default; ``HETERO_RUNTIME_COMM=torch`` opts out) collectives
+and send/recv go through its :class:`~hetero.comm.Communicator` built from the per-rank vendor
+tags: flat inside a vendor, hierarchical across vendors over the Gloo host bridge. Otherwise they
+run on plain ``torch.distributed`` (Gloo on CPU). Torch process groups over the same subsets are
+kept for the libraries that need one (DTensor meshes, DeepSpeed). Process groups for rank subsets are created
 up front by :meth:`Collectives.create_groups`: every rank passes the same list (derived from the
 shared rank layout), so ``new_group`` is called in the same order everywhere. Errors carry the
 peer ranks and their place in the plan, so a timeout names who did not answer.
@@ -12,6 +16,7 @@ peer ranks and their place in the plan, so a timeout names who did not answer.
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -29,11 +34,14 @@ class Collectives:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.describe = describe
         self._groups: dict[tuple[int, ...], object] = {}
+        self._hgroups: dict[tuple[int, ...], object] = {}
         self._pending: list = []
+        self.hc = None  # the hetero.comm Communicator, when used
 
     # ------------------------------------------------------------------ setup
     @classmethod
-    def init(cls, rank: int, world_size: int, timeout_s: float, describe=str, backend: str = "gloo") -> "Collectives":
+    def init(cls, rank: int, world_size: int, timeout_s: float, describe=str, backend: str = "gloo",
+             vendors: list[str] | None = None) -> "Collectives":
         """``init_process_group`` from the launcher's environment (MASTER_ADDR/PORT), explicit rank."""
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
@@ -41,6 +49,14 @@ class Collectives:
         self = cls(rank, world_size, timeout_s, describe)
         # Collectives on their own group; the default group carries only p2p traffic.
         self._groups[tuple(range(world_size))] = dist.new_group(list(range(world_size)))
+        if vendors and os.environ.get("HETERO_RUNTIME_COMM", "hetero") != "torch":
+            try:
+                from hetero.comm import Communicator
+            except ImportError:
+                Communicator = None
+            if Communicator is not None:
+                self.hc = Communicator.from_vendors(list(vendors), bridge="gloo", timeout=timeout_s)
+                self._hgroups[tuple(range(world_size))] = self.hc.world
         return self
 
     def create_groups(self, rank_sets: Iterable[Iterable[int]]) -> None:
@@ -48,6 +64,8 @@ class Collectives:
         for ranks in sorted({tuple(sorted(r)) for r in rank_sets if len(tuple(r)) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = dist.new_group(list(ranks))
+                if self.hc is not None:
+                    self._hgroups[ranks] = self.hc.new_group(list(ranks))
 
     def group(self, ranks: Iterable[int]):
         key = tuple(sorted(ranks))
@@ -59,6 +77,9 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, ranks: Iterable[int] | None = None, op: str = "sum") -> torch.Tensor:
         ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
         if len(ranks) <= 1:
+            return tensor
+        if self.hc is not None:
+            self._run(lambda: self.hc.all_reduce(tensor, op=op, group=self._hgroups[ranks]), "all_reduce", ranks)
             return tensor
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         self._run(lambda: dist.all_reduce(tensor, op=red, group=self.group(ranks)), "all_reduce", ranks)
@@ -78,9 +99,15 @@ class Collectives:
     # ------------------------------------------------------------------ point to point
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Asynchronous send; completed by :meth:`wait_sends` (or the next step)."""
+        if self.hc is not None:
+            self._pending.append((self.hc.send(tensor.contiguous(), dst, async_op=True), dst))
+            return
         self._pending.append((dist.isend(tensor.contiguous(), dst), dst))
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.hc is not None:
+            self._run(lambda: self.hc.recv(tensor, src), "recv", (src,))
+            return tensor
         self._run(lambda: dist.recv(tensor, src), "recv", (src,))
         return tensor
 
@@ -103,6 +130,8 @@ class Collectives:
     def shutdown(self) -> None:
         try:
             self.wait_sends()
+            if self.hc is not None:
+                self.hc.close()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -51,7 +51,8 @@ class Trainer:
         torch.manual_seed(opts.seed)
         torch.set_num_threads(max(1, opts.threads))
         self.comm = Collectives.init(rank, self.world, opts.timeout_s,
-                                     describe=lambda r: describe_rank(ctx.layout.ranks[r]))
+                                     describe=lambda r: describe_rank(ctx.layout.ranks[r]),
+                                     vendors=[r.vendor for r in ctx.layout.ranks])
         if on_ready:
             on_ready()
         engine_cls = NativeEngine
@@ -144,7 +145,8 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
             "reconfigurations": [],
             "median_iteration_time_s": statistics.median(st) if st else None,
             "grad_norms": [r.grad_norm for r in res], "engine": ctx.options.engine,
-            "schedule": ctx.plan.schedule, "global_batch_size": ctx.plan.global_batch_size,
+            "schedule": ctx.plan.schedule,
+            "communicator": "hetero.comm" if trainer.comm.hc is not None else "torch.distributed", "global_batch_size": ctx.plan.global_batch_size,
             "seq_length": ctx.model.seq_length, "world_size": trainer.world, "pid": os.getpid()}
 
 
