@@ -421,14 +421,18 @@ def load_local_model(path) -> LocalOpModel:
     return LocalOpModel(read_records(path), source=str(path))
 
 
-def local_op_model(device_name: str = "cpu") -> LocalOpModel | None:
+def local_op_model(device_name: str = "cpu", fallback: str | None = "cpu") -> LocalOpModel | None:
     """The latency model fitted on this machine's cached profile of ``device_name``, or None when no
     profile was cached (run ``hetero profile``) or the cache is unreadable. Reloaded when the file
-    changes. Emulated ``base: cpu`` devices should ask for ``"cpu"`` (the hardware they run on)."""
+    changes. A device type without its own profile uses ``fallback``'s: emulated ``base: cpu``
+    devices (``cpu-slow``, ...) run on this CPU, so its ``cpu`` profile describes them (the
+    predictor applies their slowdown)."""
     path = cache_path(device_name)
     try:
         mtime = path.stat().st_mtime_ns
     except OSError:
+        if fallback and fallback != device_name:
+            return local_op_model(fallback, None)
         return None
     hit = _LOADED.get(str(path))
     if hit and hit[0] == mtime:
