@@ -77,23 +77,31 @@ class PackedTrees:
             self.left[i, :n] = t["left"]
             self.right[i, :n] = t["right"]
             self.value[i, :n] = t["value"]
-        self.depth = max(_depth(t) for t in trees)
+        self.depths = [_depth(t) for t in trees]
+        self.depth = max(self.depths)
+        idx = np.arange(width)[None, :]
+        leaf = self.feature < 0
+        self._left_self = np.where(leaf, idx, self.left)
+        self._right_self = np.where(leaf, idx, self.right)
+        self.feature = np.maximum(self.feature, 0)
 
-    def predict(self, X: np.ndarray) -> np.ndarray:
+    def predict(self, X: np.ndarray, chunk: int = 4096) -> np.ndarray:
         X = np.asarray(X, dtype=float)
+        out = np.empty(X.shape[0])
+        for s in range(0, X.shape[0], chunk):
+            out[s:s + chunk] = self._predict(X[s:s + chunk])
+        return out
+
+    def _predict(self, X: np.ndarray) -> np.ndarray:
         n = X.shape[0]
         out = np.full(n, self.base)
         rows = np.arange(n)
         for t in range(self.feature.shape[0]):
-            feat, thr, left, right = self.feature[t], self.threshold[t], self.left[t], self.right[t]
+            feat, thr = self.feature[t], self.threshold[t]
+            left, right = self._left_self[t], self._right_self[t]
             node = np.zeros(n, dtype=np.int64)
-            for _ in range(self.depth):
-                f = feat[node]
-                inner = f >= 0
-                if not inner.any():
-                    break
-                go_left = X[rows, np.maximum(f, 0)] <= thr[node]
-                node = np.where(inner, np.where(go_left, left[node], right[node]), node)
+            for _ in range(self.depths[t]):
+                node = np.where(X[rows, feat[node]] <= thr[node], left[node], right[node])
             out += self.value[t][node]
         return out
 
