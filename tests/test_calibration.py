@@ -165,23 +165,36 @@ def test_cli_bad_csv(tmp_path, synthetic, edit, fragments):
         assert f in proc.stderr, (f, proc.stderr)
 
 
-def test_vtrain_cross_validation(shared_data):
-    """Whole runs held out (5-fold): the calibrated predictor on vTrain's A100 runs."""
-    base = shared_data / "vtrain"
+@pytest.fixture(scope="module")
+def vtrain_cv():
+    """5-fold CV over whole runs on vTrain's A100 runs: (single-node MAPE, multi-node MAPE, uncalibrated MAPE)."""
+    from conftest import shared_data_dir
+
+    base = shared_data_dir() / "vtrain"
     if not (base / "calibration_runs.csv").is_file():
-        pytest.skip(f"vTrain data not found at {base}")
+        pytest.skip(f"vTrain data not found at {base} (set HETERO_SHARED_DATA)")
     sys.path.insert(0, str(REPO / "benchmarks"))
     import bench_vtrain as B
 
     cluster, mismatch = B.load_cluster(base / "cluster.yaml")
-    assert mismatch is None
+    assert mismatch is None, mismatch
     runs = read_runs(base / "calibration_runs.csv")
     pred = B.cross_validate(cluster, runs, k=5, seed=0)["predicted_s"]
-    single = B.mape(pred, runs, lambda r: r.num_devices <= 8)
-    multi = B.mape(pred, runs, lambda r: r.num_devices > 8)
-    uncal = B.mape(evaluate(cluster, runs, None), runs, lambda r: True)
-    assert B.mape(pred, runs, lambda r: True) < uncal
-    # Targets: <= 8% single-node, <= 12% multi-node. Measured as of this commit: see
-    # benchmarks/results/vtrain_cv.json; the bounds below are the ones the current model reaches.
+    return (B.mape(pred, runs, lambda r: r.num_devices <= 8), B.mape(pred, runs, lambda r: r.num_devices > 8),
+            B.mape(evaluate(cluster, runs, None), runs, lambda r: True), B.mape(pred, runs, lambda r: True))
+
+
+def test_vtrain_cross_validation_regression(vtrain_cv):
+    """What the current model reaches on held-out runs (benchmarks/results/vtrain_cv.json: 8.4% / 14.9%)."""
+    single, multi, uncal, overall = vtrain_cv
+    assert overall < 0.6 * uncal
     assert single <= 0.09, single
     assert multi <= 0.16, multi
+
+
+@pytest.mark.xfail(reason="targets not reached yet: CV MAPE 8.4% single-node / 14.9% multi-node "
+                          "(vTrain's simulator: 8.4% / 14.7%)", strict=False)
+def test_vtrain_cross_validation_targets(vtrain_cv):
+    single, multi, _, _ = vtrain_cv
+    assert single <= 0.08, single
+    assert multi <= 0.12, multi
