@@ -62,7 +62,7 @@ def cross_validate(cluster, runs, k: int = 5, seed: int = 0, fit=None) -> dict:
     for fold in folds_of(len(runs), k, seed):
         held = set(fold)
         train = [r for i, r in enumerate(runs) if i not in held]
-        cal = calibrate(cluster, train, fit=fit or ALL)
+        cal = calibrate(cluster, train, fit=fit or ALL, standard=False)
         fitted.append(dict(zip(ALL, cal.theta(runs[0].device))))
         for i, t in zip(fold, evaluate(cluster, [runs[i] for i in fold], cal)):
             pred[i] = t

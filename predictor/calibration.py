@@ -281,6 +281,10 @@ class Calibration:
     extra: dict[str, dict] = field(default_factory=dict)
     """Device type name -> {op_floor_s, network} (see ``EXTRA``), applied by :func:`predict_calibrated`
     and by ``predict`` once :class:`CalibrationFactors` carries fields of those names."""
+    standard: dict[str, CalibrationFactors] = field(default_factory=dict)
+    """Device type name -> factors fitted with the four standard parameters only: what
+    :meth:`factors_for` hands to a predictor that cannot apply the extras (the full fit's compute
+    factor is only right together with its kernel floor)."""
     meta: dict = field(default_factory=dict)
     """Provenance: cluster, runs file, number of runs, fit statistics, time."""
     runs: list[dict] = field(default_factory=list)
@@ -298,10 +302,14 @@ class Calibration:
         name = self._name_for(device_name, device)
         if name is None:
             return None
+        native = _native_extras()
+        extra = self.extra.get(name, {})
+        needs = {k for k, v in extra.items() if v != IDENTITY_THETA[ALL.index(k)]}
+        if not needs <= native and name in self.standard:
+            return self.standard[name]   # this predictor cannot apply the extras: the 4-factor fit
         f = self.factors[name]
-        native = {x.name for x in dataclasses.fields(CalibrationFactors)}
-        extra = {k: v for k, v in self.extra.get(name, {}).items() if k in native}
-        return dataclasses.replace(f, **extra) if extra else f
+        pass_on = {k: v for k, v in extra.items() if k in native}
+        return dataclasses.replace(f, **pass_on) if pass_on else f
 
     def extra_for(self, device_name: str, device=None) -> dict:
         name = self._name_for(device_name, device)
@@ -318,7 +326,9 @@ class Calibration:
             entry.update(self.extra.get(name, {}))
             entry["source"] = f.source
             out[name] = entry
-        return {"format": FORMAT, "version": VERSION, "factors": out, "meta": self.meta, "runs": self.runs}
+        std = {name: {**{k: getattr(f, k) for k in PARAMS}, "source": f.source} for name, f in self.standard.items()}
+        return {"format": FORMAT, "version": VERSION, "factors": out, "standard_factors": std, "meta": self.meta,
+                "runs": self.runs}
 
     def save(self, path) -> Path:
         """Write JSON atomically (temporary file + rename)."""
@@ -339,35 +349,44 @@ class Calibration:
             raise bad("format", f"expected '{FORMAT}', got {data.get('format')!r} (not a calibration file?)")
         if data.get("version") != VERSION:
             raise bad("version", f"expected {VERSION}, got {data.get('version')!r}")
-        raw = data.get("factors")
-        if not isinstance(raw, dict):
-            raise bad("factors", "expected an object mapping device type -> factors")
+        def table(key, known):
+            raw = data.get(key, {} if key == "standard_factors" else None)
+            if not isinstance(raw, dict):
+                raise bad(key, "expected an object mapping device type -> factors")
+            out = {}
+            for name, entry in raw.items():
+                if not isinstance(entry, dict):
+                    raise bad(f"{key}.{name}", f"expected an object, got {type(entry).__name__}")
+                unknown = set(entry) - set(known) - {"source"}
+                if unknown:
+                    raise bad(f"{key}.{name}.{sorted(unknown)[0]}", f"unknown field (known: {', '.join(known)}, source)")
+                vals = {}
+                for k in known:
+                    i = ALL.index(k)
+                    v = entry.get(k, IDENTITY_THETA[i])
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                        raise bad(f"{key}.{name}.{k}", f"expected a finite number, got {v!r}")
+                    if v < 0 or (BOUNDS[0][i] > 0 and v <= 0):
+                        raise bad(f"{key}.{name}.{k}", f"must be {'positive' if BOUNDS[0][i] > 0 else '>= 0'}, got {v}")
+                    vals[k] = float(v)
+                src = entry.get("source", "calibration")
+                if not isinstance(src, str):
+                    raise bad(f"{key}.{name}.source", f"expected a string, got {src!r}")
+                out[name] = (vals, src)
+            return out
+
         factors, extra = {}, {}
-        for name, entry in raw.items():
-            if not isinstance(entry, dict):
-                raise bad(f"factors.{name}", f"expected an object, got {type(entry).__name__}")
-            unknown = set(entry) - set(ALL) - {"source"}
-            if unknown:
-                raise bad(f"factors.{name}.{sorted(unknown)[0]}", f"unknown field (known: {', '.join(ALL)}, source)")
-            vals = {}
-            for k, default, lo in zip(ALL, IDENTITY_THETA, BOUNDS[0]):
-                v = entry.get(k, default)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise bad(f"factors.{name}.{k}", f"expected a finite number, got {v!r}")
-                if v < 0 or (lo > 0 and v <= 0):
-                    raise bad(f"factors.{name}.{k}", f"must be {'positive' if lo > 0 else '>= 0'}, got {v}")
-                vals[k] = float(v)
-            src = entry.get("source", "calibration")
-            if not isinstance(src, str):
-                raise bad(f"factors.{name}.source", f"expected a string, got {src!r}")
+        for name, (vals, src) in table("factors", ALL).items():
             factors[name] = CalibrationFactors(**{k: vals[k] for k in PARAMS}, source=src)
             extra[name] = {k: vals[k] for k in EXTRA}
+        standard = {name: CalibrationFactors(**vals, source=src)
+                    for name, (vals, src) in table("standard_factors", PARAMS).items()}
         meta, runs = data.get("meta", {}), data.get("runs", [])
         if not isinstance(meta, dict):
             raise bad("meta", "expected an object")
         if not isinstance(runs, list):
             raise bad("runs", "expected a list")
-        return cls(factors=factors, extra=extra, meta=meta, runs=runs)
+        return cls(factors=factors, extra=extra, standard=standard, meta=meta, runs=runs)
 
     def predict(self, cluster, model, plan, **kw):
         """``predict`` with every fitted factor applied, extras included (see :func:`predict_calibrated`)."""
@@ -549,11 +568,13 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_
     return tuple(float(v) for v in theta), {"rounds": n, "mape": float(err.mean()), "predicted_s": final.tolist()}
 
 
-def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] = ALL) -> Calibration:
+def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] = ALL,
+              standard: bool = True) -> Calibration:
     """Fit per-device-type factors to a run log (a CSV path, or a list of :class:`Run`).
 
     ``cluster`` is a :class:`~hetero.specs.cluster.Cluster` or a cluster file / dict. ``fit`` names
-    the parameters to fit (default all of ``ALL``; the others stay at identity).
+    the parameters to fit (default all of ``ALL``; the others stay at identity). ``standard``: also
+    fit the four standard factors alone (see :attr:`Calibration.standard`).
     """
     import numpy as np
 
@@ -579,9 +600,15 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
         src = f"calibration ({len(rs)} runs of {Path(source).name})"
         cal.factors[device] = CalibrationFactors(**dict(zip(PARAMS, theta[:4])), source=src)
         cal.extra[device] = dict(zip(EXTRA, theta[4:]))
+        if standard and set(fit) & set(EXTRA):
+            std, std_info = fit_factors(cluster, rs, prior=prior, fit=set(fit) & set(PARAMS))
+            cal.standard[device] = CalibrationFactors(**dict(zip(PARAMS, std[:4])), source=src)
+        else:
+            std_info = info
         base = np.array(_Problem(cluster, rs).times(IDENTITY_THETA))
         measured = np.array([r.iteration_time_s for r in rs])
         fits[device] = {"runs": len(rs), "rounds": info["rounds"], "mape": info["mape"],
+                        "mape_standard_factors": std_info["mape"],
                         "mape_uncalibrated": float(np.mean(np.abs(base / measured - 1)))}
         for r, b, p in zip(rs, base, info["predicted_s"]):
             table.append({"row": r.row, "device": r.device, "run": r.describe(), "num_devices": r.num_devices,

@@ -93,6 +93,18 @@ def test_recovers_known_factors(cluster, synthetic):
     assert hetero.predict(c, m, p, calibration=cal).iteration_time_s != pytest.approx(plain, rel=1e-3)
 
 
+def test_predictor_without_extras_gets_the_standard_fit(cluster, synthetic):
+    from hetero.predictor.calibration import _native_extras
+
+    runs, _ = synthetic
+    cal = calibrate(cluster, runs[:24])
+    name = "A100-SXM4-80GB"
+    assert set(cal.standard) == {name}
+    if not _native_extras():
+        assert cal.factors_for(name, None) == cal.standard[name]
+    assert cal.meta["fit"][name]["mape_standard_factors"] >= cal.meta["fit"][name]["mape"] - 1e-6
+
+
 def test_save_load_round_trip(cluster, synthetic, tmp_path):
     runs, _ = synthetic
     cal = calibrate(cluster, runs[:20])
@@ -102,6 +114,7 @@ def test_save_load_round_trip(cluster, synthetic, tmp_path):
     name = "A100-SXM4-80GB"
     assert back.theta(name) == pytest.approx(cal.theta(name))
     assert back.factors_for(name, None) == cal.factors_for(name, None)
+    assert back.standard == cal.standard
     assert back.factors_for("H100-SXM5-80GB", None) is None
     assert evaluate(cluster, runs[:3], back) == pytest.approx(evaluate(cluster, runs[:3], cal))
 

@@ -28,8 +28,9 @@ def run(args) -> int:
     runs = read_runs(args.runs)
     cal = calibrate(cluster, runs)
     cal.meta["runs_file"] = args.runs
-    for name, f in list(cal.factors.items()):
-        cal.factors[name] = dataclasses.replace(f, source=f"calibration ({cal.meta['fit'][name]['runs']} runs of {args.runs})")
+    for table in (cal.factors, cal.standard):
+        for name, f in list(table.items()):
+            table[name] = dataclasses.replace(f, source=f"calibration ({cal.meta['fit'][name]['runs']} runs of {args.runs})")
     path = cal.save(args.output)
     if args.json:
         print_json(cal.to_dict())
@@ -48,6 +49,13 @@ def run(args) -> int:
         fit = cal.meta["fit"][name]
         ft.add_row(name, *(f"{v:.4g}" for v in theta), f"{fit['mape_uncalibrated']:.1%}", f"{fit['mape']:.1%}")
     out.print(ft)
+    from hetero.predictor.calibration import PARAMS, _native_extras
+
+    if cal.standard and not _native_extras():
+        std = "; ".join(f"{n}: " + ", ".join(f"{k}={getattr(f, k):.4g}" for k in PARAMS) +
+                        f" (MAPE {cal.meta['fit'][n]['mape_standard_factors']:.1%})" for n, f in cal.standard.items())
+        out.print(f"hetero predict applies the four standard factors only (this predictor has no op_floor_s / "
+                  f"network); it gets the four-factor fit: {std}")
     rows = sorted(cal.runs, key=lambda d: -abs(d["calibrated_ms"] / d["measured_ms"] - 1))
     et = Table(title="In-sample error per run" + (f" (worst {args.max_rows} of {len(rows)})"
                                                   if len(rows) > args.max_rows else ""))
