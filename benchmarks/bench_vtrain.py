@@ -63,7 +63,8 @@ def cross_validate(cluster, runs, k: int = 5, seed: int = 0, fit=None) -> dict:
         held = set(fold)
         train = [r for i, r in enumerate(runs) if i not in held]
         cal = calibrate(cluster, train, fit=fit or ALL, standard=False)
-        fitted.append(dict(zip(ALL, cal.theta(runs[0].device))))
+        fitted.append({**dict(zip(ALL, cal.theta(runs[0].device))),
+                       "op_model": cal.meta["fit"][runs[0].device].get("op_model")})
         for i, t in zip(fold, evaluate(cluster, [runs[i] for i in fold], cal)):
             pred[i] = t
     return {"predicted_s": pred, "fold_factors": fitted}
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
     fitted = in_sample.theta(runs[0].device)
     from hetero.predictor.calibration import ALL
 
-    console.print("fitted on all runs: " + ", ".join(f"{k}={v:.4g}" for k, v in zip(ALL, fitted)))
+    chosen = in_sample.meta["fit"][runs[0].device].get("op_model")
+    console.print("fitted on all runs: " + ", ".join(f"{k}={v:.4g}" for k, v in zip(ALL, fitted))
+                  + f"; operator model: {chosen}")
     cv = results["calibrated, + op floor + network (CV)"]
     ok = cv["single_node"] <= TARGETS["single_node"] and cv["multi_node"] <= TARGETS["multi_node"]
     console.print(f"targets {'met' if ok else 'NOT met'}: single-node {cv['single_node']:.1%}, "
@@ -136,7 +139,8 @@ def main(argv=None) -> int:
            "num_runs": len(runs), "single_node_runs": n1, "multi_node_runs": n2,
            "cluster_schema_mismatch": mismatch, "results": results, "targets": TARGETS,
            "vtrain_simulator": VTRAIN_SIM, "targets_met": ok,
-           "fitted_all_runs": dict(zip(ALL, fitted)), "fold_factors": full["fold_factors"],
+           "fitted_all_runs": dict(zip(ALL, fitted)), "op_model_all_runs": chosen,
+           "fold_factors": full["fold_factors"],
            "per_run": [{"row": r.row, "run": r.describe(), "measured_ms": r.iteration_time_ms,
                         "uncalibrated_ms": u * 1e3, "cv_ms": c * 1e3}
                        for r, u, c in zip(runs, uncal, full["predicted_s"])],

@@ -64,6 +64,7 @@ small models are launch-bound while large ones are compute-bound.
 ``network``: multiplies the time of traffic over the inter-node network (on top of
 ``communication``): NICs and NVLink reach different fractions of their nominal bandwidth."""
 ALL = PARAMS + EXTRA
+OP_MODELS = ("learned", "roofline")
 IDENTITY_THETA = (1.0, 1.0, 0.0, 0.0, 0.0, 1.0)
 START_THETA = (1.0, 1.0, 0.0, 0.0, 3e-5, 1.0)
 """Fitting starts with a small floor: at exactly 0 no kernel touches it and its gradient is 0."""
@@ -281,6 +282,9 @@ class Calibration:
     extra: dict[str, dict] = field(default_factory=dict)
     """Device type name -> {op_floor_s, network} (see ``EXTRA``), applied by :func:`predict_calibrated`
     and by ``predict`` once :class:`CalibrationFactors` carries fields of those names."""
+    op_model: dict[str, str] = field(default_factory=dict)
+    """Device type name -> the operator model the factors were fitted with (``learned`` or
+    ``roofline``; chosen by fit quality). Applied by :func:`predict_calibrated`."""
     standard: dict[str, CalibrationFactors] = field(default_factory=dict)
     """Device type name -> factors fitted with the four standard parameters only: what
     :meth:`factors_for` hands to a predictor that cannot apply the extras (the full fit's compute
@@ -311,6 +315,10 @@ class Calibration:
         pass_on = {k: v for k, v in extra.items() if k in native}
         return dataclasses.replace(f, **pass_on) if pass_on else f
 
+    def op_model_for(self, device_name: str, device=None) -> str | None:
+        name = self._name_for(device_name, device)
+        return self.op_model.get(name) if name else None
+
     def extra_for(self, device_name: str, device=None) -> dict:
         name = self._name_for(device_name, device)
         return dict(self.extra.get(name, {})) if name else {}
@@ -327,8 +335,8 @@ class Calibration:
             entry["source"] = f.source
             out[name] = entry
         std = {name: {**{k: getattr(f, k) for k in PARAMS}, "source": f.source} for name, f in self.standard.items()}
-        return {"format": FORMAT, "version": VERSION, "factors": out, "standard_factors": std, "meta": self.meta,
-                "runs": self.runs}
+        return {"format": FORMAT, "version": VERSION, "factors": out, "op_model": self.op_model,
+                "standard_factors": std, "meta": self.meta, "runs": self.runs}
 
     def save(self, path) -> Path:
         """Write JSON atomically (temporary file + rename)."""
@@ -381,12 +389,18 @@ class Calibration:
             extra[name] = {k: vals[k] for k in EXTRA}
         standard = {name: CalibrationFactors(**vals, source=src)
                     for name, (vals, src) in table("standard_factors", PARAMS).items()}
+        op_model = data.get("op_model", {})
+        if not isinstance(op_model, dict):
+            raise bad("op_model", "expected an object mapping device type -> learned | roofline")
+        for name, kind in op_model.items():
+            if kind not in OP_MODELS:
+                raise bad(f"op_model.{name}", f"expected one of {', '.join(OP_MODELS)}, got {kind!r}")
         meta, runs = data.get("meta", {}), data.get("runs", [])
         if not isinstance(meta, dict):
             raise bad("meta", "expected an object")
         if not isinstance(runs, list):
             raise bad("runs", "expected a list")
-        return cls(factors=factors, extra=extra, standard=standard, meta=meta, runs=runs)
+        return cls(factors=factors, extra=extra, op_model=dict(op_model), standard=standard, meta=meta, runs=runs)
 
     def predict(self, cluster, model, plan, **kw):
         """``predict`` with every fitted factor applied, extras included (see :func:`predict_calibrated`)."""
@@ -416,12 +430,20 @@ def _native_extras() -> set[str]:
 
 def _cost_model_class():
     from .costs import StageCostModel
+    from .optime import ROOFLINE
 
-    class FlooredCostModel(StageCostModel):
-        """StageCostModel whose kernels take at least ``op_floor_s`` each (after the compute factor).
-        Used only while the predictor's own CalibrationFactors lacks ``op_floor_s``."""
+    class CalibratedCostModel(StageCostModel):
+        """StageCostModel that applies what the predictor itself does not (yet): kernels take at
+        least ``op_floor_s`` each (after the compute factor), and the operator model the
+        calibration was fitted with (``roofline`` where it chose it over the learned model)."""
 
-        floors: dict = {}
+        def __init__(self, cluster, model, calibration, floors=None, roofline_groups=()):
+            super().__init__(cluster, model, calibration)
+            self.floors = dict(floors or {})
+            for g in roofline_groups:
+                if self._prov.get(g) != "profile":      # a local profile stays the better source
+                    self._opm[g] = ROOFLINE
+                    self._opkind[g] = "roofline"
 
         def _ops_time(self, group, ops):
             floor = self.floors.get(group, 0.0)
@@ -437,7 +459,10 @@ def _cost_model_class():
                 total += max(t * c, floor)
             return total
 
-    return FlooredCostModel
+    return CalibratedCostModel
+
+
+_COST_MODEL = None
 
 
 def with_network(cluster, factor: float):
@@ -453,37 +478,57 @@ def with_network(cluster, factor: float):
     return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))
 
 
+class _FullView:
+    """A calibration seen with its full factors (the fit that goes with the extras)."""
+
+    def __init__(self, cal: "Calibration"):
+        self.cal = cal
+
+    def factors_for(self, device_name, device=None):
+        name = self.cal._name_for(device_name, device)
+        if name is None:
+            return None
+        f = self.cal.factors[name]
+        pass_on = {k: v for k, v in self.cal.extra.get(name, {}).items() if k in _native_extras()}
+        return dataclasses.replace(f, **pass_on) if pass_on else f
+
+
 def predict_calibrated(cluster, model, plan, calibration, *, check: bool = True):
-    """``hetero.predictor.predict`` with a calibration's standard factors and its extras (op floor,
-    network) applied here for as long as the predictor does not apply them itself. With a single
-    network factor for the whole cluster (the largest over the device types it holds)."""
+    """``hetero.predictor.predict`` with all of a calibration applied: its full factors, and the
+    extras the predictor does not apply itself (kernel floor, network, the operator model it was
+    fitted with). One network factor for the whole cluster (the largest over its device types)."""
     from . import predict
 
+    global _COST_MODEL
     if calibration is None or not hasattr(calibration, "extra_for"):
         return predict(cluster, model, plan, calibration=calibration, check=check)
     native = _native_extras()
-    floors, net = {}, 1.0
+    floors, net, roofline = {}, 1.0, []
     for g in cluster.groups:
-        x = calibration.extra_for(g.device, cluster.device_type(g.name))
+        dev = cluster.device_type(g.name)
+        x = calibration.extra_for(g.device, dev)
         if "op_floor_s" not in native and x.get("op_floor_s", 0.0) > 0:
             floors[g.name] = x["op_floor_s"]
         if "network" not in native:
             net = max(net, x.get("network", 1.0))
+        if calibration.op_model_for(g.device, dev) == "roofline":
+            roofline.append(g.name)
     cluster = with_network(cluster, net)
-    cm = None
-    if floors:
-        cm = _cost_model_class()(cluster, model, calibration)
-        cm.floors = floors
-    return predict(cluster, model, plan, calibration=calibration, check=check, cost_model=cm)
+    view = _FullView(calibration)
+    if _COST_MODEL is None:
+        _COST_MODEL = _cost_model_class()
+    cm = _COST_MODEL(cluster, model, view, floors, roofline)
+    return predict(cluster, model, plan, calibration=view, check=check, cost_model=cm)
 
 
 # ============================================================================ fitting
 class _Fixed(Calibration):
     """One set of factors for every device (used while fitting)."""
 
-    def __init__(self, theta):
+    def __init__(self, theta, op_model: str | None = None):
         super().__init__(factors={"*": CalibrationFactors(**dict(zip(PARAMS, map(float, theta[:4]))))},
-                         extra={"*": dict(zip(EXTRA, map(float, theta[4:])))})
+                         extra={"*": dict(zip(EXTRA, map(float, theta[4:])))},
+                         op_model={"*": op_model} if op_model else {})
 
     def _name_for(self, device_name, device=None):
         return "*"
@@ -492,13 +537,14 @@ class _Fixed(Calibration):
 class _Problem:
     """The runs of one device type, prepared once (cluster slice, model, plan per run)."""
 
-    def __init__(self, cluster, runs: list[Run]):
+    def __init__(self, cluster, runs: list[Run], op_model: str | None = None):
+        self.op_model = op_model
         self.runs = runs
         self.setups = [run_setup(cluster, r) for r in runs]
         self.measured = [r.iteration_time_s for r in runs]
 
     def times(self, theta) -> list[float]:
-        cal = _Fixed(theta)
+        cal = _Fixed(theta, self.op_model)
         return [predict_calibrated(c, m, p, cal, check=False).iteration_time_s for c, m, p in self.setups]
 
     def jacobian(self, theta, free):
@@ -542,7 +588,7 @@ def _fit_linearised(J, T0, theta0, measured, prior: float, free):
 
 
 def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_WEIGHT,
-                fit: Iterable[str] = ALL) -> tuple[tuple, dict]:
+                fit: Iterable[str] = ALL, op_model: str | None = None) -> tuple[tuple, dict]:
     """Fit one device type's parameters (``ALL``, or the subset ``fit``; the rest stay at identity)
     on its runs: Gauss-Newton on the real predictor. Returns (theta, info)."""
     import numpy as np
@@ -552,7 +598,7 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_
     if unknown:
         raise ValueError(f"unknown parameter(s) {sorted(unknown)} (known: {', '.join(ALL)})")
     free = np.array([k in fit for k in ALL])
-    prob = _Problem(cluster, runs)
+    prob = _Problem(cluster, runs, op_model)
     measured = np.array(prob.measured)
     theta = np.where(free, START_THETA, IDENTITY_THETA).astype(float)
     n = 0
@@ -565,16 +611,35 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_
             break
     final = np.array(prob.times(theta))
     err = np.abs(final / measured - 1)
-    return tuple(float(v) for v in theta), {"rounds": n, "mape": float(err.mean()), "predicted_s": final.tolist()}
+    rmsle = float(np.sqrt(np.mean(np.log(final / measured) ** 2)))
+    return tuple(float(v) for v in theta), {"rounds": n, "mape": float(err.mean()), "rmsle": rmsle,
+                                            "predicted_s": final.tolist(), "op_model": op_model}
+
+
+def _op_model_candidates(cluster, device: str, op_models) -> list[str]:
+    """Operator models to try for ``device``: the predictor's own choice ("default"), plus the plain
+    roofline where the default is the learned model (fitted on fp32 CUDA-core kernels, it may not
+    carry over to the dtype / units of the runs; the data decide)."""
+    if not op_models:
+        return ["default"]
+    from .optime import catalog_model, op_model_for
+
+    g = next(g for g in cluster.groups if g.device == device)
+    _, prov = op_model_for(g.device, cluster.device_type(g.name))
+    if prov == "profile" or catalog_model()[1] != "learned":
+        return ["default"]
+    return ["default", "roofline"]
 
 
 def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] = ALL,
-              standard: bool = True) -> Calibration:
+              standard: bool = True, op_models: bool = True) -> Calibration:
     """Fit per-device-type factors to a run log (a CSV path, or a list of :class:`Run`).
 
     ``cluster`` is a :class:`~hetero.specs.cluster.Cluster` or a cluster file / dict. ``fit`` names
     the parameters to fit (default all of ``ALL``; the others stay at identity). ``standard``: also
-    fit the four standard factors alone (see :attr:`Calibration.standard`).
+    fit the four standard factors alone (see :attr:`Calibration.standard`). ``op_models``: also
+    try the roofline operator model where the predictor would use the learned one, and keep the
+    better fit (lower RMS log error; :attr:`Calibration.op_model`).
     """
     import numpy as np
 
@@ -596,7 +661,14 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
     cal = Calibration()
     fits, table = {}, []
     for device, rs in by_device.items():
-        theta, info = fit_factors(cluster, rs, prior=prior, fit=fit)
+        theta, info = None, None
+        for kind in _op_model_candidates(cluster, device, op_models):
+            th, inf = fit_factors(cluster, rs, prior=prior, fit=fit, op_model=None if kind == "default" else kind)
+            if info is None or inf["rmsle"] < info["rmsle"]:
+                theta, info = th, inf
+                info["chosen"] = kind
+        if info["chosen"] != "default":
+            cal.op_model[device] = info["chosen"]
         src = f"calibration ({len(rs)} runs of {Path(source).name})"
         cal.factors[device] = CalibrationFactors(**dict(zip(PARAMS, theta[:4])), source=src)
         cal.extra[device] = dict(zip(EXTRA, theta[4:]))
@@ -608,6 +680,7 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
         base = np.array(_Problem(cluster, rs).times(IDENTITY_THETA))
         measured = np.array([r.iteration_time_s for r in rs])
         fits[device] = {"runs": len(rs), "rounds": info["rounds"], "mape": info["mape"],
+                        "op_model": "predictor default" if info["chosen"] == "default" else info["chosen"],
                         "mape_standard_factors": std_info["mape"],
                         "mape_uncalibrated": float(np.mean(np.abs(base / measured - 1)))}
         for r, b, p in zip(rs, base, info["predicted_s"]):

@@ -114,7 +114,7 @@ def test_save_load_round_trip(cluster, synthetic, tmp_path):
     name = "A100-SXM4-80GB"
     assert back.theta(name) == pytest.approx(cal.theta(name))
     assert back.factors_for(name, None) == cal.factors_for(name, None)
-    assert back.standard == cal.standard
+    assert back.standard == cal.standard and back.op_model == cal.op_model
     assert back.factors_for("H100-SXM5-80GB", None) is None
     assert evaluate(cluster, runs[:3], back) == pytest.approx(evaluate(cluster, runs[:3], cal))
 
@@ -198,16 +198,15 @@ def vtrain_cv():
 
 
 def test_vtrain_cross_validation_regression(vtrain_cv):
-    """What the current model reaches on held-out runs (benchmarks/results/vtrain_cv.json: 8.4% / 14.9%)."""
+    """Targets: <= 8% single-node (met: 7.8%), <= 12% multi-node (not met: 14.1%; see
+    benchmarks/results/vtrain_cv.json). The multi-node bound here is what the model reaches now."""
     single, multi, uncal, overall = vtrain_cv
     assert overall < 0.6 * uncal
-    assert single <= 0.09, single
-    assert multi <= 0.16, multi
-
-
-@pytest.mark.xfail(reason="targets not reached yet: CV MAPE 8.4% single-node / 14.9% multi-node "
-                          "(vTrain's simulator: 8.4% / 14.7%)", strict=False)
-def test_vtrain_cross_validation_targets(vtrain_cv):
-    single, multi, _, _ = vtrain_cv
     assert single <= 0.08, single
-    assert multi <= 0.12, multi
+    assert multi <= 0.15, multi
+
+
+@pytest.mark.xfail(reason="multi-node target not reached yet: CV MAPE 14.1% on 22 multi-node runs "
+                          "(vTrain's simulator: 14.7%)", strict=False)
+def test_vtrain_cross_validation_multi_node_target(vtrain_cv):
+    assert vtrain_cv[1] <= 0.12, vtrain_cv[1]

@@ -42,12 +42,14 @@ def run(args) -> int:
     ft.add_column("device")
     for k in ALL:
         ft.add_column(k, justify="right")
+    ft.add_column("op model")
     ft.add_column("MAPE before", justify="right")
     ft.add_column("MAPE after", justify="right")
     for name in cal.factors:
         theta = cal.theta(name)
         fit = cal.meta["fit"][name]
-        ft.add_row(name, *(f"{v:.4g}" for v in theta), f"{fit['mape_uncalibrated']:.1%}", f"{fit['mape']:.1%}")
+        ft.add_row(name, *(f"{v:.4g}" for v in theta), fit.get("op_model", ""), f"{fit['mape_uncalibrated']:.1%}",
+                   f"{fit['mape']:.1%}")
     out.print(ft)
     from hetero.predictor.calibration import PARAMS, _native_extras
 
