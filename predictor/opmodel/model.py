@@ -197,7 +197,17 @@ class OpModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-@functools.lru_cache(maxsize=1)
-def default_model() -> OpModel:
-    """The shipped model (``predictor/data/opmodel.json``), fitted on all five NeuSight GPUs."""
-    return OpModel.load(DEFAULT_PATH)
+SHIPPED = {None: "opmodel.json", "Tesla V100-PCIE-32GB": "opmodel_no_v100.json"}
+
+
+@functools.lru_cache(maxsize=4)
+def default_model(without: str | None = None) -> OpModel:
+    """The shipped model (``predictor/data/opmodel.json``), fitted on all five NeuSight GPUs.
+
+    ``without="Tesla V100-PCIE-32GB"`` loads the variant fitted without any V100 rows
+    (``opmodel_no_v100.json``), for honest end-to-end checks against the V100 step times.
+    """
+    if without not in SHIPPED:
+        raise ValueError(f"no shipped model without '{without}' (have: {[k for k in SHIPPED if k]}); "
+                         f"fit one with OpModel().fit(..., exclude_devices=[...])")
+    return OpModel.load(DEFAULT_PATH.parent / SHIPPED[without])
