@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from hetero.predictor.opmodel import default_model
     from hetero.specs.device import load_catalog
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=max(120, Console().width))
     device = load_catalog()[CATALOG_DEVICE]
     opm, how = op_model_without_v100(base, args.refit)
     console.print(f"op model without {HELD_OUT}: trained on {', '.join(opm.meta.get('trained_devices', []))} ({how})")
@@ -100,8 +100,10 @@ def main(argv=None) -> int:
     labels = json.loads((base / "e2e_labels.json").read_text())
     specs = models()
     table = Table(title=f"Training step on {HELD_OUT} (fp32): predicted without V100 data vs measured")
+    from hetero.predictor.optime import ROOFLINE
+
     for col in ("model", "seq", "batch", "measured fwd/bwd/step ms", "predicted fwd/bwd/step ms", "error",
-                "with V100 in training"):
+                "with V100 in training", "roofline"):
         table.add_column(col, justify="left" if col == "model" else "right")
     rows = []
     for key, lab in labels.items():
@@ -111,16 +113,19 @@ def main(argv=None) -> int:
         model = dataclasses.replace(specs[name], seq_length=seq)
         f, b = step_ms(opm, model, batch, seq, device)
         fs, bs = step_ms(shipped, model, batch, seq, device)
+        fr, br = step_ms(ROOFLINE, model, batch, seq, device)
+        err_roof = (fr + br) / lab["e2e_latency"] - 1
         err = (f + b) / lab["e2e_latency"] - 1
         err_shipped = (fs + bs) / lab["e2e_latency"] - 1
         approx = name != "gpt2_large"
         rows.append({"key": key, "model": name, "seq": seq, "batch": batch, "approximation": approx,
                      "measured_ms": {"forward": lab["fw_latency"], "backward": lab["bwall_latency"], "step": lab["e2e_latency"]},
                      "predicted_ms": {"forward": f, "backward": b, "step": f + b}, "error": err,
-                     "error_with_v100_in_training": err_shipped})
+                     "error_with_v100_in_training": err_shipped, "error_roofline": err_roof})
         table.add_row(name + (" (gpt-shaped approx.)" if approx else ""), str(seq), str(batch),
                       f"{lab['fw_latency']:.0f}/{lab['bwall_latency']:.0f}/{lab['e2e_latency']:.0f}",
-                      f"{f:.0f}/{b:.0f}/{f + b:.0f}", f"{err:+.1%}", f"{err_shipped:+.1%}")
+                      f"{f:.0f}/{b:.0f}/{f + b:.0f}", f"{err:+.1%}", f"{err_shipped:+.1%}",
+                      f"{err_roof:+.1%}")
     console.print(table)
     gpt = [r for r in rows if r["model"] == "gpt2_large"]
     ok = all(abs(r["error"]) <= TARGET for r in gpt)

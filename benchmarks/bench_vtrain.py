@@ -90,7 +90,7 @@ def main(argv=None) -> int:
 
     from hetero.predictor.calibration import PARAMS, calibrate, evaluate, read_runs
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=max(120, Console().width))
     cluster, mismatch = load_cluster(base / "cluster.yaml")
     if mismatch:
         console.print(f"[yellow]cluster.yaml does not validate against our schema ({mismatch}); "
