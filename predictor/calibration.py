@@ -56,7 +56,7 @@ CHOICES = {"dtype": ("fp32", "fp16", "bf16"), "recompute": ("none", "selective",
 PARAMS = ("compute", "communication", "layer_overhead_s", "iteration_overhead_s")
 """The factors every predictor applies (:class:`~hetero.predictor.factors.CalibrationFactors`)."""
 EXTRA = ("op_floor_s", "network")
-"""Extra structure this module fits and applies in :func:`predict_calibrated`:
+"""Extra structure this module fits (the predictor applies it, see :class:`CalibrationFactors`):
 ``op_floor_s``: no modelled kernel takes less than this (seconds, after the compute factor): the
 host issues kernels at a finite rate, so small kernels are dispatch-bound, and the time of a layer
 is a max (device work, host dispatch), not a sum -- an additive overhead cannot express that
@@ -280,15 +280,14 @@ class Calibration:
     factors: dict[str, CalibrationFactors] = field(default_factory=dict)
     """Device type name -> the factors every predictor applies."""
     extra: dict[str, dict] = field(default_factory=dict)
-    """Device type name -> {op_floor_s, network} (see ``EXTRA``), applied by :func:`predict_calibrated`
-    and by ``predict`` once :class:`CalibrationFactors` carries fields of those names."""
+    """Device type name -> {op_floor_s, network} (see ``EXTRA``), handed to the predictor by
+    :meth:`factors_for`."""
     op_model: dict[str, str] = field(default_factory=dict)
     """Device type name -> the operator model the factors were fitted with (``learned`` or
-    ``roofline``; chosen by fit quality). Applied by :func:`predict_calibrated`."""
+    ``roofline``; chosen by fit quality), handed to the predictor by :meth:`factors_for`."""
     standard: dict[str, CalibrationFactors] = field(default_factory=dict)
-    """Device type name -> factors fitted with the four standard parameters only: what
-    :meth:`factors_for` hands to a predictor that cannot apply the extras (the full fit's compute
-    factor is only right together with its kernel floor)."""
+    """Device type name -> factors fitted with the four standard parameters only (reported next to
+    the full fit, to show what the extra structure buys)."""
     meta: dict = field(default_factory=dict)
     """Provenance: cluster, runs file, number of runs, fit statistics, time."""
     runs: list[dict] = field(default_factory=list)
@@ -302,18 +301,12 @@ class Calibration:
 
     def factors_for(self, device_name: str, device=None) -> CalibrationFactors | None:
         """Factors for a device type: by name, else by the type it inherits (``base:``), else None.
-        Extra fields are passed on when the predictor's :class:`CalibrationFactors` knows them."""
+        They carry the extras (kernel floor, network) and the operator model of the fit."""
         name = self._name_for(device_name, device)
         if name is None:
             return None
-        native = _native_extras()
-        extra = self.extra.get(name, {})
-        needs = {k for k, v in extra.items() if v != IDENTITY_THETA[ALL.index(k)]}
-        if not needs <= native and name in self.standard:
-            return self.standard[name]   # this predictor cannot apply the extras: the 4-factor fit
-        f = self.factors[name]
-        pass_on = {k: v for k, v in extra.items() if k in native}
-        return dataclasses.replace(f, **pass_on) if pass_on else f
+        extra = {k: v for k, v in self.extra.get(name, {}).items() if k in EXTRA}
+        return dataclasses.replace(self.factors[name], **extra, op_model=self.op_model.get(name))
 
     def op_model_for(self, device_name: str, device=None) -> str | None:
         name = self._name_for(device_name, device)
@@ -423,102 +416,13 @@ def load_calibration(path) -> Calibration:
     return Calibration.from_dict(data, str(path))
 
 
-# ============================================================================ applying the extras
-def _native_extras() -> set[str]:
-    return {x.name for x in dataclasses.fields(CalibrationFactors)} & set(EXTRA)
-
-
-def _cost_model_class():
-    from .costs import StageCostModel
-    from .optime import ROOFLINE
-
-    class CalibratedCostModel(StageCostModel):
-        """StageCostModel that applies what the predictor itself does not (yet): kernels take at
-        least ``op_floor_s`` each (after the compute factor), and the operator model the
-        calibration was fitted with (``roofline`` where it chose it over the learned model)."""
-
-        def __init__(self, cluster, model, calibration, floors=None, roofline_groups=()):
-            super().__init__(cluster, model, calibration)
-            self.floors = dict(floors or {})
-            for g in roofline_groups:
-                if self._prov.get(g) != "profile":      # a local profile stays the better source
-                    self._opm[g] = ROOFLINE
-                    self._opkind[g] = "roofline"
-
-        def _ops_time(self, group, ops):
-            floor = self.floors.get(group, 0.0)
-            if floor <= 0:
-                return super()._ops_time(group, ops)
-            dev, opm, c = self._dev[group], self._opm[group], self._factors[group].compute
-            total = 0.0
-            for o in ops:
-                key = (group, o.op, o.dims)
-                t = self._op_cache.get(key)
-                if t is None:
-                    t = self._op_cache[key] = opm.predict(o.op, o.dims_dict(), self.dtype, dev)
-                total += max(t * c, floor)
-            return total
-
-    return CalibratedCostModel
-
-
-_COST_MODEL = None
-
-
-def with_network(cluster, factor: float):
-    """``cluster`` with its inter-node network ``factor`` times slower (links that are the network
-    -- e.g. a tensor-parallel group wider than a node -- too)."""
-    if factor == 1.0:
-        return cluster
-    from hetero.specs.cluster import Link
-
-    old = cluster.network.inter_node
-    new = Link(bandwidth=old.bandwidth / factor, latency=old.latency * factor)
-    groups = tuple(dataclasses.replace(g, intra_node=new) if g.intra_node is old else g for g in cluster.groups)
-    return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))
-
-
-class _FullView:
-    """A calibration seen with its full factors (the fit that goes with the extras)."""
-
-    def __init__(self, cal: "Calibration"):
-        self.cal = cal
-
-    def factors_for(self, device_name, device=None):
-        name = self.cal._name_for(device_name, device)
-        if name is None:
-            return None
-        f = self.cal.factors[name]
-        pass_on = {k: v for k, v in self.cal.extra.get(name, {}).items() if k in _native_extras()}
-        return dataclasses.replace(f, **pass_on) if pass_on else f
-
-
+# ============================================================================ applying
 def predict_calibrated(cluster, model, plan, calibration, *, check: bool = True):
-    """``hetero.predictor.predict`` with all of a calibration applied: its full factors, and the
-    extras the predictor does not apply itself (kernel floor, network, the operator model it was
-    fitted with). One network factor for the whole cluster (the largest over its device types)."""
+    """``hetero.predictor.predict`` with a calibration: kept as the name the fitting code and
+    benchmarks use; the predictor applies every fitted factor itself."""
     from . import predict
 
-    global _COST_MODEL
-    if calibration is None or not hasattr(calibration, "extra_for"):
-        return predict(cluster, model, plan, calibration=calibration, check=check)
-    native = _native_extras()
-    floors, net, roofline = {}, 1.0, []
-    for g in cluster.groups:
-        dev = cluster.device_type(g.name)
-        x = calibration.extra_for(g.device, dev)
-        if "op_floor_s" not in native and x.get("op_floor_s", 0.0) > 0:
-            floors[g.name] = x["op_floor_s"]
-        if "network" not in native:
-            net = max(net, x.get("network", 1.0))
-        if calibration.op_model_for(g.device, dev) == "roofline":
-            roofline.append(g.name)
-    cluster = with_network(cluster, net)
-    view = _FullView(calibration)
-    if _COST_MODEL is None:
-        _COST_MODEL = _cost_model_class()
-    cm = _COST_MODEL(cluster, model, view, floors, roofline)
-    return predict(cluster, model, plan, calibration=view, check=check, cost_model=cm)
+    return predict(cluster, model, plan, calibration=calibration, check=check)
 
 
 # ============================================================================ fitting
@@ -706,4 +610,4 @@ def evaluate(cluster, runs: Iterable[Run], calibration=None) -> list[float]:
 
 
 __all__ = ["ALL", "Calibration", "CalibrationError", "EXTRA", "PARAMS", "Run", "calibrate", "evaluate", "fit_factors",
-           "load_calibration", "predict_calibrated", "read_runs", "run_setup", "with_network"]
+           "load_calibration", "predict_calibrated", "read_runs", "run_setup"]

@@ -32,7 +32,7 @@ from . import comm
 from . import memory as mem
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
-from .optime import op_model_for
+from .optime import ROOFLINE, op_model_for
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
@@ -43,7 +43,7 @@ class StageCostModel:
     """Memoised costs of stages of ``model`` on the groups of ``cluster``."""
 
     def __init__(self, cluster: Cluster, model: ModelSpec, calibration=None):
-        self.cluster = cluster
+        self.cluster = cluster = _with_calibrated_network(cluster, calibration)
         self.model = model
         self.calibration = calibration
         self.dtype = model.dtype
@@ -63,6 +63,8 @@ class StageCostModel:
                 if calibration is not None:
                     f = calibration.factors_for(g.device, dev)
                 if f is not None:
+                    if f.op_model == "roofline" and prov != "profile":  # a local profile stays the better source
+                        opm = ROOFLINE
                     prov = f.source or "calibration"
                 by_device[g.device] = (opm, prov, f or IDENTITY)
             opm, prov, f = by_device[g.device]
@@ -107,6 +109,8 @@ class StageCostModel:
         opm = self._opm[group]
         dtype = self.dtype
         cache = self._op_cache
+        factors = self._factors[group]
+        floor, c = factors.op_floor_s, factors.compute
         total = 0.0
         for o in ops:
             key = (group, o.op, o.dims)
@@ -114,8 +118,8 @@ class StageCostModel:
             if t is None:
                 t = opm.predict(o.op, o.dims_dict(), dtype, dev)
                 cache[key] = t
-            total += t
-        return total * self._factors[group].compute
+            total += t if floor <= 0 else max(t * c, floor) / c
+        return total * c
 
     def _tp_allreduce(self, group: str, tp: int, mbs: int) -> float:
         """One Megatron tensor-parallel all-reduce of the b x s x h activation (intra-node)."""
@@ -333,3 +337,26 @@ class StageCostModel:
 
 
 __all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]
+
+
+def _with_calibrated_network(cluster: Cluster, calibration) -> Cluster:
+    """``cluster`` with its inter-node network slowed by the calibration's ``network`` factor (the
+    largest over the cluster's device types); links that are the network (e.g. a tensor-parallel
+    group wider than a node) too."""
+    if calibration is None:
+        return cluster
+    factor = 1.0
+    for g in cluster.groups:
+        f = calibration.factors_for(g.device, cluster.device_type(g.name))
+        if f is not None:
+            factor = max(factor, f.network)
+    if factor == 1.0:
+        return cluster
+    import dataclasses
+
+    from hetero.specs.cluster import Link
+
+    old = cluster.network.inter_node
+    new = Link(bandwidth=old.bandwidth / factor, latency=old.latency * factor)
+    groups = tuple(dataclasses.replace(g, intra_node=new) if g.intra_node is old else g for g in cluster.groups)
+    return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))

@@ -20,6 +20,14 @@ class CalibrationFactors:
     """Added per transformer layer per micro-batch in forward, twice in backward."""
     iteration_overhead_s: float = 0.0
     """Added once per iteration (framework, data loading, synchronisation)."""
+    op_floor_s: float = 0.0
+    """No kernel takes less than this (seconds, after the compute factor): the host's launch rate
+    bounds small kernels, which a per-layer overhead cannot express for small and large models at once."""
+    network: float = 1.0
+    """Multiplies the time of traffic over the inter-node network (one factor per cluster: the
+    largest over its device types)."""
+    op_model: str | None = None
+    """Operator model the factors were fitted with: ``learned`` or ``roofline`` (None: the default)."""
     source: str = "calibration"
     """Where these factors come from (shown by ``hetero predict`` as the device's provenance)."""
 

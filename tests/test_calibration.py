@@ -93,15 +93,20 @@ def test_recovers_known_factors(cluster, synthetic):
     assert hetero.predict(c, m, p, calibration=cal).iteration_time_s != pytest.approx(plain, rel=1e-3)
 
 
-def test_predictor_without_extras_gets_the_standard_fit(cluster, synthetic):
-    from hetero.predictor.calibration import _native_extras
-
+def test_predict_applies_the_full_fit(cluster, synthetic):
+    """hetero.predict with the calibration reproduces the synthetic measurements (extras included),
+    and the four-factor fit is never better than the full one."""
     runs, _ = synthetic
     cal = calibrate(cluster, runs[:24])
     name = "A100-SXM4-80GB"
     assert set(cal.standard) == {name}
-    if not _native_extras():
-        assert cal.factors_for(name, None) == cal.standard[name]
+    f = cal.factors_for(name, None)
+    assert f.op_floor_s == cal.extra[name]["op_floor_s"] and f.network == cal.extra[name]["network"]
+    assert f.op_model == cal.op_model.get(name)
+    # the runs were generated with a kernel floor: hetero.predict itself must reproduce them
+    for r in runs[:8]:
+        c, m, p = run_setup(cluster, r)
+        assert hetero.predict(c, m, p, calibration=cal).iteration_time_s == pytest.approx(r.iteration_time_s, rel=0.02)
     assert cal.meta["fit"][name]["mape_standard_factors"] >= cal.meta["fit"][name]["mape"] - 1e-6
 
 

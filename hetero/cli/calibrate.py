@@ -51,13 +51,6 @@ def run(args) -> int:
         ft.add_row(name, *(f"{v:.4g}" for v in theta), fit.get("op_model", ""), f"{fit['mape_uncalibrated']:.1%}",
                    f"{fit['mape']:.1%}")
     out.print(ft)
-    from hetero.predictor.calibration import PARAMS, _native_extras
-
-    if cal.standard and not _native_extras():
-        std = "; ".join(f"{n}: " + ", ".join(f"{k}={getattr(f, k):.4g}" for k in PARAMS) +
-                        f" (MAPE {cal.meta['fit'][n]['mape_standard_factors']:.1%})" for n, f in cal.standard.items())
-        out.print(f"hetero predict applies the four standard factors only (this predictor has no op_floor_s / "
-                  f"network); it gets the four-factor fit: {std}")
     rows = sorted(cal.runs, key=lambda d: -abs(d["calibrated_ms"] / d["measured_ms"] - 1))
     et = Table(title="In-sample error per run" + (f" (worst {args.max_rows} of {len(rows)})"
                                                   if len(rows) > args.max_rows else ""))
