@@ -345,11 +345,9 @@ def _with_calibrated_network(cluster: Cluster, calibration) -> Cluster:
     group wider than a node) too."""
     if calibration is None:
         return cluster
-    factor = 1.0
-    for g in cluster.groups:
-        f = calibration.factors_for(g.device, cluster.device_type(g.name))
-        if f is not None:
-            factor = max(factor, f.network)
+    fitted = [f.network for g in cluster.groups
+              if (f := calibration.factors_for(g.device, cluster.device_type(g.name))) is not None]
+    factor = max(fitted) if fitted else 1.0   # a fitted factor below 1 (a faster network) counts too
     if factor == 1.0:
         return cluster
     import dataclasses
