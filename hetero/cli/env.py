@@ -14,14 +14,11 @@ def run(args) -> int:
     from hetero.backends import env_report
 
     rows = env_report()
-    if getattr(args, "json", False):
-        import json
-        import sys
+    from ._common import console, print_json
 
-        json.dump([r._asdict() for r in rows], sys.stdout, indent=2)
-        sys.stdout.write("\n")
+    if getattr(args, "json", False):
+        print_json([r._asdict() for r in rows])
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="hetero env")
@@ -31,5 +28,5 @@ def run(args) -> int:
     for r in rows:
         style = "green" if r.status == "found" else "yellow"
         table.add_row(r.component, f"[{style}]{r.status}[/{style}]", r.detail)
-    Console(highlight=False).print(table)
+    console().print(table)
     return 0

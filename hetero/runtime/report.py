@@ -6,10 +6,10 @@ import statistics
 
 class Reporter:
     def __init__(self, trainer):
-        from rich.console import Console
+        from hetero.cli._common import console
 
         self.t = trainer
-        self.out = Console(highlight=False, stderr=False)
+        self.out = console()
 
     def header(self) -> None:
         ctx = self.t.ctx
