@@ -1,0 +1,48 @@
+"""Every shipped example (configs/examples.yaml) validates and predicts to the SCHEMAS.md JSON."""
+import json
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, run_cli
+
+EXAMPLES = yaml.safe_load((CONFIGS / "examples.yaml").read_text())["examples"]
+TOP_KEYS = {"iteration_time_s", "tokens_per_s", "samples_per_s", "mfu", "fits_memory",
+            "upper_bound_tokens_per_s", "pipelines"}
+STAGE_KEYS = {"group", "tp", "layers", "forward_time_s", "backward_time_s", "peak_memory_bytes",
+              "memory_capacity_bytes"}
+
+
+def paths(example):
+    return (str(CONFIGS / "clusters" / f"{example['cluster']}.yaml"),
+            str(CONFIGS / "models" / f"{example['model']}.yaml"),
+            str(CONFIGS / "plans" / f"{example['plan']}.yaml"))
+
+
+def test_every_shipped_plan_is_listed():
+    listed = {e["plan"] for e in EXAMPLES}
+    shipped = {p.stem for p in (CONFIGS / "plans").glob("*.yaml")}
+    assert shipped == listed
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: e["plan"])
+def test_example_validates_and_predicts(example):
+    cluster, model, plan = paths(example)
+    proc = run_cli("validate", cluster, model, plan)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits" in proc.stdout
+    proc = run_cli("predict", "--cluster", cluster, "--model", model, "--plan", plan, "--json")
+    assert proc.returncode == 0, proc.stderr
+    pred = json.loads(proc.stdout)
+    assert set(pred) == TOP_KEYS
+    assert pred["iteration_time_s"] > 0 and pred["tokens_per_s"] > 0 and 0 < pred["mfu"] < 1
+    assert pred["fits_memory"] is True
+    plan_data = yaml.safe_load(open(plan))
+    assert len(pred["pipelines"]) == len(plan_data["pipelines"])
+    for pp, pd in zip(pred["pipelines"], plan_data["pipelines"]):
+        assert pp["replicas"] == pd.get("replicas", 1) and pp["micro_batches"] == pd["micro_batches"]
+        assert [s["layers"] for s in pp["stages"]] == [s["layers"] for s in pd["stages"]]
+        for stage in pp["stages"]:
+            assert set(stage) == STAGE_KEYS
+            assert 0 < stage["peak_memory_bytes"] <= stage["memory_capacity_bytes"]
+            assert stage["forward_time_s"] > 0 and stage["backward_time_s"] > stage["forward_time_s"] * 0.5
