@@ -1,7 +1,7 @@
 """``predict(cluster, model, plan)``: iteration time, throughput, MFU and memory of a plan.
 
 Iteration time = max over pipelines of the simulated schedule time of one replica
-+ data-parallel gradient sync (slowest device, not overlapped)
++ data-parallel gradient sync (slowest device, not overlapped; NIC sharing per the placement)
 + optimizer step (slowest device; memory-bound Adam)
 + the calibration's per-iteration overhead (largest over the groups used).
 """
@@ -132,19 +132,20 @@ def cost_model_for(cluster, model, calibration=None) -> StageCostModel:
     return cm
 
 
-def _same_node(cm, group: str, tp_by_group: dict) -> bool:
-    g = cm._groups[group]
-    return g.nodes == 1 or tp_by_group.get(group, 0) <= g.devices_per_node
-
-
 def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
-            timeline: bool = False, check: bool = True) -> Prediction:
-    """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule."""
+            timeline: bool = False, check: bool = True, placement: str = "packed") -> Prediction:
+    """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule.
+
+    ``placement``: how ranks map to nodes (:mod:`hetero.predictor.placement`): ``packed``, the
+    hetero runtime's layout (default), or ``megatron``, Megatron's tp-dp-pp rank order (the
+    runs of a run log). It decides which p2p transfers and gradient rings cross the network and
+    how many share a node's NIC."""
     if check:
         check_plan(plan, cluster, model)
     cm = cost_model or cost_model_for(cluster, model, calibration)
     recompute, zs = plan.recompute, plan.zero_stage
-    dp_times = cm.dp_sync_times(plan)
+    dp_times = cm.dp_sync_times(plan, placement)
+    links = cm.p2p_links(plan, placement)
     events: list | None = [] if timeline else None
     pipes: list[PipelinePrediction] = []
     slowest, slowest_t = 0, -1.0
@@ -155,9 +156,6 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         stages = p.stages
         V = len(stages)
         phys = max(1, V // v)
-        tp_by_group: dict[str, int] = {}
-        for s in stages[:phys]:
-            tp_by_group[s.group] = tp_by_group.get(s.group, 0) + s.tp
         fwd, bwd, p2p = [], [], []
         for k, s in enumerate(stages):
             f, b = cm.stage_times(s.group, s.tp, mbs, s.layers, recompute, k == 0, k == V - 1)
@@ -168,8 +166,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                 if phys == 1:
                     p2p.append(0.0)
                 else:
-                    same = s.group == nxt.group and _same_node(cm, s.group, tp_by_group)
-                    p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same))
+                    same, streams = links[(pi, k)]
+                    p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same and s.group == nxt.group, streams))
         m = p.micro_batches
         ptime = pipeline_time(plan.schedule, fwd, bwd, p2p, m, v)
         # memory and optimizer per physical stage (a device holds all its chunks)

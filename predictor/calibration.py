@@ -417,12 +417,18 @@ def load_calibration(path) -> Calibration:
 
 
 # ============================================================================ applying
-def predict_calibrated(cluster, model, plan, calibration, *, check: bool = True):
+RUN_PLACEMENT = "megatron"
+"""Rank order of run-log rows (Megatron-style runs: tp fastest, then dp, then pp), which decides
+which of their transfers cross the network (:mod:`hetero.predictor.placement`)."""
+
+
+def predict_calibrated(cluster, model, plan, calibration, *, check: bool = True, placement: str = "packed"):
     """``hetero.predictor.predict`` with a calibration: kept as the name the fitting code and
-    benchmarks use; the predictor applies every fitted factor itself."""
+    benchmarks use; the predictor applies every fitted factor itself. Run-log rows are predicted
+    with ``placement=RUN_PLACEMENT``."""
     from . import predict
 
-    return predict(cluster, model, plan, calibration=calibration, check=check)
+    return predict(cluster, model, plan, calibration=calibration, check=check, placement=placement)
 
 
 # ============================================================================ fitting
@@ -449,7 +455,8 @@ class _Problem:
 
     def times(self, theta) -> list[float]:
         cal = _Fixed(theta, self.op_model)
-        return [predict_calibrated(c, m, p, cal, check=False).iteration_time_s for c, m, p in self.setups]
+        return [predict_calibrated(c, m, p, cal, check=False, placement=RUN_PLACEMENT).iteration_time_s
+                for c, m, p in self.setups]
 
     def jacobian(self, theta, free):
         """Per run, d T / d theta by forward differences (T is piecewise linear: exact on a piece)."""
@@ -605,9 +612,9 @@ def evaluate(cluster, runs: Iterable[Run], calibration=None) -> list[float]:
     out = []
     for r in runs:
         c, m, p = run_setup(cluster, r)
-        out.append(predict_calibrated(c, m, p, calibration, check=False).iteration_time_s)
+        out.append(predict_calibrated(c, m, p, calibration, check=False, placement=RUN_PLACEMENT).iteration_time_s)
     return out
 
 
-__all__ = ["ALL", "Calibration", "CalibrationError", "EXTRA", "PARAMS", "Run", "calibrate", "evaluate", "fit_factors",
+__all__ = ["ALL", "Calibration", "CalibrationError", "EXTRA", "PARAMS", "RUN_PLACEMENT", "Run", "calibrate", "evaluate", "fit_factors",
            "load_calibration", "predict_calibrated", "read_runs", "run_setup"]

@@ -10,18 +10,21 @@ disagree (the predictor is the single source of cost truth).
                              first=True, last=False)
     cm.capacity("a100"); cm.p2p_time("a100", "mi250", 4); cm.dp_sync_time(plan)
 
-Data-parallel gradient synchronisation (see :meth:`StageCostModel.dp_sync_time`): every layer's
-gradient is summed over every replica that holds it, whatever its pipeline's shape. Replicas in
-one group all-reduce among themselves (intra-node link when the group is a single node, else
-the inter-node link, whose NIC carries all tp shards of a node); when replicas span groups the
+Data-parallel gradient synchronisation (see :meth:`StageCostModel.dp_sync_time` and
+:mod:`.placement`): every layer's gradient is summed over every replica that holds it, whatever its
+pipeline's shape. Replicas in one group all-reduce among themselves (NVLink when they share a node,
+else the network: a node's NIC carries one ring per tp rank it hosts, and the rings of every stage
+placed in that node share it); when replicas span groups the
 reduction is hierarchical: inside each group, then between the group leaders over
 ``network.cross_group`` (host-staged when vendors differ), then broadcast back (the in-group
 all-reduce accounts for reduce + broadcast). A device syncs its layers one after another (bucketed),
 devices in parallel: the sync time is the slowest device's. It is not overlapped with backward
 (Megatron's default without --overlap-grad-reduce). ZeRO-1/2 replace the all-reduce by a
 reduce-scatter of gradients plus an all-gather of updated parameters (same ring volume).
-Embedding and head gradients are synced like a layer among first / last stages; the extra
-all-reduce of tied embeddings between the first and last stage is not modelled.
+Embedding and head gradients are synced like a layer among first / last stages; with tied
+embeddings the last stages' copy of the word embedding is summed with the first stages' (Megatron's
+embedding all-reduce). Where ranks sit (which p2p and which rings cross the network) follows a
+placement: the hetero runtime's (``packed``, default) or Megatron's rank order (``megatron``).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from hetero.specs.model import ModelSpec
 
 from . import comm
 from . import memory as mem
+from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
 from .optime import ROOFLINE, op_model_for
@@ -72,7 +76,6 @@ class StageCostModel:
             self._opkind[name] = getattr(opm, "kind", None) or ("profile" if prov == "profile" else "learned")
         self._cache: dict = {}
         self._op_cache: dict = {}
-        self._seg_cache: dict = {}
         self._dp_cache: dict = {}
         self._params_per_layer = model.params_per_layer()
 
@@ -214,15 +217,21 @@ class StageCostModel:
                                            in_flight, first, last).total
 
     # ------------------------------------------------------------------ communication
-    def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None) -> float:
+    def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None,
+                 streams: int = 1) -> float:
         """Send one micro-batch's activation (b x s x h) from a stage in ``group_a`` to one in
         ``group_b``. Same group: the intra-node link when ``same_node`` (default: when the group is
         a single node), else inter-node. Different groups: cross-group link, plus host staging
-        when the vendors differ (and neither side is a CPU)."""
-        key = ("p", group_a, group_b, mbs, same_node)
+        when the vendors differ (and neither side is a CPU). ``streams``: replicas whose transfers
+        leave one node over the inter-node network at the same moment (they share its NIC, whose
+        bandwidth is per node; see :mod:`.placement`). NVLink is per device and ignores it, and so
+        does the cross-group link (SCHEMAS.md does not say it is per node)."""
+        key = ("p", group_a, group_b, mbs, same_node, streams)
         hit = self._cache.get(key)
         if hit is None:
             nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
+            if group_a == group_b and not (same_node or (same_node is None and self._groups[group_a].nodes == 1)):
+                nbytes *= max(1, streams)
             fa, fb = self._factors[group_a].communication, self._factors[group_b].communication
             if group_a == group_b:
                 g = self._groups[group_a]
@@ -244,96 +253,35 @@ class StageCostModel:
         """Gradient bytes of one transformer layer (all tp shards together), in the model dtype."""
         return float(self._params_per_layer * self.e)
 
-    def _segment_time(self, holders: tuple, grad_bytes: float, zero_stage: int) -> float:
-        """Sync time of one unit (layer / embedding / head) of ``grad_bytes`` held by ``holders``:
-        a tuple of (group, tp, replicas)."""
-        key = (holders, grad_bytes, zero_stage)
-        hit = self._seg_cache.get(key)
-        if hit is not None:
-            return hit
-        per_group: dict[str, list] = {}
-        for g, tp, r in holders:
-            entry = per_group.setdefault(g, [0, tp])
-            entry[0] += r
-            entry[1] = min(entry[1], tp)
-        inner = 0.0
-        for g, (n, tp) in per_group.items():
-            if n <= 1:
-                continue
-            grp = self._groups[g]
-            if grp.nodes == 1:
-                link, nbytes = grp.intra_node, grad_bytes / tp
-            else:  # the node's NIC carries every tp shard of the node
-                link, nbytes = self.cluster.network.inter_node, grad_bytes / tp * min(tp, grp.devices_per_node)
-            if zero_stage >= 1:
-                t = 2 * comm.reduce_scatter(nbytes, n, link.bandwidth, link.latency)
-            else:
-                t = comm.allreduce(nbytes, n, link.bandwidth, link.latency)
-            inner = max(inner, t * self._factors[g].communication)
-        cross = 0.0
-        k = len(per_group)
-        if k > 1:
-            link = self.cluster.network.cross_group
-            nbytes = grad_bytes / min(tp for _, tp in per_group.values())
-            cross = comm.allreduce(nbytes, k, link.bandwidth, link.latency)
-            gs = list(per_group)
-            if any(self._staged(a, b) for a in gs for b in gs):
-                cross += 2 * comm.staging_time(nbytes)
-            cross *= max(self._factors[g].communication for g in gs)
-        hit = self._seg_cache[key] = inner + cross
-        return hit
-
-    def dp_sync_time(self, plan) -> float:
+    def dp_sync_time(self, plan, placement: str = "packed") -> float:
         """Data-parallel gradient synchronisation of ``plan`` (seconds; slowest device)."""
-        return max(self.dp_sync_times(plan).values(), default=0.0)
+        return max(self.dp_sync_times(plan, placement).values(), default=0.0)
 
-    def dp_sync_times(self, plan) -> dict[tuple[int, int], float]:
-        """Per (pipeline, physical stage): seconds that device spends syncing its gradients
-        (memoised on the plan's structure)."""
-        struct = (plan.zero_stage, plan.schedule, plan.interleave,
-                  tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
-                        for p in plan.pipelines))
+    def _struct(self, plan, placement: str) -> tuple:
+        return (placement, plan.zero_stage, plan.schedule, plan.interleave,
+                tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
+                      for p in plan.pipelines))
+
+    def dp_sync_times(self, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
+        """Per (pipeline, physical stage): seconds that device spends syncing its gradients, with
+        the ranks placed on nodes by ``placement`` (:mod:`.placement`: which rings cross the
+        network and share a NIC); memoised on the plan's structure."""
+        struct = ("dp",) + self._struct(plan, placement)
         hit = self._dp_cache.get(struct)
         if hit is None:
             if len(self._dp_cache) > 100_000:
                 self._dp_cache.clear()
-            hit = self._dp_cache[struct] = self._dp_sync_times(plan)
+            hit = self._dp_cache[struct] = _placement.dp_sync_times(self, plan, placement)
         return hit
 
-    def _dp_sync_times(self, plan) -> dict[tuple[int, int], float]:
-        L = self.model.num_layers
-        cuts = {0, L}
-        holders_at: list[tuple[int, int, str, int, int]] = []  # (start, end, group, tp, replicas)
-        for p in plan.pipelines:
-            for s in p.stages:
-                cuts.add(s.layers[0])
-                cuts.add(s.layers[1])
-                holders_at.append((s.layers[0], s.layers[1], s.group, s.tp, p.replicas))
-        cuts = sorted(cuts)
-        prefix = {cuts[0]: 0.0}  # cut -> sync time of layers [0, cut)
-        G = self.layer_grad_bytes()
-        zs = plan.zero_stage
-        acc = 0.0
-        for a, b in zip(cuts, cuts[1:]):
-            hs = tuple(sorted((g, tp, r) for s0, s1, g, tp, r in holders_at if s0 <= a < s1))
-            acc += self._segment_time(hs, G, zs) * (b - a)
-            prefix[b] = acc
-        first_h = tuple(sorted((p.stages[0].group, p.stages[0].tp, p.replicas) for p in plan.pipelines))
-        last_h = tuple(sorted((p.stages[-1].group, p.stages[-1].tp, p.replicas) for p in plan.pipelines))
-        emb = self._segment_time(first_h, self.model.embedding_params() * self.e, zs)
-        head = self._segment_time(last_h, self.model.head_params() * self.e, zs)
-        out = {}
-        for pi, p in enumerate(plan.pipelines):
-            phys = len(plan.physical_stages(p))
-            for k, s in enumerate(p.stages):
-                t = prefix[s.layers[1]] - prefix[s.layers[0]]
-                if k == 0:
-                    t += emb
-                if k == len(p.stages) - 1:
-                    t += head
-                key = (pi, k % phys)
-                out[key] = out.get(key, 0.0) + t
-        return out
+    def p2p_links(self, plan, placement: str = "packed") -> dict[tuple[int, int], tuple[bool, int]]:
+        """Per (pipeline, virtual stage with a successor): (same_node, streams) of its p2p
+        transfers under ``placement`` (memoised; see :func:`.placement.p2p_links`)."""
+        struct = ("p2p",) + self._struct(plan, placement)
+        hit = self._dp_cache.get(struct)
+        if hit is None:
+            hit = self._dp_cache[struct] = _placement.placement_info(self, plan, placement)
+        return hit
 
 
 __all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]

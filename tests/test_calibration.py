@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO, run_cli
 
 import hetero
-from hetero.predictor.calibration import (ALL, Calibration, CalibrationError, Run, calibrate, evaluate,
+from hetero.predictor.calibration import (ALL, RUN_PLACEMENT, Calibration, CalibrationError, Run, calibrate, evaluate,
                                           load_calibration, predict_calibrated, read_runs, run_setup)
 from hetero.predictor.factors import CalibrationFactors
 
@@ -50,7 +50,7 @@ def synthetic_runs(cluster):
     out = []
     for r in runs:
         c, m, p = run_setup(cluster, r)
-        t = predict_calibrated(c, m, p, cal).iteration_time_s
+        t = predict_calibrated(c, m, p, cal, placement=RUN_PLACEMENT).iteration_time_s
         out.append(dataclasses.replace(r, iteration_time_ms=t * 1e3))
     return out
 
@@ -203,15 +203,17 @@ def vtrain_cv():
 
 
 def test_vtrain_cross_validation_regression(vtrain_cv):
-    """Targets: <= 8% single-node (met: 7.8%), <= 12% multi-node (not met: 14.1%; see
-    benchmarks/results/vtrain_cv.json). The multi-node bound here is what the model reaches now."""
+    """Targets: <= 8% single-node (met: 7.8%), <= 12% multi-node (not met: 14.5%; see
+    benchmarks/results/vtrain_cv.json). The multi-node bound is what the model reaches now plus
+    0.5 pt, so a regression fails here."""
     single, multi, uncal, overall = vtrain_cv
     assert overall < 0.6 * uncal
     assert single <= 0.08, single
-    assert multi <= 0.15, multi
+    assert multi <= 0.150, multi
 
 
-@pytest.mark.xfail(reason="multi-node target not reached yet: CV MAPE 14.1% on 22 multi-node runs "
-                          "(vTrain's simulator: 14.7%)", strict=False)
+@pytest.mark.xfail(reason="multi-node target not reached yet: CV MAPE 14.5% on 22 multi-node runs "
+                          "(vTrain's simulator: 14.7%); the two tp2 h8192 runs are ~35% low and no "
+                          "communication term explains it", strict=True)
 def test_vtrain_cross_validation_multi_node_target(vtrain_cv):
     assert vtrain_cv[1] <= 0.12, vtrain_cv[1]

@@ -434,3 +434,52 @@ def test_emulated_cpu_falls_back_to_the_cpu_profile(monkeypatch):
     assert cm.provenance()["cpu-slow"]["source"] == "profile"
     n = len(O.layer_forward_ops(model, 1, 32, 1))
     assert cm.layer_compute_times("slow", 1, 1, "none")[0] == pytest.approx(n * 3e-3)
+
+
+def _four_node_run():
+    cluster = hetero.load_cluster({"name": "a100x4", "groups": [
+        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 8,
+         "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}}],
+        "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": "10 us"}}})
+    model = hetero.load_model(GPT)
+    # tp2 x pp4 x dp4 on 32 devices: packed, a node holds one whole replica (4 stages);
+    # Megatron's order (tp, dp, pp), a node holds the 4 replicas of one stage
+    plan = hetero.load_plan({"global_batch_size": 64, "micro_batch_size": 2, "pipelines": [
+        {"replicas": 4, "micro_batches": 8, "stages": [
+            {"group": "a100", "tp": 2, "layers": [9 * k, 9 * k + 9]} for k in range(4)]}]})
+    return cluster, model, plan
+
+
+def test_placement_decides_what_crosses_the_network():
+    from hetero.predictor.placement import block_nodes
+
+    cluster, model, plan = _four_node_run()
+    cm = StageCostModel(cluster, model)
+    packed, mega = block_nodes(cm._groups, plan, "packed"), block_nodes(cm._groups, plan, "megatron")
+    assert {packed[(0, r, k)][1] for k in range(4) for r in (1,)} == {1}          # replica 1: node 1
+    assert {mega[(0, r, 2)][1] for r in range(4)} == {2}                          # stage 2: node 2
+    # packed: p2p stays on NVLink; every stage's DP ring leaves each node through the same NIC
+    assert all(v == (True, 1) for v in cm.p2p_links(plan, "packed").values())
+    G = cm.layer_grad_bytes()
+    link = cluster.network.inter_node
+    one_stage = comm.allreduce(9 * G, 4, link.bandwidth, link.latency)
+    dp_packed = cm.dp_sync_times(plan, "packed")
+    assert min(dp_packed.values()) >= 4 * one_stage          # 4 stages share the NIC: not 1 stage's ring
+    # Megatron: a stage's 4 replicas share a node (DP on NVLink), every p2p crosses the network,
+    # 4 replicas' activations through one NIC at once
+    assert all(v == (False, 4) for v in cm.p2p_links(plan, "megatron").values())
+    assert max(cm.dp_sync_times(plan, "megatron").values()) < min(dp_packed.values()) / 4
+    nbytes = 2 * model.seq_length * model.hidden_size * 2
+    assert cm.p2p_time("a100", "a100", 2, False, 4) == pytest.approx(link.latency + 4 * nbytes / link.bandwidth)
+    assert predict(cluster, model, plan, placement="megatron").iteration_time_s != pytest.approx(
+        predict(cluster, model, plan).iteration_time_s, rel=1e-3)
+
+
+def test_tied_embedding_gradient_reaches_the_last_stage():
+    cluster, model, plan = _four_node_run()
+    untied = hetero.load_model({**GPT, "tie_embeddings": False})
+    tied_t = StageCostModel(cluster, model).dp_sync_times(plan, "megatron")
+    untied_t = StageCostModel(cluster, untied).dp_sync_times(plan, "megatron")
+    # tied: the last stage also sums the word-embedding gradient (with the first stages)
+    assert tied_t[(0, 3)] > tied_t[(0, 2)] * 1.5
+    assert untied_t[(0, 3)] > untied_t[(0, 2)]              # untied: its own LM head

@@ -1,0 +1,208 @@
+"""Where a plan's ranks live: the node of every (pipeline, replica, physical stage) tp block.
+
+Which traffic crosses a node's NIC, and how many streams share it, depends on the rank order:
+
+- ``packed`` (default): the hetero runtime's layout (:func:`hetero.layout.build_layout`): a group's
+  tp blocks in plan order -- pipeline, replica, stage -- packed first-fit decreasing into nodes.
+  A replica's stages are adjacent, so several stages of one replica often share a node (their
+  p2p stays on NVLink, but every stage's data-parallel ring leaves through the same NIC).
+- ``megatron``: Megatron-LM / Megatron-DeepSpeed's order, tp fastest, then dp, then pp
+  (``rank = pp_rank * tp * dp + dp_rank * tp + tp_rank``): the replicas of one stage are
+  adjacent. With ``tp * dp >= devices_per_node`` a node holds (part of) one stage, so every p2p of
+  a pipeline crosses the network, and ``devices_per_node / tp`` replicas send at once through
+  one NIC; each DP ring has ``devices_per_node / tp`` members per node.
+
+:func:`block_nodes` gives (group, node) per block; :func:`p2p_links` the p2p summary per pipeline
+edge. Both are pure functions of the plan's structure (the caller memoises them).
+"""
+from __future__ import annotations
+
+PLACEMENTS = ("packed", "megatron")
+
+
+def block_nodes(groups: dict, plan, placement: str = "packed") -> dict[tuple[int, int, int], tuple[str, int]]:
+    """(pipeline, replica, physical stage) -> (group, node index inside the group)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r} (known: {', '.join(PLACEMENTS)})")
+    blocks: dict[str, list[tuple[tuple[int, int, int], int]]] = {}
+    for pi, p in enumerate(plan.pipelines):
+        phys = plan.physical_stages(p)
+        if placement == "packed":
+            order = [(r, k) for r in range(p.replicas) for k in range(len(phys))]
+        else:
+            order = [(r, k) for k in range(len(phys)) for r in range(p.replicas)]
+        for r, k in order:
+            blocks.setdefault(phys[k].group, []).append(((pi, r, k), phys[k].tp))
+    out: dict[tuple[int, int, int], tuple[str, int]] = {}
+    for name, bl in blocks.items():
+        g = groups[name]
+        sizes = [tp for _, tp in bl]
+        where = _pack(sizes, g.nodes, g.devices_per_node)
+        for (key, _), n in zip(bl, where):
+            out[key] = (name, n)
+    return out
+
+
+def _pack(sizes: list[int], nodes: int, per_node: int) -> list[int]:
+    """Node of each block: first-fit decreasing (the runtime's rule, :func:`hetero.specs.plan.pack_blocks`);
+    equal blocks that tile a node are filled in order (the same result, in linear time). A plan too
+    big for the group (predicted unchecked) wraps onto the last node."""
+    s0 = sizes[0] if sizes else 1
+    if all(s == s0 for s in sizes) and per_node % s0 == 0:
+        per = per_node // s0
+        return [min(i // per, nodes - 1) for i in range(len(sizes))]
+    from hetero.specs.plan import pack_blocks
+
+    where = pack_blocks(sizes, nodes, per_node)
+    if where is None:
+        where, used, n = [], 0, 0
+        for s in sizes:
+            if used + s > per_node and n < nodes - 1:
+                n, used = n + 1, 0
+            where.append(n)
+            used += s
+    return where
+
+
+def p2p_links(plan, where: dict) -> dict[tuple[int, int], tuple[bool, int]]:
+    """Per (pipeline, virtual stage k) with a successor: (same_node, streams). ``same_node``: every
+    replica's k -> k+1 transfer stays inside one node (of one group); ``streams``: the most
+    replicas whose transfer of that edge leaves (or enters) one node at once -- they share its NIC."""
+    out = {}
+    for pi, p in enumerate(plan.pipelines):
+        V = len(p.stages)
+        phys = max(1, len(plan.physical_stages(p)))
+        for k in range(V - 1):
+            a, b = k % phys, (k + 1) % phys
+            send: dict = {}
+            recv: dict = {}
+            cross = 0
+            for r in range(p.replicas):
+                na, nb = where[(pi, r, a)], where[(pi, r, b)]
+                if na != nb:
+                    cross += 1
+                    send[na] = send.get(na, 0) + 1
+                    recv[nb] = recv.get(nb, 0) + 1
+            streams = max(max(send.values(), default=1), max(recv.values(), default=1))
+            out[(pi, k)] = (cross == 0, streams)
+    return out
+
+
+__all__ = ["PLACEMENTS", "block_nodes", "p2p_links"]
+
+
+def dp_sync_times(cm, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
+    """Per (pipeline, physical stage): seconds its devices spend on the data-parallel gradient sync,
+    with the placement's NIC sharing (see :meth:`hetero.predictor.costs.StageCostModel.dp_sync_times`).
+
+    Every layer (embedding, head) is summed over all its holders. Inside a group, the holders of a
+    layer form one ring per tp rank: on NVLink when they all sit in one node, else over the network,
+    where a node's NIC carries one ring per tp rank of the holders it hosts (``rings x 2 (n-1)/n x
+    bytes / tp``). All stages sync at once after the flush, so rings of different stages that leave
+    the same node share its NIC: a device's sync lasts at least the NIC time of the busiest node
+    its rings cross. Holders in several groups: in-group reduction, then the group leaders over
+    ``network.cross_group`` (host-staged across vendors). Tied embeddings (gpt): the last stage holds a
+    copy of the word embedding, summed together with the first stages' (Megatron's embedding
+    all-reduce between the first and last stage).
+    """
+    from . import comm
+
+    groups, fac, net = cm._groups, cm._factors, cm.cluster.network
+    where = block_nodes(groups, plan, placement)
+    zs = plan.zero_stage
+    # stage (pi, physical k) -> {(group, node): tp ranks there}
+    stage_nodes: dict[tuple[int, int], dict] = {}
+    for (pi, r, k), gn in where.items():
+        d = stage_nodes.setdefault((pi, k), {})
+        d[gn] = plan.physical_stages(plan.pipelines[pi])[k].tp
+    node_load: dict[tuple[str, int], float] = {}
+    own: dict[tuple[int, int], float] = {}
+    crossed: dict[tuple[int, int], set] = {}
+
+    def ring(holders, nbytes, mult):
+        """holders: list of (pi, k, group, tp, replicas); adds mult x the ring time to each holder."""
+        per_group: dict[str, list] = {}
+        for pi, k, g, tp, r in holders:
+            e = per_group.setdefault(g, [0, tp, []])
+            e[0] += r
+            e[1] = min(e[1], tp)
+            e[2].append((pi, k))
+        inner, touched = 0.0, set()
+        for g, (n, tp, stages) in per_group.items():
+            if n <= 1:
+                continue
+            nodes: dict = {}
+            for sk in stages:
+                for gn, t in stage_nodes[sk].items():
+                    if gn[0] == g:
+                        nodes[gn] = max(nodes.get(gn, 0), t)
+            c = fac[g].communication
+            if len(nodes) <= 1:
+                link = groups[g].intra_node
+                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, link.latency) if zs >= 1
+                     else comm.allreduce(nbytes / tp, n, link.bandwidth, link.latency)) * c
+                inner = max(inner, t)
+                continue
+            link = net.inter_node
+            for gn, rings in nodes.items():
+                b = nbytes / tp * rings
+                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
+                     else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
+                inner = max(inner, t)
+                node_load[gn] = node_load.get(gn, 0.0) + t * mult
+                touched.add(gn)
+        cross = 0.0
+        if len(per_group) > 1:
+            link = net.cross_group
+            b = nbytes / min(v[1] for v in per_group.values())
+            cross = comm.allreduce(b, len(per_group), link.bandwidth, link.latency)
+            gs = list(per_group)
+            if any(cm._staged(a, b_) for a in gs for b_ in gs):
+                cross += 2 * comm.staging_time(b)
+            cross *= max(fac[g].communication for g in gs)
+        t = (inner + cross) * mult
+        for sk in {(pi, k) for pi, k, *_ in holders}:
+            own[sk] = own.get(sk, 0.0) + t
+            crossed.setdefault(sk, set()).update(touched)
+
+    L = cm.model.num_layers
+    cuts = {0, L}
+    holders_at = []
+    firsts, lasts = [], []
+    for pi, p in enumerate(plan.pipelines):
+        phys = max(1, len(plan.physical_stages(p)))
+        V = len(p.stages)
+        for vk, s in enumerate(p.stages):
+            cuts.add(s.layers[0])
+            cuts.add(s.layers[1])
+            holders_at.append((s.layers[0], s.layers[1], pi, vk % phys, s.group, s.tp, p.replicas))
+        f, la = p.stages[0], p.stages[-1]
+        firsts.append((pi, 0, f.group, f.tp, p.replicas))
+        lasts.append((pi, (V - 1) % phys, la.group, la.tp, p.replicas))
+    cuts = sorted(cuts)
+    G = cm.layer_grad_bytes()
+    for a, b in zip(cuts, cuts[1:]):
+        hs = [(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1]
+        ring(hs, G, b - a)
+    e = cm.e
+    emb_holders = list(firsts)
+    if cm.model.tie_embeddings:   # the last stage's copy of the word embedding joins the sum
+        emb_holders += [h for h, f in zip(lasts, firsts) if h[1] != f[1]]
+    ring(emb_holders, cm.model.embedding_params() * e, 1)
+    ring(lasts, cm.model.head_params() * e, 1)
+    out = {}
+    for pi, p in enumerate(plan.pipelines):
+        for k in range(max(1, len(plan.physical_stages(p)))):
+            t = own.get((pi, k), 0.0)
+            for gn in crossed.get((pi, k), ()):
+                t = max(t, node_load[gn])
+            out[(pi, k)] = t
+    return out
+
+
+def placement_info(cm, plan, placement: str = "packed") -> dict[tuple[int, int], tuple[bool, int]]:
+    """The p2p summary of ``plan`` under ``placement`` (see :func:`p2p_links`)."""
+    return p2p_links(plan, block_nodes(cm._groups, plan, placement))
+
+
+__all__ += ["dp_sync_times", "placement_info"]
