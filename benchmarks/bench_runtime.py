@@ -10,8 +10,12 @@ one `slow` CPU process that computes 2x slower), so the emulation is honest on a
 
 Both plans are trained with ``hetero launch`` for a few steps; we compare the median step time and
 tokens/s, and the planned plan's ``predicted_iteration_time_s`` (the predictor with this machine's
-operator profile, ``hetero profile``; measured once and cached) with its measured median step.
-Prints a table and writes benchmarks/results/runtime.json.
+operator profile, ``hetero profile --threads 1`` like the workers, with block probes; measured once
+and cached, re-measured when the cache lacks either) with its measured median step. Per stage it
+prints predicted vs measured forward / backward per micro-batch, gradient sync and optimizer step
+(the summary's per-rank times). The load average around each launch is recorded: the predictor
+describes the machine, so other jobs on its cores show up as measured > predicted.
+Prints tables and writes benchmarks/results/runtime.json.
 
     .venv/bin/python benchmarks/bench_runtime.py [--steps 8]
 """
@@ -60,12 +64,18 @@ def proportional_plan(speed: dict[str, float]) -> dict:
                                                                   {"group": "slow", "layers": [fast, L]}]}]}
 
 
-def ensure_profile() -> str:
+def ensure_profile(force: bool = False) -> str:
+    """This machine's CPU profile, measured with the workers' thread count (1) and with block probes
+    (the runtime's block and AdamW step); re-profiled when the cache lacks either."""
     from hetero.predictor import profiles as P
 
     path = P.cache_path("cpu")
-    if not path.exists():
-        print("profiling this machine's CPU once (hetero profile --threads 1) ...", flush=True)
+    meta = P.read_meta(path) if path.exists() else {}
+    if force or not path.exists() or meta.get("threads") != 1 or not meta.get("blocks") or meta.get("quick"):
+        why = "forced" if force else ("no profile" if not path.exists() else
+                                      f"cached profile has threads={meta.get('threads')}, "
+                                      f"{len(meta.get('blocks') or [])} block probes")
+        print(f"profiling this machine's CPU ({why}): hetero profile --threads 1 ...", flush=True)
         subprocess.run([sys.executable, "-m", "hetero", "profile", "--threads", "1"], cwd=ROOT, check=True)
     return str(path)
 
@@ -91,8 +101,34 @@ def launch(tmp: Path, name: str, cluster: dict, plan: dict, steps: int) -> dict:
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", str(d / "cluster.yaml"), "--model",
            str(d / "model.yaml"), "--plan", str(d / "plan.yaml"), "--steps", str(steps), "--summary",
            str(d / "summary.json"), "--timeout", "60", "--quiet", "--run-dir", str(d / "run")]
+    load_before = os.getloadavg()
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
-    return json.loads((d / "summary.json").read_text())
+    out = json.loads((d / "summary.json").read_text())
+    out["load_average_before"], out["load_average_after"] = list(load_before), list(os.getloadavg())
+    return out
+
+
+def _profile_meta(path: str) -> dict:
+    from hetero.predictor import profiles as P
+
+    return P.read_meta(path)
+
+
+def stage_comparison(prediction, summaries: list[dict]) -> list[dict]:
+    """Per rank: predicted vs measured forward / backward (one micro-batch), gradient sync and
+    optimizer step. Measured: median over launches of each summary's per-rank steady means.
+    Ranks are matched to (pipeline, stage) of the prediction (replicas share their pipeline's)."""
+    rows = []
+    for r in summaries[0]["ranks"]:
+        sp = prediction.pipelines[r["pipeline"]].stages[r["stage"]]
+        meas = lambda key: statistics.median(  # noqa: E731
+            [x.get(key) or 0.0 for s in summaries for x in s["ranks"] if x["rank"] == r["rank"]])
+        rows.append({"rank": r["rank"], "group": r["group"], "layers": r["layers"],
+                     "forward_pred_s": sp.forward_time_s, "forward_meas_s": meas("forward_time_s"),
+                     "backward_pred_s": sp.backward_time_s, "backward_meas_s": meas("backward_time_s"),
+                     "sync_pred_s": sp.dp_sync_time_s, "sync_meas_s": meas("grad_sync_time_s"),
+                     "optimizer_pred_s": sp.optimizer_time_s, "optimizer_meas_s": meas("optimizer_time_s")})
+    return rows
 
 
 def main() -> int:
@@ -100,13 +136,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime.json"))
+    ap.add_argument("--reprofile", action="store_true", help="re-run hetero profile even when cached")
     args = ap.parse_args()
     import hetero
     from rich.console import Console
     from rich.table import Table
 
     t_start = time.time()
-    profile = ensure_profile()
+    profile = ensure_profile(args.reprofile)
     cluster_d = bench_cluster()
     cluster, model = hetero.load_cluster(cluster_d), hetero.load_model(MODEL)
     planned, source = planner_plan(cluster, model)
@@ -134,8 +171,12 @@ def main() -> int:
     uni, pla = pooled("uniform"), pooled("planned")
     plan_obj = hetero.load_plan(planned)
     pred = None
+    stages: dict[str, list[dict]] = {}
     try:
         pred = hetero.predict(cluster, model, plan_obj).iteration_time_s
+        for name, plan_d in (("uniform", uniform_plan()), ("planned", planned)):
+            stages[name] = stage_comparison(hetero.predict(cluster, model, hetero.load_plan(plan_d)), runs[name])
+        uni["predicted_iteration_time_s"] = hetero.predict(cluster, model, hetero.load_plan(uniform_plan())).iteration_time_s
     except Exception as e:  # noqa: BLE001
         print(f"predictor unavailable: {e}")
     med_u, med_p = uni["median_iteration_time_s"], pla["median_iteration_time_s"]
@@ -149,7 +190,15 @@ def main() -> int:
         "uniform": uni,
         "planned": {**pla, "predicted_iteration_time_s": pred},
         "speedup_median_step": speedup_time, "speedup_tokens_per_s": speedup_tokens,
-        "prediction_error": pred_err, "profile": profile,
+        "prediction_error": pred_err,
+        "uniform_prediction_error": ((uni["predicted_iteration_time_s"] - med_u) / med_u
+                                     if uni.get("predicted_iteration_time_s") else None),
+        "per_stage": stages,
+        "profile": profile, "profile_meta": {k: v for k, v in _profile_meta(profile).items() if k != "blocks"},
+        "method": ("rounds x (uniform, planned) launches alternated; median over the pooled steady steps (first "
+                   "step of each launch dropped); prediction = hetero.predict with this machine's CPU profile "
+                   "(hetero profile --threads 1, fastest-block timings, block probes); per-stage measured = "
+                   "median over launches of the summary's per-rank means"),
         "targets": {"speedup": 1.25, "prediction_error": 0.25},
         "pass_speedup": speedup_time >= 1.25 and speedup_tokens >= 1.25,
         "pass_prediction": pred_err is not None and abs(pred_err) <= 0.25,
@@ -165,6 +214,17 @@ def main() -> int:
     t.add_row("planned", f"{med_p * 1e3:.1f}", f"{pla['mean_tokens_per_s']:.0f}",
               f"{pred * 1e3:.1f}" if pred else "n/a", f"{pred_err * 100:+.1f} %" if pred_err is not None else "n/a")
     out.print(t)
+    for name, rows in stages.items():
+        st = Table(title=f"{name}: per stage, predicted vs measured (ms; F/B per micro-batch)")
+        for c in ("rank", "group", "layers", "F pred", "F meas", "B pred", "B meas", "sync pred", "sync meas",
+                  "opt pred", "opt meas"):
+            st.add_column(c, justify="right")
+        for r in rows:
+            st.add_row(str(r["rank"]), r["group"], f"{r['layers'][0]}-{r['layers'][1]}",
+                       *(f"{r[k] * 1e3:.1f}" for k in ("forward_pred_s", "forward_meas_s", "backward_pred_s",
+                                                      "backward_meas_s", "sync_pred_s", "sync_meas_s",
+                                                      "optimizer_pred_s", "optimizer_meas_s")))
+        out.print(st)
     out.print(f"speedup: {speedup_time:.2f}x median step, {speedup_tokens:.2f}x tokens/s (target >= 1.25x); "
               f"prediction error {pred_err * 100:+.1f} % (target within 25 %)" if pred_err is not None else
               f"speedup: {speedup_time:.2f}x median step, {speedup_tokens:.2f}x tokens/s (target >= 1.25x)")

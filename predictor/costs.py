@@ -124,6 +124,18 @@ class StageCostModel:
             total += t if floor <= 0 else max(t * c, floor) / c
         return total * c
 
+    def _layer_ratio(self, group: str, mbs: int, which: str = "layer_ratio") -> tuple[float, float]:
+        """Operator sum -> measured layer (or edge: ``which="edge_ratio"``) time, for op models that
+        know it (a CPU profile with block probes: Python / autograd dispatch and the runtime's fused
+        kernels); else (1, 1)."""
+        fn = getattr(self._opm[group], which, None)
+        if fn is None:
+            return 1.0, 1.0
+        try:
+            return fn(self.model, mbs, self.model.seq_length)
+        except Exception:  # noqa: BLE001 - a broken probe sidecar must not break predictions
+            return 1.0, 1.0
+
     def _tp_allreduce(self, group: str, tp: int, mbs: int) -> float:
         """One Megatron tensor-parallel all-reduce of the b x s x h activation (intra-node)."""
         if tp <= 1:
@@ -140,7 +152,8 @@ class StageCostModel:
             s = self.model.seq_length
             f = self._ops_time(group, O.layer_forward_ops(self.model, mbs, s, tp))
             b = self._ops_time(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute))
-            hit = self._cache[key] = (f, b)
+            rf, rb = self._layer_ratio(group, mbs)
+            hit = self._cache[key] = (f * rf, b * rb)
         return hit
 
     def layer_times(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
@@ -162,13 +175,14 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is None:
             s, m = self.model.seq_length, self.model
+            rf, rb = self._layer_ratio(group, mbs, "edge_ratio")
             f = b = 0.0
             if first:
-                f += self._ops_time(group, O.embedding_forward_ops(m, mbs, s, tp)) + self._tp_allreduce(group, tp, mbs)
-                b += self._ops_time(group, O.embedding_backward_ops(m, mbs, s, tp))
+                f += self._ops_time(group, O.embedding_forward_ops(m, mbs, s, tp)) * rf + self._tp_allreduce(group, tp, mbs)
+                b += self._ops_time(group, O.embedding_backward_ops(m, mbs, s, tp)) * rb
             if last:
-                f += self._ops_time(group, O.head_forward_ops(m, mbs, s, tp))
-                b += self._ops_time(group, O.head_backward_ops(m, mbs, s, tp)) + self._tp_allreduce(group, tp, mbs)
+                f += self._ops_time(group, O.head_forward_ops(m, mbs, s, tp)) * rf
+                b += self._ops_time(group, O.head_backward_ops(m, mbs, s, tp)) * rb + self._tp_allreduce(group, tp, mbs)
             hit = self._cache[key] = (f, b)
         return hit
 
@@ -185,16 +199,27 @@ class StageCostModel:
 
     def optimizer_time(self, group: str, tp: int, layers, first: bool, last: bool,
                        zero_stage: int = 0, dp: int = 1) -> float:
-        """Adam step of one device's shard: memory-bound over params, grads and states."""
+        """Adam step of one device's shard: memory-bound over params, grads and states (or, on a
+        CPU profiled with block probes, the measured AdamW seconds per parameter)."""
         key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp)
         hit = self._cache.get(key)
         if hit is None:
             params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
             if zero_stage >= 1:
                 params /= max(1, dp)
-            per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
-            hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
-                                      * self._factors[group].compute)
+            measured = None
+            fn = getattr(self._opm[group], "optimizer_time", None)
+            if fn is not None:  # a CPU profile's measured AdamW step (slowdown applied)
+                try:
+                    measured = fn(params, self.model.hidden_size)
+                except Exception:  # noqa: BLE001
+                    measured = None
+            if measured is not None:
+                hit = self._cache[key] = measured * self._factors[group].compute
+            else:
+                per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
+                hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
+                                          * self._factors[group].compute)
         return hit
 
     # ------------------------------------------------------------------ memory

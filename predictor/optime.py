@@ -9,7 +9,9 @@ streaming kernels (a documented assumption, used only until the learned model is
 
 For CPU-family devices (including emulated ``base: cpu`` devices) a model fitted on this
 machine's ``hetero profile`` records, from ``hetero.predictor.profiles.local_op_model``, is used
-when present (times the device's slowdown): see :func:`op_model_for`.
+when present (times the device's slowdown): see :func:`op_model_for`. It also carries the profile's
+block probes: the ratio of the runtime's measured transformer block to the operator sum (framework
+overhead and fused kernels on a CPU) and the measured AdamW step, which the cost model applies.
 """
 from __future__ import annotations
 
@@ -84,11 +86,32 @@ def op_time(op: str, dims: dict, dtype: str, device) -> float:
 
 
 class _Scaled:
+    """A local (profile) model on an emulated device that runs ``factor`` times slower."""
+
+    kind = "profile"
+
     def __init__(self, model, factor: float):
         self.model, self.factor = model, factor
 
     def predict(self, op, dims, dtype, device) -> float:
         return self.model.predict(op, dims, dtype, device) * self.factor
+
+    def layer_ratio(self, model, mbs: int, seq: int) -> tuple[float, float]:
+        """Measured block time / operator sum on this machine (dimensionless: the slowdown is in
+        :meth:`predict` already); see :meth:`hetero.predictor.profiles.LocalOpModel.layer_ratio`."""
+        fn = getattr(self.model, "layer_ratio", None)
+        return fn(model, mbs, seq) if fn else (1.0, 1.0)
+
+    def edge_ratio(self, model, mbs: int, seq: int) -> tuple[float, float]:
+        fn = getattr(self.model, "edge_ratio", None)
+        return fn(model, mbs, seq) if fn else (1.0, 1.0)
+
+    def optimizer_time(self, params: float, hidden: int | None = None) -> float | None:
+        """The measured AdamW step over ``params`` parameters, times the slowdown (the runtime
+        sleeps (k-1) x the measured optimizer step on an emulated device); None without probes."""
+        fn = getattr(self.model, "optimizer_time", None)
+        t = fn(params, hidden) if fn else None
+        return None if t is None else t * self.factor
 
 
 def op_model_for(device_name: str, device) -> tuple[object, str]:

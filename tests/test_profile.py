@@ -130,3 +130,72 @@ def test_emulated_cpu_devices_use_the_cpu_profile(tmp_path, monkeypatch):
     dims = {"B": 1024, "H": 1024}
     assert model.predict("add", dims, "fp32", dev) == pytest.approx(
         2.0 * profiles.local_op_model("cpu").predict("add", dims, "fp32", dev))
+
+
+def test_quick_profile_records_threads_and_block_probes(quick_profile):
+    from hetero.predictor import profiles
+
+    out, cache = quick_profile
+    meta = profiles.read_meta(out)
+    assert meta["threads"] == 1  # hetero launch workers run 1 thread each by default
+    assert meta["blocks"], "a CPU profile times the runtime's block"
+    b = meta["blocks"][0]
+    for key in ("forward_ms", "backward_ms", "edges_forward_ms", "edges_backward_ms", "adamw_ms", "params"):
+        assert b[key] > 0, key
+    assert profiles.read_meta(profiles.cache_path("cpu").parent.parent.parent / "x.csv") == {}
+    assert (cache / "profiles" / "cpu.meta.json").exists()
+
+
+def _probe(arch, h, b, s, model):
+    """A probe whose measured times are exactly 1.5x (forward) / 1.25x (backward) the op-sum, and
+    edges 2x / 3x; AdamW 3 ns per parameter."""
+    import hetero
+    from hetero.predictor import ops as O
+    from hetero.predictor.profiles import probe_model_dict
+
+    pb = {"architecture": arch, "hidden_size": h, "num_attention_heads": h // 64, "micro_batch_size": b,
+          "seq_length": s, "num_layers": 4, "vocab_size": 4096}
+    spec = hetero.load_model(probe_model_dict(pb))
+    t = lambda ops: sum(model.predict(o.op, o.dims_dict()) for o in ops) * 1e3  # noqa: E731
+    return {**pb, "forward_ms": 1.5 * t(O.layer_forward_ops(spec, b, s, 1)),
+            "backward_ms": 1.25 * t(O.layer_backward_ops(spec, b, s, 1)),
+            "edges_forward_ms": 2 * t(O.embedding_forward_ops(spec, b, s, 1) + O.head_forward_ops(spec, b, s, 1)),
+            "edges_backward_ms": 3 * t(O.embedding_backward_ops(spec, b, s, 1) + O.head_backward_ops(spec, b, s, 1)),
+            "params": 1_000_000 * h // 256, "adamw_ms": 3e-6 * 1_000_000 * h // 256}
+
+
+def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypatch):
+    import hetero
+    from hetero.predictor import optime, profiles
+    from hetero.predictor.costs import StageCostModel
+
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    path = profiles.cache_path("cpu")
+    profiles.write_records(path, _synthetic())
+    plain = profiles.local_op_model("cpu")
+    assert plain.layer_ratio(hetero.load_model({"name": "m", "architecture": "gpt", "num_layers": 2, "hidden_size": 256,
+                                                "num_attention_heads": 4, "vocab_size": 1000,
+                                                "seq_length": 128}), 2, 128) == (1.0, 1.0)
+    assert plain.optimizer_time(1e6) is None
+    probes = [_probe("gpt", h, b, s, plain) for h, b, s in ((128, 1, 128), (256, 2, 128), (512, 2, 256))]
+    profiles.write_meta(path, {"threads": 1, "blocks": probes})
+    local = profiles.local_op_model("cpu")  # reloaded: the sidecar changed
+    assert local is not plain and local.threads == 1
+    model = hetero.load_model({"name": "m", "architecture": "gpt", "num_layers": 2, "hidden_size": 384,
+                               "num_attention_heads": 6, "vocab_size": 1000, "seq_length": 128})
+    assert local.layer_ratio(model, 2, 128) == pytest.approx((1.5, 1.25))
+    assert local.edge_ratio(model, 2, 128) == pytest.approx((2.0, 3.0))
+    assert local.optimizer_time(2e6) == pytest.approx(3e-9 * 2e6)
+    # the cost model applies them; an emulated 2x device pays the slowdown on the optimizer too
+    cluster = hetero.load_cluster({"name": "emu", "devices": {"slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
+                                   "groups": [{"name": "g", "device": "slow", "nodes": 1, "devices_per_node": 1}]})
+    cm = StageCostModel(cluster, model)
+    f, b = cm.layer_compute_times("g", 1, 2, "none")
+    from hetero.predictor import ops as O
+    opsum = lambda ops: sum(2.0 * plain.predict(o.op, o.dims_dict()) for o in ops)  # noqa: E731
+    assert f == pytest.approx(1.5 * opsum(O.layer_forward_ops(model, 2, 128, 1)))
+    assert b == pytest.approx(1.25 * opsum(O.layer_backward_ops(model, 2, 128, 1)))
+    from hetero.predictor import memory as mem
+    params = mem.stage_params(model, 2, 1, True, True)
+    assert cm.optimizer_time("g", 1, (0, 2), True, True) == pytest.approx(2.0 * 3e-9 * params)
+    assert optime.op_model_for("slow", cluster.device_type("g"))[1] == "profile"

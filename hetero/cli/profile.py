@@ -1,7 +1,10 @@
 """``hetero profile``: operator micro-benchmarks on this machine's device, written as profile records.
 
 The records go to the per-device cache (``$HETERO_CACHE_DIR/profiles/<device>.csv``, read by the
-predictor for cpu-family devices) and, with ``-o``, to a file of your choice.
+predictor for cpu-family devices) and, with ``-o``, to a file of your choice. On a CPU the profile
+also times the runtime's transformer block and AdamW step at a few shapes (block probes, in the
+``<device>.meta.json`` sidecar with the thread count and load average), and runs with 1 thread
+unless ``--threads`` says otherwise: ``hetero launch`` workers run 1 thread each by default.
 """
 from __future__ import annotations
 
@@ -20,7 +23,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default=None, metavar="LIST",
                    help="comma-separated dtypes (default: fp32 on CPU, fp32,fp16 on accelerators)")
     p.add_argument("--no-cache", action="store_true", help="do not update the per-device cache")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: 1 on CPU, like each `hetero launch` worker; "
+                        "torch's default on accelerators)")
+    p.add_argument("--no-blocks", action="store_true",
+                   help="skip the block probes (the runtime's transformer block and AdamW step; CPU only)")
     p.set_defaults(func=run)
 
 
@@ -34,12 +41,19 @@ def run(args) -> int:
         import torch
     except ImportError:
         raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
     try:
         name, torch_device = P.detect_device(args.device)
     except RuntimeError as e:
         raise HeteroError(str(e)) from None
+    threads = args.threads or (1 if torch_device == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    import os
+    import time
+
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     dtypes = [d.strip() for d in (args.dtype or ("fp32" if torch_device == "cpu" else "fp32,fp16")).split(",") if d.strip()]
     bad = [d for d in dtypes if d not in P.TORCH_DTYPES]
     if bad:
@@ -48,7 +62,8 @@ def run(args) -> int:
     err = console(stderr=True)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = len(grid) * len(dtypes)
+    probes = P.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
+    total = len(grid) * len(dtypes) + len(probes)
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -59,12 +74,21 @@ def run(args) -> int:
             progress.update(task, advance=1, description=f"{label:<36}")
 
         records = P.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
+        blocks = P.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
         progress.update(task, description="done")
+    meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
+            "statistic": "fastest block of repeated calls",
+            "load_average": {"before": list(load_before) if load_before else None,
+                             "after": list(os.getloadavg()) if load_before else None},
+            "blocks": blocks}
     written = []
     if not args.no_cache:
         written.append(P.write_records(P.cache_path(name), records))
+        P.write_meta(P.cache_path(name), meta)
     if args.output:
         written.append(P.write_records(args.output, records))
+        P.write_meta(args.output, meta)
     out = console()
     for path in written:
         out.print(f"wrote {len(records)} records to {path}")

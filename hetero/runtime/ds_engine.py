@@ -151,6 +151,7 @@ class DeepSpeedEngine:
         dt = time.perf_counter() - t0
         if self.ctx.slowdown > 1.0:
             time.sleep((self.ctx.slowdown - 1.0) * dt)
+        timings.optimizer_s = time.perf_counter() - t0  # DeepSpeed's step includes its gradient reduction
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else math.nan
         return total, norm

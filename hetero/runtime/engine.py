@@ -92,17 +92,21 @@ class NativeEngine:
             return cache[mb]
 
         self.optimizer.zero_grad(set_to_none=True)
+        t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B, timings)
+        t_sched = time.perf_counter()
         sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
         norm = math.sqrt(float(total[0]))
-        scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
         t0 = time.perf_counter()
+        scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
         self.optimizer.step()
         dt = time.perf_counter() - t0
         if self.ctx.slowdown > 1.0:
             time.sleep((self.ctx.slowdown - 1.0) * dt)
+        timings.schedule_s, timings.sync_s = t_sched - t_start, t0 - t_sched
+        timings.optimizer_s = time.perf_counter() - t0
         reported = loss if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
 

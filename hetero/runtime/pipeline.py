@@ -71,6 +71,12 @@ class Timings:
     backward_s: list[float] = field(default_factory=list)
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
     """(kind F/B, micro-batch, start wall time, duration) for the trace."""
+    schedule_s: float = 0.0
+    """Wall time of the pipeline schedule (all micro-batches, waits and p2p included)."""
+    sync_s: float = 0.0
+    """Wall time of the data-parallel gradient sync and the global-norm all-reduce."""
+    optimizer_s: float = 0.0
+    """Wall time of the optimizer step (clipping and emulated slowdown included)."""
 
 
 class StageExecutor:

@@ -35,6 +35,15 @@ class StepResult:
     forward_s: list[float]
     """Per rank: mean forward compute time of one micro-batch this step."""
     backward_s: list[float]
+    schedule_s: list[float] = field(default_factory=list)
+    """Per rank: wall time of the pipeline schedule (compute, waits, p2p)."""
+    sync_s: list[float] = field(default_factory=list)
+    """Per rank: gradient sync + global-norm all-reduce."""
+    optimizer_s: list[float] = field(default_factory=list)
+    """Per rank: optimizer step (emulated slowdown included)."""
+
+
+PER_RANK = ("forward_s", "backward_s", "schedule_s", "sync_s", "optimizer_s")
 
 
 @dataclass
@@ -87,15 +96,19 @@ class Trainer:
             t0 = time.perf_counter()
             loss, norm = self.engine.train_step(self.step, timings)
             # One all-reduce gives every rank the loss and every rank's compute times.
-            row = torch.zeros(2 * self.world + 1, dtype=torch.float64)
+            W, K = self.world, len(PER_RANK)
+            row = torch.zeros(K * W + 1, dtype=torch.float64)
             row[0] = loss
-            row[1 + 2 * self.rank] = _mean(timings.forward_s)
-            row[2 + 2 * self.rank] = _mean(timings.backward_s)
+            mine = (_mean(timings.forward_s), _mean(timings.backward_s), timings.schedule_s, timings.sync_s,
+                    timings.optimizer_s)
+            for i, v in enumerate(mine):
+                row[1 + i * W + self.rank] = v
             self.comm.all_reduce(row)
             elapsed = time.perf_counter() - t0
+            col = lambda i: [float(v) for v in row[1 + i * W:1 + (i + 1) * W]]  # noqa: E731
             result = StepResult(step=number, loss=float(row[0]), time_s=elapsed, grad_norm=norm,
-                                forward_s=[float(row[1 + 2 * r]) for r in range(self.world)],
-                                backward_s=[float(row[2 + 2 * r]) for r in range(self.world)])
+                                forward_s=col(0), backward_s=col(1), schedule_s=col(2), sync_s=col(3),
+                                optimizer_s=col(4))
             self.state.results.append(result)
             if self.ctx.options.trace:
                 self.state.events.extend((k, mb, number, t, d) for k, mb, t, d in timings.events)
@@ -139,6 +152,9 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
         ranks.append({"rank": info.rank, "group": info.group, "pipeline": info.pipeline, "replica": info.replica,
                       "stage": info.stage, "layers": list(info.layers),
                       "forward_time_s": _mean(f), "backward_time_s": _mean(b),
+                      "schedule_time_s": _mean(steady([r.schedule_s[info.rank] for r in res if r.schedule_s])),
+                      "grad_sync_time_s": _mean(steady([r.sync_s[info.rank] for r in res if r.sync_s])),
+                      "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
                       "vendor": info.vendor, "tp_rank": info.tp_rank, "tp_size": info.tp_size})
     return {"steps": len(res), "losses": [r.loss for r in res], "iteration_times_s": times,
             "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
