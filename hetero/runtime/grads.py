@@ -86,6 +86,13 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
     params = dict(module.named_parameters())
     sq = 0.0
     for bucket in buckets:
+        if len(bucket.ranks) == 1 and tp_size == 1:
+            # Held by this rank alone: nothing to sum, no copies; only its share of the norm.
+            for name in bucket.names:
+                g = params[name].grad
+                if g is not None:
+                    sq += float(g.detach().double().pow(2).sum())
+            continue
         fulls = []
         for name in bucket.names:
             p = params[name]
