@@ -3,12 +3,21 @@
 
 For each of the five NeuSight GPUs: fit on the other four (at most --train-rows rows per
 (op, device), fixed seed), predict EVERY row of the held-out GPU, and compare
-  learned    OpModel (roofline x exp(gradient-boosted trees on dimensionless features))
+  learned    OpModel: (floor + roofline) x exp(gradient-boosted trees on dimensionless features);
+             the floor of a GPU not trained on is the geometric mean of the training GPUs' floors
   roofline   max(flops/peak, bytes/bw) x one per-op factor fitted on the training GPUs
   linreg     per-op least squares of log latency on log(flops/peak), log(bytes/bw), log(roofline)
 MAPE = mean |pred - meas| / meas; medAPE = median. Family and overall figures are the unweighted
 mean of the per-op figures (every op counts the same); pooled figures (all rows) are in the JSON.
 Hyperparameters are fixed in predictor/opmodel/model.py (HGB_PARAMS), never chosen on a held-out GPU.
+Design selection is NESTED: for each outer held-out GPU, each candidate design (ratio: v1 model,
+roofline x exp(trees); floor: v2, floor + roofline; floor_power: v2 + log(peak/tdp), log(tdp) GEMM
+features) is scored by an inner LODO over the other four GPUs only (cheap fits: --select-rows 400
+rows per (op, device), --select-iter 80 rounds; <= 500 test rows per op) and the lowest mean inner
+overall MAPE wins; the outer fit uses the winner. Full-size inner fits (--select-rows 4000
+--select-iter 200, about 10 min) choose the same design for every outer GPU.
+floor_median: as floor, but an unseen GPU gets the median of the training GPUs' floors.
+Device specs are the catalog's DeviceType (configs/devices.yaml), at training and prediction time.
 Writes benchmarks/results/opmodel_lodo.json. Needs $HETERO_SHARED_DATA or ../shared/data.
 """
 from __future__ import annotations
@@ -25,11 +34,14 @@ METHODS = ("learned", "roofline", "linreg")
 
 def main(argv=None) -> int:
     from hetero.predictor.opmodel import load_neusight, shared_data_dir
-    from hetero.predictor.opmodel.lodo import FAMILIES, run_lodo
+    from hetero.predictor.opmodel.lodo import FAMILIES, nested_select, run_lodo
+    from hetero.predictor.opmodel.model import DESIGNS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=None)
     ap.add_argument("--train-rows", type=int, default=4000, help="max training rows per (op, device)")
+    ap.add_argument("--select-rows", type=int, default=400, help="training rows per (op, device) of the inner fits")
+    ap.add_argument("--select-iter", type=int, default=80, help="boosting rounds of the inner fits")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "opmodel_lodo.json"))
     args = ap.parse_args(argv)
 
@@ -41,12 +53,22 @@ def main(argv=None) -> int:
     rec, devices = load_neusight(data)
     print(__doc__.split("\n\n")[1])
     print(f"\n{len(rec)} records; training subsample <= {args.train_rows} rows per (op, device)\n")
-    res = run_lodo(rec, devices, train_rows_per_group=args.train_rows)
+    print("Nested design selection (inner LODO over the four other GPUs):")
+    selection = nested_select(rec, devices, DESIGNS, train_rows_per_group=args.select_rows,
+                              max_iter=args.select_iter)
+    designs = {d: v["chosen"] for d, v in selection.items()}
+    print()
+    res = run_lodo(rec, devices, train_rows_per_group=args.train_rows, designs=designs)
 
     print("\nPer held-out GPU, overall (mean over the 11 ops) MAPE / medAPE:")
-    print(f"{'held-out GPU':26s}" + "".join(f"{m:>18s}" for m in METHODS))
+    print(f"{'held-out GPU':26s}" + "".join(f"{m:>18s}" for m in METHODS) + "   design")
     for dev, r in res.items():
-        print(f"{dev:26s}" + "".join(f"{r[m]['overall']['mape']:>10.1%} /{r[m]['overall']['medape']:>6.1%}" for m in METHODS))
+        print(f"{dev:26s}" + "".join(f"{r[m]['overall']['mape']:>10.1%} /{r[m]['overall']['medape']:>6.1%}" for m in METHODS)
+              + f"   {r['design']}")
+    print("\nRow-pooled (every row counts the same) MAPE / medAPE:")
+    for dev, r in res.items():
+        print(f"{dev:26s}" + "".join(f"{r[m]['overall']['pooled_mape']:>10.1%} /{r[m]['overall']['pooled_medape']:>6.1%}"
+                                     for m in METHODS))
     for fam in FAMILIES:
         print(f"\nFamily {fam} ({', '.join(FAMILIES[fam])}): MAPE / medAPE")
         for dev, r in res.items():
@@ -63,7 +85,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"method": __doc__, "train_rows_per_group": args.train_rows,
-                               "evaluation": "all rows of the held-out GPU", "results": res}, indent=1))
+                               "evaluation": "all rows of the held-out GPU", "selection": selection,
+                               "results": res}, indent=1))
     print(f"wrote {out}")
     return 0
 

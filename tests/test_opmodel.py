@@ -166,25 +166,69 @@ def test_records_and_exclude():
     assert len(r) == 2 and list(r.dtype) == ["fp32", "fp32"] and math.isnan(r.dims["H"][1])
 
 
+# Test-config LODO results (400 training rows per (op, device), 80 boosting rounds, <= 200 test rows
+# per op) measured when the model was last changed: (overall MAPE, overall medAPE). GPUs that meet
+# the issue target must keep meeting it; the others may not regress by more than LODO_MARGIN. The
+# design of each outer fold is the one the benchmark's nested selection chose for it (inner LODO
+# over the four other GPUs, benchmarks/results/opmodel_lodo.json "selection"); the test does not
+# rerun that selection. The full-size numbers are in benchmarks/results/opmodel_lodo.json.
+LODO_TARGET = (0.15, 0.10)
+LODO_DESIGNS = {"NVIDIA A100-PCIE-40GB": "floor", "Tesla P100-PCIE-16GB": "floor_median", "Tesla P4": "floor",
+                "Tesla T4": "floor", "Tesla V100-PCIE-32GB": "floor_median"}
+LODO_DOCUMENTED = {"NVIDIA A100-PCIE-40GB": (0.151, 0.165), "Tesla P100-PCIE-16GB": (0.268, 0.271),
+                   "Tesla P4": (0.122, 0.087), "Tesla T4": (0.121, 0.080),
+                   "Tesla V100-PCIE-32GB": (0.191, 0.179)}
+LODO_MARGIN = 0.02
+
+
 @pytest.mark.skipif(not HAVE_DATA, reason=f"NeuSight data not found under {DATA} (set HETERO_SHARED_DATA)")
 def test_lodo_accuracy():
-    """Leave-one-device-out on a fixed subsample; asserts the issue's targets on every held-out GPU.
+    """Leave-one-device-out on a fixed subsample (about 15 s): every held-out GPU meets the issue
+    target (MAPE <= 15%, medAPE <= 10%) where it did when documented, is no worse than documented
+    (+ LODO_MARGIN) elsewhere, and the learned model beats both baselines everywhere.
 
-    Fit on <= 400 rows per (op, device) of four GPUs with 80 boosting rounds (for speed; the
-    shipped model and the benchmark use 200), evaluate <= 200 rows per op of the fifth.
+    Fit on <= 400 rows per (op, device) of four GPUs with 80 boosting rounds (the shipped model
+    and the benchmark use 4000 rows and 200 rounds), evaluate <= 200 rows per op of the fifth.
     """
     from hetero.predictor.opmodel import load_neusight
     from hetero.predictor.opmodel.lodo import run_lodo
 
     rec, devices = load_neusight(DATA)
     res = run_lodo(rec, devices, train_rows_per_group=400, test_rows_per_group=200, log=None,
-                   model_kwargs={"hgb_params": {"max_iter": 80}})
+                   model_kwargs={"hgb_params": {"max_iter": 80}}, designs=LODO_DESIGNS)
     summary = {d: (round(r["learned"]["overall"]["mape"], 3), round(r["learned"]["overall"]["medape"], 3),
-                   round(r["roofline"]["overall"]["mape"], 3)) for d, r in res.items()}
+                   round(r["roofline"]["overall"]["mape"], 3), round(r["linreg"]["overall"]["mape"], 3))
+               for d, r in res.items()}
+    assert set(res) == set(LODO_DOCUMENTED), summary
     for dev, r in res.items():
-        # the learned model must beat both baselines everywhere
-        assert r["learned"]["overall"]["mape"] < r["roofline"]["overall"]["mape"], summary
-        assert r["learned"]["overall"]["mape"] < r["linreg"]["overall"]["mape"], summary
-    failed = {d: s for d, s in summary.items() if not (s[0] <= 0.15 and s[1] <= 0.10)}
-    if failed:
-        pytest.xfail(f"issue target (MAPE <= 15%, medAPE <= 10%) missed on {failed}; all: {summary}")
+        mape, med = r["learned"]["overall"]["mape"], r["learned"]["overall"]["medape"]
+        assert mape < r["roofline"]["overall"]["mape"], (dev, summary)
+        assert mape < r["linreg"]["overall"]["mape"], (dev, summary)
+        doc_mape, doc_med = LODO_DOCUMENTED[dev]
+        if doc_mape <= LODO_TARGET[0] and doc_med <= LODO_TARGET[1]:
+            assert mape <= LODO_TARGET[0] and med <= LODO_TARGET[1], (dev, summary)
+        assert mape <= doc_mape + LODO_MARGIN and med <= doc_med + LODO_MARGIN, (dev, summary)
+
+
+def test_floor_design(v100, tmp_path):
+    """The shipped model adds a per-op launch floor; a trained GPU uses its own measured floors, an
+    unseen one the median over the training GPUs; the floors survive a save/load round trip."""
+    from hetero.specs.device import load_catalog
+
+    m = default_model()
+    assert m.design == "floor_median" and set(m.floors["global"]) == set(__import__(
+        "hetero.predictor.opmodel.features", fromlist=["OPS"]).OPS)
+    cat = load_catalog()
+    assert m._floor_index(cat["V100-PCIE-32GB"]) > 0          # trained on: own floors
+    m_no = default_model(without="Tesla V100-PCIE-32GB")
+    assert m_no._floor_index(cat["V100-PCIE-32GB"]) == 0      # not trained on: global floors
+    tiny = {"B": 1, "H": 1}
+    t = m_no.predict("add", tiny, "fp32", cat["V100-PCIE-32GB"])
+    assert t == pytest.approx(m_no.floors["global"]["add"], rel=0.3)
+    own = {e["name"]: e["floors"]["add"] for e in m_no.floors["devices"]}
+    assert m_no.floors["global"]["add"] == pytest.approx(float(np.median(list(own.values()))))
+    path = tmp_path / "m.json"
+    m.save(path)
+    m2 = OpModel.load(path)
+    assert m2.floors == m.floors
+    assert m2.predict("add", tiny, "fp32", v100) == m.predict("add", tiny, "fp32", v100)

@@ -24,6 +24,7 @@ FAMILY = {**{o: "gemm" for o in GEMM_OPS}, **{o: "vector" for o in VECTOR_OPS}}
 VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
 VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
 OP_INDEX = {o: i for i, o in enumerate(VECTOR_OPS)}
+OP_POS = {o: i for i, o in enumerate(OPS)}
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 OVERHEAD_SCALE = 1e-5  # seconds; roofline time is expressed relative to it
@@ -78,14 +79,15 @@ def gemm_roofline(xp, is_bmm, B, M, N, K, e, P, BW):
     return xp.maximum(flops / P, nbytes / BW)
 
 
-def gemm_features(xp, is_bmm, B, M, N, K, e, P, BW, SM, L2):
-    """Return (features list, roofline seconds)."""
+def gemm_features(xp, is_bmm, B, M, N, K, e, P, BW, SM, L2, floor=OVERHEAD_SCALE):
+    """Return (features list, roofline seconds). ``floor``: the launch-floor scale (seconds) the
+    roofline time is expressed against (``OVERHEAD_SCALE`` or the op's floor on the device)."""
     Bb, Mr, flops, nbytes = gemm_work(xp, is_bmm, B, M, N, K, e)
     tc = flops / P
     tm = nbytes / BW
     troof = xp.maximum(tc, tm)
     f = [xp.log2(Mr), xp.log2(N), xp.log2(K), xp.log2(Bb), is_bmm,
-         xp.log2(tc / tm), xp.log2(troof / OVERHEAD_SCALE), xp.log2(nbytes / L2)]
+         xp.log2(tc / tm), xp.log2(troof / floor), xp.log2(nbytes / L2)]
     for tm_, tn_ in GEMM_TILES:
         tiles = Bb * xp.ceil(Mr / tm_) * xp.ceil(N / tn_)
         waves = xp.ceil(tiles / SM)
@@ -112,7 +114,7 @@ def vector_roofline(xp, n_in, fpe, B, H, e, Pv, BW):
     return xp.maximum(flops / Pv, nbytes / BW)
 
 
-def vector_features(xp, onehot, n_in, fpe, B, H, e, Pv, BW, SM, L2):
+def vector_features(xp, onehot, n_in, fpe, B, H, e, Pv, BW, SM, L2, floor=OVERHEAD_SCALE):
     """``onehot``: list of 0/1 (scalars or arrays), one per op of ``VECTOR_OPS``."""
     n, flops, nbytes = vector_work(xp, n_in, fpe, B, H, e)
     tc = flops / Pv
@@ -121,7 +123,7 @@ def vector_features(xp, onehot, n_in, fpe, B, H, e, Pv, BW, SM, L2):
     row_waves = xp.ceil(B / SM)
     blocks = xp.ceil(n / 512.0)
     blk_waves = xp.ceil(blocks / (4 * SM))
-    f = list(onehot) + [xp.log2(n), xp.log2(B), xp.log2(H), xp.log2(troof / OVERHEAD_SCALE),
+    f = list(onehot) + [xp.log2(n), xp.log2(B), xp.log2(H), xp.log2(troof / floor),
                         xp.log2(nbytes / L2), xp.log2(row_waves), B / (row_waves * SM),
                         xp.log2(blk_waves), blocks / (blk_waves * 4 * SM)]
     return f, troof
@@ -153,7 +155,7 @@ def roofline_latency(op: str, dims, dtype: str, device) -> float:
     raise ValueError(f"unknown op '{op}' (known: {', '.join(OPS)})")
 
 
-def build_matrix(family: str, ops, dims: dict, e, P, Pv, BW, SM, L2):
+def build_matrix(family: str, ops, dims: dict, e, P, Pv, BW, SM, L2, floor=OVERHEAD_SCALE):
     """Vectorised features for rows of one family. dims: arrays B, M, N, K, H (NaN -> 1)."""
     ops = np.asarray(ops)
 
@@ -163,12 +165,12 @@ def build_matrix(family: str, ops, dims: dict, e, P, Pv, BW, SM, L2):
 
     if family == "gemm":
         is_bmm = (ops == "bmm").astype(float)
-        f, troof = gemm_features(VECTOR, is_bmm, d("B"), d("M"), d("N"), d("K"), e, P, BW, SM, L2)
+        f, troof = gemm_features(VECTOR, is_bmm, d("B"), d("M"), d("N"), d("K"), e, P, BW, SM, L2, floor)
     else:
         onehot = [(ops == o).astype(float) for o in VECTOR_OPS]
         n_in = np.array([VEC_INPUTS[o] for o in ops], dtype=float)
         fpe = np.array([VEC_FLOPS[o] for o in ops], dtype=float)
-        f, troof = vector_features(VECTOR, onehot, n_in, fpe, d("B"), d("H"), e, Pv, BW, SM, L2)
+        f, troof = vector_features(VECTOR, onehot, n_in, fpe, d("B"), d("H"), e, Pv, BW, SM, L2, floor)
     n = len(ops)
     X = np.column_stack([np.broadcast_to(np.asarray(c, dtype=float), (n,)) for c in f])
     return X, np.broadcast_to(troof, (n,)).astype(float)

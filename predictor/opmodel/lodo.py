@@ -96,7 +96,8 @@ def stratified_sample(rec: Records, per_group: int, seed: int) -> np.ndarray:
 
 def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = None,
              train_rows_per_group: int | None = 4000, test_rows_per_group: int | None = None,
-             seed: int = 0, model_kwargs: Mapping | None = None, log=print) -> dict:
+             seed: int = 0, model_kwargs: Mapping | None = None, log=print, baselines: bool = True,
+             designs: Mapping[str, str] | None = None) -> dict:
     """Train on all but one device, evaluate on it, for each device. Training uses at most
     ``train_rows_per_group`` rows per (op, device) (fixed seed); evaluation uses every held-out row
     unless ``test_rows_per_group`` is given."""
@@ -111,16 +112,63 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
         test = rec.subset(rec.device == dev)
         if test_rows_per_group:
             test = test.subset(stratified_sample(test, test_rows_per_group, seed + 1))
-        model = OpModel().fit(train, devices, seed=seed, **(model_kwargs or {}))
+        kw = dict(model_kwargs or {})
+        if designs and dev in designs:
+            kw["design"] = designs[dev]
+        model = OpModel().fit(train, devices, seed=seed, **kw)
         preds = {"learned": model.predict_records(test, devices)}
-        preds.update(baseline_predictions(train, test, devices))
+        if baselines:
+            preds.update(baseline_predictions(train, test, devices))
         meas = test.latency_ms * 1e-3
         results[dev] = {k: metrics(test.op, p, meas) for k, p in preds.items()}
         results[dev]["n_train"] = len(train)
         results[dev]["seconds"] = time.time() - t0
-        if log:
+        results[dev]["design"] = model.design
+        if log and baselines:
             r = results[dev]
             log(f"{dev:24s} learned MAPE {r['learned']['overall']['mape']:.3f} med {r['learned']['overall']['medape']:.3f}"
                 f" | roofline {r['roofline']['overall']['mape']:.3f} | linreg {r['linreg']['overall']['mape']:.3f}"
                 f"  ({r['seconds']:.0f}s)")
     return results
+
+
+def nested_select(rec: Records, devices: Mapping, candidates: Iterable[str], outer: Iterable[str] | None = None,
+                  train_rows_per_group: int = 400, test_rows_per_group: int = 500, max_iter: int = 80,
+                  seed: int = 0, log=print) -> dict:
+    """Nested leave-one-device-out selection of the model design.
+
+    For each outer held-out device, run an inner LODO over the REMAINING devices only (train on
+    all but one of them, test on that one) for every candidate design, and pick the candidate with
+    the lowest mean inner overall MAPE (unweighted mean over ops, as in ``metrics``). The outer
+    device's rows are never used. Inner fits are cheap (subsampled rows, ``max_iter`` rounds).
+    Returns {outer device: {"chosen": design, "inner": {design: {inner device: (mape, medape)}}}}.
+    """
+    measured = sorted(set(rec.device.tolist()) & set(devices))
+    outer = list(outer) if outer else measured
+    out = {}
+    for dev in outer:
+        out[dev] = select_design(rec.subset(rec.device != dev), devices, candidates, train_rows_per_group,
+                                 test_rows_per_group, max_iter, seed)
+        chosen, mean = out[dev]["chosen"], out[dev]["inner_mean_mape"]
+        if log:
+            log(f"outer {dev:24s} inner mean MAPE " + ", ".join(f"{c} {m:.3f}" for c, m in mean.items())
+                + f" -> {chosen}")
+    return out
+
+
+def select_design(rec: Records, devices: Mapping, candidates: Iterable[str], train_rows_per_group: int = 400,
+                  test_rows_per_group: int = 500, max_iter: int = 80, seed: int = 0) -> dict:
+    """The selection rule used everywhere: the candidate design with the lowest mean LODO overall
+    MAPE over the devices of ``rec`` (cheap fits). Ties go to the earlier candidate.
+    Returns {"chosen": design, "inner_mean_mape": {design: mean}, "inner": {design: {device: (mape, medape)}}}."""
+    candidates = list(candidates)
+    scores = {}
+    for cand in candidates:
+        res = run_lodo(rec, devices, train_rows_per_group=train_rows_per_group,
+                       test_rows_per_group=test_rows_per_group, seed=seed, log=None, baselines=False,
+                       model_kwargs={"design": cand, "hgb_params": {"max_iter": max_iter}})
+        scores[cand] = {d: (r["learned"]["overall"]["mape"], r["learned"]["overall"]["medape"])
+                        for d, r in res.items()}
+    mean = {c: float(np.mean([v[0] for v in sc.values()])) for c, sc in scores.items()}
+    chosen = min(candidates, key=lambda c: (mean[c], candidates.index(c)))
+    return {"chosen": chosen, "inner_mean_mape": mean, "inner": scores}

@@ -1,9 +1,24 @@
 """The learned operator-latency model.
 
-latency = roofline(op, dims, dtype, device) * exp(g(features)), where g is a gradient-boosted tree
-ensemble per op family (GEMM: linear/bmm; vector: ln, softmax and elementwise ops) fitted on
-log(measured / roofline). Features are dimensionless (see ``features.py``), so a device enters only
-through spec ratios and the model can be applied to devices it never saw.
+Design "floor" (default, format v2):
+
+    latency = (floor[op, device] + roofline(op, dims, dtype, device)) * exp(g(features))
+
+where g is a gradient-boosted tree ensemble per op family (GEMM: linear/bmm; vector: ln, softmax
+and elementwise ops) fitted on log(measured / (floor + roofline)), and the roofline-time feature is
+log(roofline / floor). floor[op, device] is the launch floor: on a training device (recognised by
+bandwidth, compute units, L2 and clock), the 1% quantile of the op's measured latency there (a
+host/driver constant: 25-42 us for one elementwise op on the NeuSight machines, not explained by
+any GPU spec); on any other device, an aggregate of the training devices' floors: the geometric
+mean (design "floor") or the median ("floor_median"). Normalising by each training device's own
+floor keeps the trees from learning the floor as a function of device-identifying spec ratios
+(which made an unseen GPU inherit the floor of its nearest training neighbour). Design "ratio"
+(format v1, the previous model) is latency = roofline * exp(g); "floor_power" is "floor" plus
+log2(peak/tdp) and log2(tdp) as GEMM features. The design is chosen by one rule: the lowest mean
+leave-one-device-out MAPE over the training devices (scripts/fit_opmodel.py --design auto; nested
+in benchmarks/bench_opmodel.py); on all five NeuSight GPUs that is "floor_median", the default.
+Features are dimensionless (see ``features.py``), so a device enters only through spec ratios and
+the model can be applied to devices it never saw.
 
 Other dtypes: the model was fitted on fp32 (no TF32) measurements. For fp16/bf16/... it is applied
 with that dtype's peak (``device.matrix_flops(dtype)``, tensor cores) and bytes per element, i.e.
@@ -26,7 +41,19 @@ from .specs import Records, as_records
 from .trees import PackedTrees, compile_scalar, export_hgb, validate
 
 FORMAT = "hetero-opmodel"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+DESIGNS = ("ratio", "floor", "floor_power", "floor_median")
+FLOOR_DESIGNS = ("floor", "floor_power", "floor_median")
+DEFAULT_DESIGN = "floor_median"  # the design selected on all five NeuSight GPUs (scripts/fit_opmodel.py)
+TARGETS = {
+    "ratio": "log(measured / roofline), roofline = max(flops/peak, bytes/bandwidth)",
+    "floor": "log(measured / (floor[op, device] + roofline)); floor = 1% quantile of the op's latency on a "
+             "training device, geometric mean over training devices for a device not trained on",
+}
+TARGETS["floor_power"] = TARGETS["floor"] + "; GEMM features add log2(peak/tdp) and log2(tdp)"
+TARGETS["floor_median"] = TARGETS["floor"].replace("geometric mean", "median")
+FLOOR_QUANTILE = 0.01
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "opmodel.json"
 
 HGB_PARAMS = dict(max_iter=200, learning_rate=0.08, max_leaf_nodes=31, min_samples_leaf=40,
@@ -39,6 +66,9 @@ class OpModel:
     def __init__(self, cache_size: int = 1 << 16):
         self.ensembles: dict[str, dict] = {}
         self.meta: dict = {}
+        self.design = "ratio"
+        self.floors: dict = {"global": {}, "devices": []}
+        self._floor_tables: list = []
         self._packed: dict[str, PackedTrees] = {}
         self._scalar: dict = {}
         self._dev: dict = {}
@@ -46,14 +76,17 @@ class OpModel:
 
     # ------------------------------------------------------------------ fitting
     def fit(self, records, devices: Mapping, exclude_devices: Iterable[str] = (),
-            max_rows_per_family: int | None = None, seed: int = 0, hgb_params: Mapping | None = None) -> "OpModel":
+            max_rows_per_family: int | None = None, seed: int = 0, hgb_params: Mapping | None = None,
+            design: str = DEFAULT_DESIGN) -> "OpModel":
         """Fit on profile records (``Records``, list of dict rows, or a dict of columns).
 
         ``devices`` maps the record's device names to ``DeviceType``; rows of unknown devices, of
         ``exclude_devices``, of unknown ops or without a positive latency are skipped. Each
         (op, device) group gets the same total weight. ``max_rows_per_family`` subsamples
-        (uniformly, fixed ``seed``) for speed.
+        (uniformly, fixed ``seed``) for speed. ``design``: one of ``DESIGNS`` (see the module doc).
         """
+        if design not in DESIGNS:
+            raise ValueError(f"unknown design '{design}' (known: {', '.join(DESIGNS)})")
         from sklearn.ensemble import HistGradientBoostingRegressor
 
         rec = as_records(records)
@@ -61,6 +94,9 @@ class OpModel:
         keep = (np.isin(rec.device, [d for d in devices if d not in excluded])
                 & np.isin(rec.op, F.OPS) & (rec.latency_ms > 0))
         rec = rec.subset(keep)
+        self.design = design
+        self.floors = _estimate_floors(rec, devices, design == "floor_median") if design in FLOOR_DESIGNS else {"global": {}, "devices": []}
+        self._prepare_floors()
         rng = np.random.default_rng(seed)
         params = {**HGB_PARAMS, **(hgb_params or {})}
         fam = np.array([F.FAMILY[o] for o in rec.op])
@@ -72,8 +108,8 @@ class OpModel:
             if max_rows_per_family and len(idx) > max_rows_per_family:
                 idx = np.sort(rng.choice(idx, max_rows_per_family, replace=False))
             sub = rec.subset(idx)
-            X, troof = self._matrix(family, sub.op, sub.dims, sub.dtype, [devices[d] for d in sub.device])
-            y = np.log(sub.latency_ms * 1e-3 / troof)
+            X, base = self._matrix(family, sub.op, sub.dims, sub.dtype, [devices[d] for d in sub.device])
+            y = np.log(sub.latency_ms * 1e-3 / base)
             groups = np.char.add(np.char.add(sub.op, "|"), sub.device)
             _, inv, cnt = np.unique(groups, return_inverse=True, return_counts=True)
             w = 1.0 / cnt[inv]
@@ -86,7 +122,8 @@ class OpModel:
             "excluded_devices": sorted(excluded),
             "rows": counts,
             "hgb_params": params,
-            "target": "log(measured / roofline), roofline = max(flops/peak, bytes/bandwidth)",
+            "design": design,
+            "target": TARGETS[design],
             "feature_names": {"gemm": F.GEMM_FEATURE_NAMES, "vector": F.VECTOR_FEATURE_NAMES},
             "dtype_assumption": "fitted on fp32 (no TF32); other dtypes use their own peak and "
                                 "bytes/element with the same utilisation shape",
@@ -96,11 +133,36 @@ class OpModel:
 
     # ------------------------------------------------------------------ prediction
     def _prepare(self) -> None:
+        self._prepare_floors()
         self.ensembles = {k: validate(v) for k, v in self.ensembles.items()}
         self._packed = {k: PackedTrees(v) for k, v in self.ensembles.items()}
         self._scalar = {k: compile_scalar(v) for k, v in self.ensembles.items()}
         self._dev.clear()
         self._cached.cache_clear()
+
+    def _prepare_floors(self) -> None:
+        """Floor tables as tuples indexed like ``F.OPS``: [0] global, [1 + i] trained device i."""
+        fl = self.floors
+        g = fl.get("global", {})
+        self._floor_tables = [tuple(float(g.get(o, F.OVERHEAD_SCALE)) for o in F.OPS)]
+        self._floor_keys = []
+        for entry in fl.get("devices", []):
+            own = entry["floors"]
+            self._floor_tables.append(tuple(float(own.get(o, g.get(o, F.OVERHEAD_SCALE))) for o in F.OPS))
+            self._floor_keys.append(tuple(float(v) for v in entry["key"]))
+        for t in self._floor_tables:
+            if not all(math.isfinite(v) and v > 0 for v in t):
+                raise ValueError("floors must be positive and finite")
+
+    def _floor_index(self, device) -> int:
+        """1 + index of the trained device with the same (bandwidth, units, L2, clock), else 0."""
+        if self.design not in FLOOR_DESIGNS:
+            return -1
+        k = _device_key(device)
+        for i, key in enumerate(self._floor_keys):
+            if all(abs(a - b) <= 0.01 * max(abs(a), abs(b)) for a, b in zip(k, key)):
+                return i + 1
+        return 0
 
     def _device_params(self, device, dtype: str) -> tuple:
         key = (id(device), dtype)
@@ -108,7 +170,8 @@ class OpModel:
         if hit is None or hit[0] is not device:
             if len(self._dev) > 4096:
                 self._dev.clear()
-            hit = (device, F.device_params(device, dtype))
+            tdp = float(device.tdp) if getattr(device, "tdp", None) else float("nan")
+            hit = (device, F.device_params(device, dtype) + (self._floor_index(device), tdp))
             self._dev[key] = hit
         return hit[1]
 
@@ -119,35 +182,51 @@ class OpModel:
         return self._cached(key)
 
     def _predict_key(self, key) -> float:
-        op, B, M, N, K, H, dtype, (P, Pv, BW, SM, L2) = key
+        op, B, M, N, K, H, dtype, (P, Pv, BW, SM, L2, fi, tdp) = key
         e = F.dtype_bytes(dtype)
         family = F.FAMILY.get(op)
         if family is None:
             raise ValueError(f"unknown op '{op}' (known: {', '.join(F.OPS)})")
         if family not in self._scalar:
             raise ValueError(f"model has no '{family}' ensemble")
+        floor = F.OVERHEAD_SCALE if fi < 0 else self._floor_tables[fi][F.OP_POS[op]]
         if family == "gemm":
             B, M, N, K = (float(v) if v else 1.0 for v in (B, M, N, K))
-            f, troof = F.gemm_features(F.SCALAR, 1.0 if op == "bmm" else 0.0, B, M, N, K, e, P, BW, SM, L2)
+            f, troof = F.gemm_features(F.SCALAR, 1.0 if op == "bmm" else 0.0, B, M, N, K, e, P, BW, SM, L2, floor)
+            if self.design == "floor_power":
+                f = f + [math.log2(P / tdp), math.log2(tdp)]
         else:
             B, H = (float(v) if v else 1.0 for v in (B, H))
             oh = [0.0] * len(F.VECTOR_OPS)
             oh[F.OP_INDEX[op]] = 1.0
-            f, troof = F.vector_features(F.SCALAR, oh, F.VEC_INPUTS[op], F.VEC_FLOPS[op], B, H, e, Pv, BW, SM, L2)
+            f, troof = F.vector_features(F.SCALAR, oh, F.VEC_INPUTS[op], F.VEC_FLOPS[op], B, H, e, Pv, BW, SM, L2, floor)
+        if fi >= 0:
+            troof = troof + floor
         return troof * math.exp(self._scalar[family](f))
 
     def _matrix(self, family, ops, dims, dtypes, devices):
-        """Features + roofline for rows; ``dtypes``/``devices`` are per-row sequences."""
+        """Features + base time (roofline, plus the floor in the "floor" design) for rows;
+        ``dtypes``/``devices`` are per-row sequences."""
         n = len(ops)
-        cols = {k: np.empty(n) for k in ("e", "P", "Pv", "BW", "SM", "L2")}
+        cols = {k: np.empty(n) for k in ("e", "P", "Pv", "BW", "SM", "L2", "fi", "tdp")}
         keys = {}
         for i, (dt, dev) in enumerate(zip(dtypes, devices)):
             k = (dt, id(dev))
             if k not in keys:
                 keys[k] = (F.dtype_bytes(dt),) + self._device_params(dev, dt)
-            for name, v in zip(("e", "P", "Pv", "BW", "SM", "L2"), keys[k]):
+            for name, v in zip(("e", "P", "Pv", "BW", "SM", "L2", "fi", "tdp"), keys[k]):
                 cols[name][i] = v
-        return F.build_matrix(family, ops, dims, cols["e"], cols["P"], cols["Pv"], cols["BW"], cols["SM"], cols["L2"])
+        if self.design in FLOOR_DESIGNS:
+            table = np.array(self._floor_tables)
+            pos = np.array([F.OP_POS[o] for o in np.asarray(ops)], dtype=np.int64)
+            floor = table[cols["fi"].astype(np.int64), pos]
+        else:
+            floor = F.OVERHEAD_SCALE
+        X, troof = F.build_matrix(family, ops, dims, cols["e"], cols["P"], cols["Pv"], cols["BW"], cols["SM"],
+                                  cols["L2"], floor)
+        if self.design == "floor_power" and family == "gemm":
+            X = np.column_stack([X, np.log2(cols["P"] / cols["tdp"]), np.log2(cols["tdp"])])
+        return X, (troof + floor if self.design in FLOOR_DESIGNS else troof)
 
     def predict_many(self, op, dims: Mapping[str, Sequence[float]], dtype, device) -> np.ndarray:
         """Vectorised ``predict``: ``op``/``dtype``/``device`` are one value or one per row; ``dims``
@@ -177,13 +256,22 @@ class OpModel:
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "meta": self.meta, "ensembles": self.ensembles}
+        return {"format": FORMAT, "version": VERSION, "design": self.design, "floors": self.floors,
+                "meta": self.meta, "ensembles": self.ensembles}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "OpModel":
-        if data.get("format") != FORMAT or int(data.get("version", -1)) != VERSION:
-            raise ValueError(f"not a {FORMAT} v{VERSION} file")
+        if data.get("format") != FORMAT or int(data.get("version", -1)) not in READABLE_VERSIONS:
+            raise ValueError(f"not a {FORMAT} v{'/'.join(map(str, READABLE_VERSIONS))} file")
         m = cls()
+        m.design = str(data.get("design", "ratio"))
+        if m.design not in DESIGNS:
+            raise ValueError(f"unknown design '{m.design}'")
+        fl = data.get("floors") or {"global": {}, "devices": []}
+        m.floors = {"global": {str(o): float(v) for o, v in fl.get("global", {}).items()},
+                    "devices": [{"name": str(e.get("name", "")), "key": [float(v) for v in e["key"]],
+                                 "floors": {str(o): float(v) for o, v in e["floors"].items()}}
+                                for e in fl.get("devices", [])]}
         m.meta = dict(data.get("meta", {}))
         m.ensembles = dict(data["ensembles"])
         m._prepare()
@@ -195,6 +283,29 @@ class OpModel:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OpModel":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _device_key(device) -> tuple:
+    """Identity of a device for its trained floors: (bandwidth, compute units, L2, clock)."""
+    return (float(device.effective_memory_bandwidth), float(device.compute_units or 0),
+            float(device.l2_cache or 0), float(device.clock or 0))
+
+
+def _estimate_floors(rec: Records, devices: Mapping, median: bool = False) -> dict:
+    """Per (op, device) launch floor: the ``FLOOR_QUANTILE`` quantile of the measured latency
+    (seconds); global per-op floor: geometric mean over the devices that have the op."""
+    per_dev = []
+    for name in sorted(set(rec.device.tolist())):
+        m = rec.device == name
+        own = {op: float(np.quantile(rec.latency_ms[m & (rec.op == op)], FLOOR_QUANTILE)) * 1e-3
+               for op in F.OPS if (m & (rec.op == op)).any()}
+        per_dev.append({"name": name, "key": list(_device_key(devices[name])), "floors": own})
+    glob = {}
+    for op in F.OPS:
+        vals = [e["floors"][op] for e in per_dev if op in e["floors"]]
+        if vals:
+            glob[op] = float(np.median(vals) if median else np.exp(np.mean(np.log(vals))))
+    return {"global": glob, "devices": per_dev}
 
 
 SHIPPED = {None: "opmodel.json", "Tesla V100-PCIE-32GB": "opmodel_no_v100.json"}

@@ -130,12 +130,36 @@ def as_records(records) -> Records:
     return Records.from_rows(records)
 
 
-def load_neusight(data_dir: str | os.PathLike | None = None) -> tuple[Records, dict[str, DeviceType]]:
-    """Load ``neusight/ops/*.csv`` and ``neusight/devices/*.json`` from the shared data folder."""
+def catalog_name(neusight_name: str) -> str:
+    """The catalog (configs/devices.yaml) name of a NeuSight device: 'Tesla V100-PCIE-32GB' ->
+    'V100-PCIE-32GB', 'NVIDIA A100-PCIE-40GB' -> 'A100-PCIE-40GB'."""
+    for prefix in ("Tesla ", "NVIDIA ", "AMD Instinct "):
+        if neusight_name.startswith(prefix):
+            return neusight_name[len(prefix):]
+    return neusight_name
+
+
+def with_catalog_devices(devices: Mapping[str, DeviceType]) -> dict[str, DeviceType]:
+    """Replace each NeuSight device spec by the catalog's ``DeviceType`` of the same name where the
+    catalog has one, so a model is trained on the same kind of numbers (datasheet peaks, tdp, ...)
+    that it is given at prediction time."""
+    from hetero.specs.device import load_catalog
+
+    cat = load_catalog()
+    return {name: cat.get(catalog_name(name), dev) for name, dev in devices.items()}
+
+
+def load_neusight(data_dir: str | os.PathLike | None = None,
+                  catalog: bool = True) -> tuple[Records, dict[str, DeviceType]]:
+    """Load ``neusight/ops/*.csv`` and ``neusight/devices/*.json`` from the shared data folder.
+
+    ``catalog``: use the device catalog's ``DeviceType`` where it has the device (the five measured
+    GPUs are all there), the converted NeuSight spec otherwise."""
     base = Path(data_dir) if data_dir else shared_data_dir()
     if (base / "neusight").is_dir():
         base = base / "neusight"
     files = sorted((base / "ops").glob("*.csv"))
     if not files:
         raise FileNotFoundError(f"no profile CSVs under {base / 'ops'}")
-    return Records.from_csv(files), load_neusight_devices(base / "devices")
+    devices = load_neusight_devices(base / "devices")
+    return Records.from_csv(files), (with_catalog_devices(devices) if catalog else devices)
