@@ -124,7 +124,10 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
         for k in range(2, len(names) + 1):
             for subset in itertools.combinations(names, k):
                 share = sum(sizes[g] for g in subset) / total
-                per_tp = [best_tp[g][:2] if k <= 2 else best_tp[g][:1] for g in subset]
+                # A group's best tp alone need not be its best inside a spanning pipeline (there
+                # pipeline depth comes from the other groups too): pairs also try the smallest tp.
+                per_tp = [list(dict.fromkeys(best_tp[g][:2] + tp_options(cluster, model, g)[:1])) if k <= 2
+                          else best_tp[g][:1] for g in subset]
                 cands = []
                 orders = group_orders(cluster, subset)
                 first_order = orders[0]
