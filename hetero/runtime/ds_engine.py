@@ -100,6 +100,7 @@ class DeepSpeedEngine:
         ds_torch_comm.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         module = build_stage(model, (0, model.num_layers), True, True, opts.seed)
+        module.set_recompute(plan.recompute)
         self.mbs = plan.mbs(ctx.pipeline)
         config = {
             "train_micro_batch_size_per_gpu": self.mbs,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -60,9 +61,11 @@ class NativeEngine:
     def __init__(self, ctx: RunContext, comm):
         self.ctx, self.comm = ctx, comm
         me, model, opts = ctx.me, ctx.model, ctx.options
-        if ctx.plan.recompute != "none" or ctx.plan.zero_stage:
-            pass  # accepted; the native engine keeps full activations and unsharded optimizer state
+        if ctx.plan.zero_stage and me.rank == 0:
+            print(f"note: zero_stage {ctx.plan.zero_stage} shards optimizer state only with --engine deepspeed; "
+                  f"the native engine keeps it unsharded on every replica", file=sys.stderr, flush=True)
         self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed)
+        self.module.set_recompute(ctx.plan.recompute)
         self.mesh = None
         if me.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh

@@ -18,6 +18,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hetero.specs.model import ModelSpec
 
@@ -59,6 +60,7 @@ class Attention(nn.Module):
         h, kv, bias = spec.hidden_size, spec.kv_dim, spec.has_bias
         self.head_dim = spec.head_dim
         self.rope = rope
+        self.recompute_core = False
         self.wq = nn.Linear(h, h, bias=bias)
         self.wk = nn.Linear(h, kv, bias=bias)
         self.wv = nn.Linear(h, kv, bias=bias)
@@ -79,8 +81,16 @@ class Attention(nn.Module):
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # grouped-query attention
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_core and torch.is_grad_enabled():
+            # selective recomputation: keep q, k, v; recompute the attention core in backward
+            y = checkpoint(_attention_core, q, k, v, use_reentrant=False)
+        else:
+            y = _attention_core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _attention_core(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -132,6 +142,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.spec, self.first, self.last = spec, first, last
         self.start, self.end = layers
+        self.recompute = "none"
         h = spec.hidden_size
         tied = bool(spec.tie_embeddings)
         if first or (last and tied):
@@ -145,6 +156,15 @@ class StageModel(nn.Module):
             if not tied:
                 self.head = nn.Linear(h, spec.vocab_size, bias=False)
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation as the plan asks: ``none``, ``selective`` (the attention core
+        of every block is recomputed in backward) or ``full`` (every block's forward is)."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"unknown recompute mode {mode!r}")
+        self.recompute = mode
+        for block in self.layers.values():
+            block.attn.recompute_core = mode == "selective"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) on the first stage, else hidden states (B, T, h); returns hidden states,
         or logits (B, T, vocab) on the last stage."""
@@ -154,7 +174,10 @@ class StageModel(nn.Module):
             if hasattr(self, "wpe"):
                 x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.layers.values():
-            x = block(x)
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # keep only each block's input
+            else:
+                x = block(x)
         if self.last:
             x = self.final_norm(x)
             x = F.linear(x, self.wte.weight) if hasattr(self, "wte") and not hasattr(self, "head") \
