@@ -60,6 +60,12 @@ def run(args) -> int:
         raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(P.TORCH_DTYPES)})")
     grid = P.default_grid(quick=args.quick)
     err = console(stderr=True)
+    if args.device and args.device != "cpu" and torch_device == "cpu":
+        from hetero.specs.device import load_catalog
+
+        if args.device not in load_catalog():
+            err.print(f"note: '{args.device}' is not in the device catalog and no accelerator is here: profiling "
+                      f"this machine's CPU under that name (meant for a cluster's own 'base: cpu' device types)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     probes = P.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
