@@ -1,8 +1,9 @@
 """Runtime benchmark: the planner's split vs the uniform split on the emulated mixed CPU cluster.
 
-Cluster: configs/clusters/local-cpu.yaml cut to ONE device per group (one `fast` CPU process and
-one `slow` CPU process that computes 2x slower), so the emulation is honest on a 2-core machine
-(two busy workers, one core each). Model: GPT, 6 layers, hidden 256, seq 128 (compute dominates).
+Cluster: configs/clusters/local-cpu-pair.yaml (one `fast` CPU process and one `slow` CPU process
+that computes 2x slower), so the emulation is honest on a 2-core machine (two busy workers, one
+core each). Model: configs/models/small-gpt.yaml (GPT, 6 layers, hidden 256, seq 128: compute
+dominates).
 
 - uniform: two pipeline stages with the same number of layers (3 | 3);
 - planned: ``hetero.search`` over this cluster (same global batch), when the planner is installed;
@@ -34,20 +35,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = {"name": "bench-gpt-6L-256", "architecture": "gpt", "num_layers": 6, "hidden_size": 256,
-         "num_attention_heads": 4, "vocab_size": 2048, "seq_length": 128, "dtype": "fp32",
-         "tie_embeddings": True}
+def _yaml(path: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+# The shipped demo pair: one `fast` and one 2x slower `slow` CPU process (one core each), and a
+# small GPT whose step is dominated by compute.
+MODEL = _yaml("configs/models/small-gpt.yaml")
 GBS, MBS = 16, 2
 
 
 def bench_cluster() -> dict:
-    import yaml
-
-    data = yaml.safe_load((ROOT / "configs/clusters/local-cpu.yaml").read_text())
-    data["name"] = "local-cpu-1+1"
-    for g in data["groups"]:
-        g["devices_per_node"] = 1
-    return data
+    return _yaml("configs/clusters/local-cpu-pair.yaml")
 
 
 def uniform_plan() -> dict:

@@ -17,7 +17,15 @@ if $PY -c "import hetero.cli.predict" 2>/dev/null && [ -f out/mixed-vendor-llama
       --plan out/mixed-vendor-llama2-7b.yaml
 fi
 if $PY -c "import hetero.cli.launch" 2>/dev/null; then
-  step "Train a tiny GPT on the local emulated two-vendor cluster (one device 2x slower)"
-  $PY -m hetero launch --cluster configs/clusters/local-cpu.yaml --model configs/models/tiny.yaml \
-      --plan configs/plans/local-cpu-uneven.yaml --steps 5 --summary out/demo-summary.json
+  cache=${HETERO_CACHE_DIR:-$HOME/.cache/hetero}/profiles/cpu.meta.json
+  if [ ! -f "$cache" ]; then
+    step "Measure this machine's CPU operators once (cached; the predictor uses it for emulated devices)"
+    $PY -m hetero profile
+  fi
+  step "Plan a small GPT on an emulated two-vendor pair (one device 2x slower)"
+  $PY -m hetero plan --cluster configs/clusters/local-cpu-pair.yaml --model configs/models/small-gpt.yaml \
+      --global-batch-size 16 --top-k 3 -o out/local-pair-small-gpt.yaml
+  step "Train it: per-step loss, then predicted vs measured"
+  $PY -m hetero launch --cluster configs/clusters/local-cpu-pair.yaml --model configs/models/small-gpt.yaml \
+      --plan out/local-pair-small-gpt.yaml --steps 6 --summary out/demo-summary.json --trace out/demo-trace.json
 fi
