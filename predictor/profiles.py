@@ -1,12 +1,11 @@
-"""This machine's measured operator latencies: the profile grid, the cache, and a model fitted on it.
+"""This machine's operator profile: the record format, the per-device cache, and the latency model fitted on it.
 
-``hetero profile`` times the operators of a transformer layer (linear, bmm, ln, softmax and the
-elementwise ops) over a grid of shapes on the local device and writes profile records
-(SCHEMAS.md: ``op,device,B,M,N,K,H,latency_ms,dtype``). The records are cached per device at
-``$HETERO_CACHE_DIR/profiles/<device>.csv`` (default ``~/.cache/hetero/profiles/<device>.csv``);
-:func:`local_op_model` fits a small latency model on that cache, which the predictor uses for
-cpu-family devices (emulated ``base: cpu`` devices included; their ``slowdown`` is the predictor's
-business, this model answers for the real local hardware).
+``hetero profile`` (:mod:`hetero.predictor.profiling`) times the operators of a transformer layer on
+the local device and writes profile records (SCHEMAS.md: ``op,device,B,M,N,K,H,latency_ms,dtype``).
+The records are cached per device at ``$HETERO_CACHE_DIR/profiles/<device>.csv`` (default
+``~/.cache/hetero/profiles/<device>.csv``); :func:`local_op_model` fits a small latency model on that
+cache, which the predictor uses for cpu-family devices (emulated ``base: cpu`` devices included;
+their ``slowdown`` is the predictor's business, this model answers for the real local hardware).
 
 The model (:class:`LocalOpModel`) is deliberately simple and robust, because a CPU profile holds a
 few hundred rows, not the tens of thousands a learned cross-device model needs. Per (op, dtype) it
@@ -18,26 +17,17 @@ nearest measured shapes constant, i.e. time scales with the work, which is the r
 large operators and never produces the wild values a polynomial fit extrapolates to.
 
 Block probes (CPU). The operator sum misses what a real training step on a CPU spends around and
-between the kernels: Python / autograd dispatch of ~50 kernels per block, the fused kernels the
-runtime actually calls (``scaled_dot_product_attention`` instead of bmm + softmax + bmm, the tanh
-GELU of GPT-2), gradient accumulation into ``.grad``. So ``hetero profile`` on a CPU also times the
-runtime's own transformer block (:class:`hetero.runtime.model.Block`, forward and backward with
-autograd) at a few shapes, and one AdamW step over its parameters (the runtime's optimizer). They
-are stored next to the records in ``<device>.meta.json`` (with the thread count and the load
-average during the profile). :meth:`LocalOpModel.layer_ratio` (and :meth:`~LocalOpModel.edge_ratio`
+between the kernels (dispatch, fused kernels, gradient accumulation), so a CPU profile also holds
+timings of the runtime's own transformer block and AdamW step at a few shapes, stored next to the
+records in ``<device>.meta.json`` (with the thread count and the load average during the profile).
+:meth:`LocalOpModel.layer_ratio` (and :meth:`~LocalOpModel.edge_ratio`
 for the embedding and head) is the measured block time over the operator-sum prediction at the nearest probes (interpolated in log hidden size and log rows), which
 the predictor multiplies into its per-layer times; :meth:`LocalOpModel.optimizer_time` is the
 measured AdamW seconds per parameter, interpolated in log(parameters). Both come from the machine, never from a
 particular benchmark.
 
-Threads and load. Workers of ``hetero launch`` run ``--threads`` intra-op threads each (default 1),
-so the CPU profile defaults to 1 thread too and records the count it used. Timings take the fastest
-block of repeated calls (background load only ever adds time), so a profile taken on a busy machine
-still describes the machine, not the load.
-
-No torch import here except inside :func:`measure` / :func:`measure_blocks` (the profiler itself):
-loading the model only reads the CSV (and its JSON sidecar), so predicting stays fast and works on
-a login node.
+No torch import here (measuring lives in :mod:`hetero.predictor.profiling`): loading the model only
+reads the CSV (and its JSON sidecar), so predicting stays fast and works on a login node.
 """
 from __future__ import annotations
 
@@ -47,10 +37,9 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 COLUMNS = ("op", "device", "B", "M", "N", "K", "H", "latency_ms", "dtype")
 DIMS = ("B", "M", "N", "K", "H")
@@ -179,209 +168,7 @@ def read_records(path) -> list[Record]:
     return out
 
 
-# --------------------------------------------------------------------------------------- grid
-def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
-    """(op, dims) to measure: the operators of gpt/llama layers of hidden 256..2048.
-
-    linear: rows (B=1, M = micro-batch x sequence) x K @ K x N for the qkv, out, fc1, fc2 shapes,
-    plus a few wide (LM-head-like) N. bmm: attention scores and context for heads x batch in
-    {16, 64}, sequence 128..1024, head dim 64/128. Vector ops: rows x H over the activations'
-    shapes; softmax over attention rows (rows = batch x heads x seq, H = seq).
-    Sized to take about a minute on two CPU cores; ``quick`` is a few seconds (tests, smoke runs).
-    """
-    grid: list[tuple[str, dict]] = []
-    if quick:
-        hiddens, rows_list, bh_list, seqs, hds = (128, 256), (64, 256), (8,), (64, 128), (32,)
-        vec_rows, vec_h, sm = (64, 512), (128, 512), ((512, 64), (2048, 128))
-    else:
-        hiddens, rows_list, bh_list, seqs, hds = (256, 512, 768, 1024, 2048), (128, 512, 2048), \
-            (16, 64), (128, 256, 512, 1024), (64, 128)
-        vec_rows, vec_h = (128, 512, 2048, 8192), (256, 1024, 4096)
-        sm = tuple((bh * s, s) for bh in (16, 64) for s in (128, 256, 512, 1024))
-    for h in hiddens:
-        for rows in rows_list:
-            if rows * h > 2**21:
-                continue  # > 2048 x 1024: seconds per operator on a small CPU; extrapolated instead
-            for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
-                grid.append(("linear", {"B": 1, "M": rows, "N": n, "K": k}))
-    wide = ((64, 512), (256, 1024)) if quick else ((128, 512), (128, 1024), (512, 1024))
-    for rows, k in wide:
-        grid.append(("linear", {"B": 1, "M": rows, "N": 4096 if quick else 16384, "K": k}))
-    for bh in bh_list:
-        for s in seqs:
-            if bh * s > 2**15:
-                continue
-            for d in hds:
-                grid.append(("bmm", {"B": bh, "M": s, "N": s, "K": d}))   # scores: q @ k^T
-                grid.append(("bmm", {"B": bh, "M": s, "N": d, "K": s}))   # context: p @ v
-    for op in VECTOR_OPS:
-        if op == "softmax":
-            for rows, h in sm:
-                grid.append((op, {"B": rows, "H": h}))
-            continue
-        for rows in vec_rows:
-            for h in vec_h:
-                grid.append((op, {"B": rows, "H": h}))
-    return grid
-
-
-# --------------------------------------------------------------------------------------- measuring
-def detect_device(requested: str | None = None) -> tuple[str, str]:
-    """(record device name, torch device string). Accelerators are probed at run time, guarded.
-
-    ``requested`` names the device type written in the records; a name whose catalog entry is
-    cpu-family (or ``cpu``) runs on the CPU, anything else on the local accelerator when present.
-    """
-    import torch
-
-    family = None
-    if requested:
-        try:
-            from hetero.specs.device import load_catalog
-
-            dev = load_catalog().get(requested)
-            family = dev.family if dev is not None else None
-        except Exception:  # noqa: BLE001 - the catalog is optional here
-            family = None
-        if requested == "cpu" or family == "cpu":
-            return requested, "cpu"
-    accel = None
-    try:
-        if torch.cuda.is_available():
-            accel = ("cuda", torch.cuda.get_device_name(0))
-    except Exception:  # noqa: BLE001 - a broken driver must not stop a CPU profile
-        accel = None
-    if accel is None:
-        try:
-            import torch_npu  # noqa: F401  (Ascend)
-
-            if torch.npu.is_available():
-                accel = ("npu", torch.npu.get_device_name(0))
-        except Exception:  # noqa: BLE001
-            accel = None
-    if accel is None:
-        if requested and family not in (None, "cpu"):
-            raise RuntimeError(f"device '{requested}' is not a CPU device and no accelerator was found here")
-        return requested or "cpu", "cpu"
-    kind, raw = accel
-    return requested or catalog_name(raw), f"{kind}:0"
-
-
-def catalog_name(raw: str) -> str:
-    """Map a driver's device name to a catalog key when one matches (else the name as given)."""
-    try:
-        from hetero.specs.device import load_catalog
-
-        keys = list(load_catalog())
-    except Exception:  # noqa: BLE001
-        return raw
-    norm = lambda s: re.sub(r"[^a-z0-9]", "", s.lower().replace("nvidia", "").replace("tesla", ""))  # noqa: E731
-    target = norm(raw)
-    hits = [k for k in keys if norm(k) == target] or [k for k in keys if norm(k) and norm(k) in target]
-    return max(hits, key=len) if hits else raw
-
-
-def _make_op(torch, op: str, dims: Mapping, dtype, device):
-    """Allocate inputs and return a closure running ``op`` once."""
-    F = torch.nn.functional
-    g = lambda *s: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
-    if op == "linear":
-        x, w, b = g(int(dims["B"]), int(dims["M"]), int(dims["K"])), g(int(dims["N"]), int(dims["K"])), g(int(dims["N"]))
-        return lambda: F.linear(x, w, b)
-    if op == "bmm":
-        a, c = g(int(dims["B"]), int(dims["M"]), int(dims["K"])), g(int(dims["B"]), int(dims["K"]), int(dims["N"]))
-        return lambda: torch.bmm(a, c)
-    rows, h = int(dims["B"]), int(dims["H"])
-    x = g(rows, h)
-    if op == "ln":
-        w, b = g(h), g(h)
-        return lambda: F.layer_norm(x, (h,), w, b)
-    if op == "softmax":
-        return lambda: torch.softmax(x, dim=-1)
-    if op == "gelu":
-        return lambda: F.gelu(x)
-    if op == "relu":
-        return lambda: torch.relu(x)
-    if op == "tanh":
-        return lambda: torch.tanh(x)
-    if op == "pow":
-        return lambda: torch.pow(x, 2.0)
-    y = g(rows, h).abs_().add_(0.5)
-    if op == "add":
-        return lambda: torch.add(x, y)
-    if op == "mul":
-        return lambda: torch.mul(x, y)
-    if op == "div":
-        return lambda: torch.div(x, y)
-    raise ValueError(f"unknown op '{op}'")
-
-
-TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
-
-
-def measure(grid: list[tuple[str, dict]], device_name: str, torch_device: str = "cpu",
-            dtypes: Iterable[str] = ("fp32",), quick: bool = False,
-            progress: Callable[[str], None] | None = None) -> list[Record]:
-    """Time every (op, dims) of ``grid`` with ``torch.utils.benchmark``: warm-up calls, then the
-    fastest of ``reps`` blocks of ``number`` calls each (``number`` sized so a block lasts at least
-    ``block_s``). Returns records; ``progress(label)`` is called after each operator."""
-    import torch
-    from torch.utils import benchmark
-
-    block_s = 0.004 if quick else 0.01
-    sync = None
-    if torch_device.startswith("npu"):
-        sync = torch.npu.synchronize  # torch.utils.benchmark only synchronises CUDA
-    out: list[Record] = []
-    # Wake the thread pool / device and let clocks settle before the first timed operator.
-    warm = _make_op(torch, "linear", {"B": 1, "M": 256, "N": 256, "K": 256}, torch.float32, torch_device)
-    t_end = time.perf_counter() + (0.1 if quick else 0.5)
-    while time.perf_counter() < t_end:
-        warm()
-    del warm
-    for dtype_name in dtypes:
-        tdtype = getattr(torch, TORCH_DTYPES[dtype_name])
-        for op, dims in grid:
-            fn = _make_op(torch, op, dims, tdtype, torch_device)
-            stmt = (lambda: (fn(), sync())) if sync else fn
-            timer = benchmark.Timer(stmt="stmt()", globals={"stmt": stmt},
-                                    num_threads=torch.get_num_threads(), label=op)
-            one = math.inf
-            for _ in range(3):                    # warm-up (allocations, kernel selection, caches);
-                t0 = time.perf_counter()          # the fastest call sizes the blocks
-                timer.timeit(1)
-                one = min(one, max(time.perf_counter() - t0, 1e-7))
-                if one > 0.05:
-                    break
-            number = max(1, int(block_s / one))
-            reps = 3 if (quick or one * number > 0.05) else 5
-            times = []
-            for _ in range(reps):
-                times.extend(timer.timeit(number).times)
-            # the fastest block: other processes on the machine only ever add time (preemption,
-            # shared cores and caches), so the minimum is the least load-biased estimate
-            best = min(times)
-            out.append(Record(op, device_name, dict(dims), best * 1e3, dtype_name))
-            del fn, stmt, timer
-            if progress:
-                progress(f"{op} {' '.join(f'{k}={int(v)}' for k, v in dims.items())}")
-    return out
-
-
 # --------------------------------------------------------------------------------------- block probes
-def default_block_probes(quick: bool = False) -> list[dict]:
-    """Shapes at which ``hetero profile`` times the runtime's real model: gpt and llama, hidden
-    128..1024 (head dim 64), rows (micro-batch x sequence) 128..1024, a stack of 4 blocks (so the
-    weights stream through the caches as in a real stage) and the embedding / head edges."""
-    if quick:
-        shapes = ((128, 1, 64),)
-    else:
-        shapes = ((128, 1, 128), (256, 1, 128), (256, 4, 128), (512, 2, 128), (512, 2, 512), (1024, 1, 256))
-    return [{"architecture": arch, "hidden_size": h, "num_attention_heads": max(1, h // 64),
-             "micro_batch_size": b, "seq_length": s, "num_layers": 2 if quick else 4,
-             "vocab_size": 1024 if quick else 4096} for arch in ("gpt", "llama") for h, b, s in shapes]
-
-
 def probe_model_dict(probe: Mapping) -> dict:
     """The model file of a block probe."""
     return {"name": f"probe-{probe['architecture']}-{probe['hidden_size']}", "architecture": probe["architecture"],
@@ -389,66 +176,6 @@ def probe_model_dict(probe: Mapping) -> dict:
             "num_attention_heads": int(probe["num_attention_heads"]),
             "vocab_size": int(probe.get("vocab_size") or 1024), "seq_length": int(probe["seq_length"]),
             "dtype": "fp32"}
-
-
-def _time_stage(torch, module, tokens, targets, loss_fn, reps: int) -> tuple[float, float]:
-    """Fastest forward (to the loss) and backward of ``module`` over ``reps`` timed rounds."""
-    fwd, bwd = [], []
-    for i in range(reps + 2):   # two warm-up rounds (allocations, kernel selection)
-        t0 = time.perf_counter()
-        loss = loss_fn(module(tokens), targets)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return min(fwd), min(bwd)
-
-
-def measure_blocks(probes: list[dict], quick: bool = False,
-                   progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Time the runtime's model (:mod:`hetero.runtime.model`) at each probe shape on the CPU with
-    the current torch thread count: a first+last stage of ``num_layers`` blocks and the same stage
-    without blocks (embedding, final norm, head, loss), forward and backward with autograd into
-    accumulated ``.grad``; a block is the difference over ``num_layers``. Also one AdamW step (the
-    runtime's optimizer) over the whole stage. Fastest of several repetitions (module docstring)."""
-    import torch
-
-    import hetero
-    from hetero.runtime.grads import make_optimizer
-    from hetero.runtime.model import build_stage, loss_fn
-
-    out = []
-    for probe in probes:
-        spec = hetero.load_model(probe_model_dict(probe))
-        L = spec.num_layers
-        b, s, h = int(probe["micro_batch_size"]), int(probe["seq_length"]), int(probe["hidden_size"])
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, spec.vocab_size, (b, s), generator=gen)
-        targets = torch.randint(0, spec.vocab_size, (b, s), generator=gen)
-        full = build_stage(spec, (0, L), True, True, 0)
-        big = sum(p.numel() for p in full.parameters()) * L > 5e7
-        reps = 3 if (quick or big) else 5
-        ff, fb = _time_stage(torch, full, tokens, targets, loss_fn, reps)
-        edges = build_stage(spec, (L, L), True, True, 0)
-        ef, eb = _time_stage(torch, edges, tokens, targets, loss_fn, reps)
-        opt = make_optimizer(full.parameters(), 1e-3, 0.0)
-        steps = []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            opt.step()
-            if i >= 1:
-                steps.append(time.perf_counter() - t0)
-        params = sum(p.numel() for p in full.parameters())
-        out.append({**probe, "forward_ms": max(ff - ef, 1e-9) / L * 1e3, "backward_ms": max(fb - eb, 1e-9) / L * 1e3,
-                    "edges_forward_ms": ef * 1e3, "edges_backward_ms": eb * 1e3,
-                    "adamw_ms": min(steps) * 1e3, "params": int(params),
-                    "param_tensors": sum(1 for _ in full.parameters())})
-        del full, edges, opt
-        if progress:
-            progress(f"block {probe['architecture']} h={h} rows={b * s}")
-    return out
 
 
 # --------------------------------------------------------------------------------------- the model
@@ -681,6 +408,6 @@ def local_op_model(device_name: str = "cpu", fallback: str | None = "cpu") -> Lo
     return model
 
 
-__all__ = ["COLUMNS", "LocalOpModel", "ProfileError", "Record", "cache_dir", "cache_path", "default_block_probes",
-           "default_grid", "detect_device", "local_op_model", "measure", "measure_blocks", "meta_path", "read_meta",
-           "read_records", "write_meta", "write_records"]
+__all__ = ["COLUMNS", "LocalOpModel", "ProfileError", "Record", "cache_dir", "cache_path", "local_op_model",
+           "meta_path", "probe_model_dict", "read_meta", "read_records", "records_to_csv", "write_meta",
+           "write_records"]

@@ -66,7 +66,8 @@ def test_no_cache_means_no_local_model(tmp_path, monkeypatch):
 
 def _synthetic(device="cpu"):
     """Records of a made-up machine: GEMMs at 100 GFLOP/s + 5 us, vector ops at 20 GB/s + 2 us."""
-    from hetero.predictor.profiles import GEMM_OPS, Record, _work, default_grid
+    from hetero.predictor.profiles import GEMM_OPS, Record, _work
+    from hetero.predictor.profiling import default_grid
 
     recs = []
     for op, dims in default_grid():

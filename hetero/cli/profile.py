@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.predictor import profiles as P
+    from hetero.predictor import profiling as M
 
     from ._common import console
 
@@ -44,7 +45,7 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
     try:
-        name, torch_device = P.detect_device(args.device)
+        name, torch_device = M.detect_device(args.device)
     except RuntimeError as e:
         raise HeteroError(str(e)) from None
     threads = args.threads or (1 if torch_device == "cpu" else None)
@@ -55,10 +56,10 @@ def run(args) -> int:
 
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     dtypes = [d.strip() for d in (args.dtype or ("fp32" if torch_device == "cpu" else "fp32,fp16")).split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in P.TORCH_DTYPES]
+    bad = [d for d in dtypes if d not in M.TORCH_DTYPES]
     if bad:
-        raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(P.TORCH_DTYPES)})")
-    grid = P.default_grid(quick=args.quick)
+        raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(M.TORCH_DTYPES)})")
+    grid = M.default_grid(quick=args.quick)
     err = console(stderr=True)
     if args.device and args.device != "cpu" and torch_device == "cpu":
         from hetero.specs.device import load_catalog
@@ -68,7 +69,7 @@ def run(args) -> int:
                       f"this machine's CPU under that name (meant for a cluster's own 'base: cpu' device types)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    probes = P.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
+    probes = M.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
     total = len(grid) * len(dtypes) + len(probes)
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")
@@ -79,8 +80,8 @@ def run(args) -> int:
         def step(label: str) -> None:
             progress.update(task, advance=1, description=f"{label:<36}")
 
-        records = P.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
-        blocks = P.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
+        records = M.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
+        blocks = M.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
         progress.update(task, description="done")
     meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
