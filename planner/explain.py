@@ -152,7 +152,7 @@ def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
             break
     if not alts:
         return None
-    from .search import _score
+    from .scoring import _score
 
     parts = []
     f1, b1 = cm.layer_times(slow, chosen_tp, mbs, plan.recompute)

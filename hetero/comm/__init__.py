@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-from .communicator import DEFAULT_TIMEOUT, CommStats, Communicator, Group, TraceEntry, Work
+from .communicator import DEFAULT_TIMEOUT, Communicator
 from .errors import HeteroCommError, HeteroCommTimeout, ReduceOp
+from .group import Group
+from .stats import CommStats, TraceEntry
 from .vendors import backend_for, emulated_backend_name
+from .work import Work
 
 __all__ = [
     "Communicator", "Group", "Work", "CommStats", "TraceEntry", "ReduceOp", "HeteroCommError",

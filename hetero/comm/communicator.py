@@ -21,151 +21,34 @@ the emulated vendor's own backend name); vendors meet only on the host bridge (G
   issues the underlying library calls in the same order.
 * :class:`CommStats` counts bytes per path (bridge, each vendor) and keeps a trace of sub-operations
   with the ranks of the group each ran on.
+
+This module holds the :class:`Communicator` (construction, groups, routing, the public operations);
+:class:`Group`, :class:`Work` and :class:`CommStats` have modules of their own, and the cross-vendor
+algorithms are in :mod:`hetero.comm.hierarchical`.
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .bridge import Bridge, BridgeGroup, StagingPool, make_bridge, wait_work
+from . import hierarchical
+from .bridge import Bridge, StagingPool, make_bridge
 from .errors import HeteroCommError, HeteroCommTimeout, ReduceOp, divide_
+from .group import Group
 from .monitor import ArrivalMonitor
+from .stats import CommStats
 from .vendors import backend_for, check_vendor_list, device_type_for, ensure_backend_loaded
+from .work import Work
 
 DEFAULT_TIMEOUT = 300.0
 
 
-# ------------------------------------------------------------------------------------------- stats
-class TraceEntry(NamedTuple):
-    op: str  # the user-facing operation (all_reduce, send, ...)
-    path: str  # "vendor" or "bridge"
-    vendor: Optional[str]  # the vendor tag of a vendor path (None on the bridge)
-    ranks: Tuple[int, ...]  # global ranks of the group the sub-operation ran on
-    nbytes: int  # bytes this rank put into the sub-operation
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank moved per path, operation counts and a bounded trace of sub-operations."""
-
-    bridge_bytes: int = 0
-    vendor_bytes: Dict[str, int] = field(default_factory=dict)
-    ops: Dict[str, int] = field(default_factory=dict)
-    trace: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record(self, op: str, path: str, vendor: Optional[str], ranks: Sequence[int], nbytes: int,
-               count: bool = False) -> None:
-        with self._lock:
-            if count:
-                self.ops[op] = self.ops.get(op, 0) + 1
-            if path == "bridge":
-                self.bridge_bytes += nbytes
-            else:
-                self.vendor_bytes[vendor] = self.vendor_bytes.get(vendor, 0) + nbytes
-            self.trace.append(TraceEntry(op, path, vendor, tuple(ranks), nbytes))
-
-    def count(self, op: str) -> None:
-        with self._lock:
-            self.ops[op] = self.ops.get(op, 0) + 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bridge_bytes = 0
-            self.vendor_bytes.clear()
-            self.ops.clear()
-            self.trace.clear()
-
-    def to_dict(self) -> dict:
-        with self._lock:
-            return {"bridge_bytes": self.bridge_bytes, "vendor_bytes": dict(self.vendor_bytes), "ops": dict(self.ops),
-                    "trace": [e._asdict() for e in self.trace]}
-
-
-# ------------------------------------------------------------------------------------------- group
-class Group:
-    """A set of global ranks and how operations over it are routed (see the module docstring)."""
-
-    def __init__(self, comm: "Communicator", name: str, ranks: Sequence[int]):
-        self.name = name
-        self.ranks: List[int] = sorted(ranks)
-        self.size = len(self.ranks)
-        self._index = {r: i for i, r in enumerate(self.ranks)}
-        self.rank = self._index.get(comm.rank, -1)
-        self.is_member = self.rank >= 0
-        self.vendor_ranks: Dict[str, List[int]] = {}
-        for r in self.ranks:
-            self.vendor_ranks.setdefault(comm.vendor_of_rank[r], []).append(r)
-        self.vendors: List[str] = list(self.vendor_ranks)
-        self.leaders: Dict[str, int] = {v: rs[0] for v, rs in self.vendor_ranks.items()}
-        self.hierarchical = len(self.vendors) > 1
-        self.vendor = comm.vendor
-        self.my_vendor_ranks: List[int] = self.vendor_ranks.get(comm.vendor, [])
-        self.leader: Optional[int] = self.leaders.get(comm.vendor)
-        self.is_leader = self.is_member and self.leader == comm.rank
-        self.vendor_pg = None  # this rank's vendor part of the group (None when it is one rank)
-        self.bridge: Optional[BridgeGroup] = None  # leaders only, hierarchical groups only
-
-    def index(self, global_rank: int) -> int:
-        """Group rank of a global rank."""
-        return self._index[global_rank]
-
-    def __repr__(self) -> str:
-        kind = "hierarchical" if self.hierarchical else "flat"
-        return f"<Group {self.name} ranks={self.ranks} vendors={self.vendors} {kind}>"
-
-
-# -------------------------------------------------------------------------------------------- work
-class Work:
-    """Handle of an asynchronous operation: ``wait(timeout=None)`` returns its result."""
-
-    def __init__(self, comm, op, group, seq, deadline, works=(), finalize=None, future=None, peer=None):
-        self._comm, self.op, self.group, self._seq = comm, op, group, seq
-        self._deadline = deadline
-        self._works = list(works)
-        self._finalize = finalize
-        self._future = future
-        self._peer = peer
-        self._done = False
-        self._result = None
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if self._future is not None and not self._future.done():
-            return False
-        return all(w.is_completed() for w in self._works)
-
-    def wait(self, timeout: Optional[float] = None):
-        if self._done:
-            return self._result
-        try:
-            if self._future is not None:
-                guard = (timeout or self._comm.timeout) * 4 + 60
-                works, finalize, deadline = self._future.result(timeout=guard)
-                self._works, self._finalize, self._deadline = list(works), finalize, deadline
-                self._future = None
-            deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
-            for w in self._works:
-                wait_work(w, deadline)
-            self._result = self._finalize() if self._finalize is not None else None
-        except HeteroCommError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise self._comm._failure(self.op, self.group, self._seq, e, self._peer) from e
-        self._done = True
-        return self._result
-
-
-# ------------------------------------------------------------------------------------ communicator
 class Communicator:
     """One communicator over vendor libraries and a host bridge. See the module docstring.
 
@@ -339,29 +222,6 @@ class Communicator:
         else:
             self.stats.record(op, "vendor", self.vendor, g.my_vendor_ranks, nbytes)
 
-    def _to_host(self, t, slot: int = 0, copy: bool = True):
-        """A contiguous host tensor with ``t``'s data (``t`` itself when already one)."""
-        if t.device.type == "cpu":
-            return t if t.is_contiguous() else t.contiguous()
-        host = self._staging.get(t.numel(), t.dtype, slot).view(t.shape)
-        if copy:
-            host.copy_(t, non_blocking=True)
-            self._sync(t)
-        return host
-
-    @staticmethod
-    def _from_host(t, host) -> None:
-        if host is not t:
-            t.copy_(host)
-
-    @staticmethod
-    def _sync(t) -> None:
-
-        if t.device.type == "cuda":
-            torch.cuda.current_stream(t.device).synchronize()
-        elif t.device.type != "cpu" and hasattr(torch, "accelerator"):
-            torch.accelerator.synchronize()
-
     # ------------------------------------------------------------------------------- collectives
     def all_reduce(self, tensor, op="sum", group: Optional[Group] = None, async_op: bool = False,
                    timeout: Optional[float] = None):
@@ -396,7 +256,7 @@ class Communicator:
             return self._launch("all_reduce", g, issue, async_op, timeout, hierarchical=False)
 
         def run(deadline):
-            self._hier_reduce(tensor, rop, g, deadline, "all_reduce")
+            hierarchical.all_reduce(self, tensor, rop, g, deadline, "all_reduce")
             return [], (lambda: tensor)
 
         return self._launch("all_reduce", g, run, async_op, timeout, hierarchical=True)
@@ -420,25 +280,6 @@ class Communicator:
             divide_(tensor, g.size)
         return tensor
 
-    def _hier_reduce(self, tensor, rop: ReduceOp, g: Group, deadline: float, op: str) -> None:
-        """Hierarchical all-reduce in place: vendor reduce, leaders over the bridge, vendor broadcast."""
-
-        nbytes = tensor.numel() * tensor.element_size()
-        pg = g.vendor_pg
-        if pg is not None:
-            self._rec(op, "vendor", g, nbytes)
-            wait_work(dist.reduce(tensor, dst=g.leader, op=rop.torch_op(), group=pg, async_op=True), deadline)
-        if g.is_leader:
-            host = self._to_host(tensor)
-            self._rec(op, "bridge", g, nbytes)
-            g.bridge.all_reduce(host, rop, deadline)
-            if rop is ReduceOp.AVG:
-                divide_(host, g.size)
-            self._from_host(tensor, host)
-        if pg is not None:
-            self._rec(op, "vendor", g, nbytes)
-            wait_work(dist.broadcast(tensor, src=g.leader, group=pg, async_op=True), deadline)
-
     def broadcast(self, tensor, src: int, group: Optional[Group] = None, async_op: bool = False,
                   timeout: Optional[float] = None):
         """Copy ``tensor`` of global rank ``src`` to every rank of the group."""
@@ -458,24 +299,8 @@ class Communicator:
 
             return self._launch("broadcast", g, issue, async_op, timeout, hierarchical=False)
 
-        src_vendor = self.vendor_of_rank[src]
-        root_leader = g.leaders[src_vendor]
-
         def run(deadline):
-            pg = g.vendor_pg
-            mine = self.vendor == src_vendor
-            if mine and pg is not None:
-                self._rec("broadcast", "vendor", g, nbytes)
-                wait_work(dist.broadcast(tensor, src=src, group=pg, async_op=True), deadline)
-            if g.is_leader:
-                host = self._to_host(tensor, copy=mine)
-                self._rec("broadcast", "bridge", g, nbytes)
-                g.bridge.broadcast(host, root_leader, deadline)
-                if not mine:
-                    self._from_host(tensor, host)
-            if not mine and pg is not None:
-                self._rec("broadcast", "vendor", g, nbytes)
-                wait_work(dist.broadcast(tensor, src=g.leader, group=pg, async_op=True), deadline)
+            hierarchical.broadcast(self, tensor, src, g, deadline)
             return [], (lambda: tensor)
 
         return self._launch("broadcast", g, run, async_op, timeout, hierarchical=True)
@@ -531,32 +356,7 @@ class Communicator:
             return self._launch("all_gather", g, issue, async_op, timeout, hierarchical=False)
 
         def run(deadline):
-            pg = g.vendor_pg
-            n_max = max(len(v) for v in g.vendor_ranks.values())
-            mine = g.my_vendor_ranks
-            block = None
-            if g.is_leader:
-                block = torch.zeros((n_max, inp.numel()), dtype=inp.dtype, device=inp.device)
-            if pg is not None:
-                self._rec("all_gather", "vendor", g, nbytes)
-                gl = list(block[: len(mine)].unbind(0)) if g.is_leader else None
-                wait_work(dist.gather(inp.contiguous(), gather_list=gl, dst=g.leader, group=pg, async_op=True),
-                          deadline)
-            elif g.is_leader:
-                block[0].copy_(inp)
-            if g.is_leader:
-                leaders = g.bridge.ranks
-                host_in = self._to_host(block, slot=0)
-                host_out = torch.empty((len(leaders), n_max, inp.numel()), dtype=inp.dtype)
-                self._rec("all_gather", "bridge", g, host_in.numel() * host_in.element_size())
-                g.bridge.all_gather(host_out, host_in, deadline)
-                leader_vendor = {g.leaders[v]: v for v in g.vendors}
-                for j, lr in enumerate(leaders):
-                    for k, r in enumerate(g.vendor_ranks[leader_vendor[lr]]):
-                        out2d[g.index(r)].copy_(host_out[j, k])
-            if pg is not None:
-                self._rec("all_gather", "vendor", g, out2d.numel() * out2d.element_size())
-                wait_work(dist.broadcast(out2d, src=g.leader, group=pg, async_op=True), deadline)
+            hierarchical.all_gather(self, out2d, inp, g, deadline)
             return [], finalize
 
         return self._launch("all_gather", g, run, async_op, timeout, hierarchical=True)
@@ -620,7 +420,7 @@ class Communicator:
 
         def run(deadline):
             buf = input.clone()
-            self._hier_reduce(buf, rop, g, deadline, "reduce_scatter")
+            hierarchical.all_reduce(self, buf, rop, g, deadline, "reduce_scatter")
             output.copy_(buf.split(split_sizes)[g.rank])
             return [], (lambda: output)
 

@@ -1,0 +1,49 @@
+"""The handle of an asynchronous communicator operation (``async_op=True``)."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from .bridge import wait_work
+from .errors import HeteroCommError
+
+
+class Work:
+    """Handle of an asynchronous operation: ``wait(timeout=None)`` returns its result."""
+
+    def __init__(self, comm, op, group, seq, deadline, works=(), finalize=None, future=None, peer=None):
+        self._comm, self.op, self.group, self._seq = comm, op, group, seq
+        self._deadline = deadline
+        self._works = list(works)
+        self._finalize = finalize
+        self._future = future
+        self._peer = peer
+        self._done = False
+        self._result = None
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._future is not None and not self._future.done():
+            return False
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: Optional[float] = None):
+        if self._done:
+            return self._result
+        try:
+            if self._future is not None:
+                guard = (timeout or self._comm.timeout) * 4 + 60
+                works, finalize, deadline = self._future.result(timeout=guard)
+                self._works, self._finalize, self._deadline = list(works), finalize, deadline
+                self._future = None
+            deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
+            for w in self._works:
+                wait_work(w, deadline)
+            self._result = self._finalize() if self._finalize is not None else None
+        except HeteroCommError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._comm._failure(self.op, self.group, self._seq, e, self._peer) from e
+        self._done = True
+        return self._result

@@ -1,0 +1,28 @@
+"""The planner's search knobs (:class:`Options`); :func:`hetero.planner.search` takes them as keywords."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .space import RECOMPUTE
+
+
+@dataclass(frozen=True)
+class Options:
+    """Search knobs; :func:`~hetero.planner.search` takes each field as a keyword."""
+
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = RECOMPUTE
+    zero_stages: tuple[int, ...] = (0, 1, 2)
+    keep_per_block: int = 6
+    """Shapes kept per group set (by the ranking key) for the combination step."""
+    combos_per_block: int = 3
+    combos_budget: int | None = None
+    """Shape combinations tried per set of pipelines (the best ``budget ** (1/k)`` of each of k parts)."""
+    max_predictions: int = 64
+    """Plans sent to ``predict()`` before refinement."""
+    refine_top: int = 3
+    refine_rounds: int = 2
+    workers: int | None = None
+    """Processes for the shape enumeration (None: 2 on big clusters, else 1)."""
+    mixed: bool = True
+    """Consider pipelines whose stages span several groups."""
