@@ -283,8 +283,8 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     job = _Job(launch, slots)
     timeout = launch.spec.options.timeout_s
     layout = launch.layout
-    job.start()
     try:
+        job.start()  # inside the try: a node launcher that fails to start ends the ones already started
         first_seen = None
         all_arrived_at = None
         while True:
