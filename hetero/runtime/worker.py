@@ -86,7 +86,6 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
         if reporter:
             reporter.step(result)
 
-    trainer.add_hook(lambda t, r: step_box.__setitem__("step", r.step))
     trainer.train(opts.steps, log=log)
     if opts.save:
         trainer.save(opts.save)
