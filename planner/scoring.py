@@ -56,7 +56,6 @@ def _neighbours(plan: Plan):
             if len(p.stages) > 12 and (a.group, a.tp) == (b.group, b.tp):
                 continue
             for d in (-1, 1):
-                a, b = p.stages[si], p.stages[si + 1]
                 cut = a.layers[1] + d
                 if cut <= a.layers[0] or cut >= b.layers[1]:
                     continue

@@ -126,7 +126,7 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
         scorer = _Scorer(cluster, model, calibration, predict_fn)
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
-        ub, ub_by_group, homog = None, {}, {}
+        ub, ub_by_group = None, {}
         if upper_bound:
             ub = 0.0
             for g in cluster.groups:
@@ -143,7 +143,6 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
                         pred_full = scorer(best[1])
                         scored.append((_score(pred_full), best[1], pred_full, best[3]))
                 ub_by_group[g.name] = best[0] if best else 0.0
-                homog[g.name] = best
                 ub += ub_by_group[g.name]
             scored.sort(key=lambda x: -x[0])
             scored = _dedupe(scored)
