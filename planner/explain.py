@@ -1,15 +1,13 @@
 """Why the planner chose what it chose, in numbers from the predictor; and why nothing fits."""
 from __future__ import annotations
 
-import dataclasses
-
 
 def _cost_model(cluster, model, cost_model, calibration):
     if cost_model is not None:
         return cost_model
-    from hetero.predictor.costs import StageCostModel
+    from hetero.predictor import cost_model_for  # the search's warm (memoised) one, not a fresh copy
 
-    return StageCostModel(cluster, model, calibration=calibration)
+    return cost_model_for(cluster, model, calibration)
 
 
 def _layers_by_group(plan) -> dict[str, tuple[int, int, int]]:
@@ -37,7 +35,6 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     plan = best.plan
     L = model.num_layers
     # 1. how layers follow device speed
-    mbs = plan.micro_batch_size
     for p in plan.pipelines:
         groups = []
         for s in p.stages:
