@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 from hetero.errors import HeteroError
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.grads import make_optimizer
 from hetero.runtime.model import build_stage, loss_fn
+from hetero.runtime.pipeline import timed
 
 
 def check_deepspeed_plan(plan) -> None:
@@ -126,12 +126,7 @@ class DeepSpeedEngine:
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
 
     def _compute(self, fn, timings, kind, mb):
-        wall, t0 = time.time(), time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t0
-        if self.ctx.slowdown > 1.0:
-            time.sleep((self.ctx.slowdown - 1.0) * dt)
-        dt = time.perf_counter() - t0
+        out, wall, dt = timed(fn, self.ctx.slowdown)
         (timings.forward_s if kind == "F" else timings.backward_s).append(dt)
         timings.events.append((kind, mb, wall, dt))
         return out
@@ -147,12 +142,8 @@ class DeepSpeedEngine:
             loss = self._compute(lambda: loss_fn(self.engine(x), y), timings, "F", mb)
             total += float(loss.detach()) * weight
             self._compute(lambda: self.engine.backward(loss * (weight * self.dp)), timings, "B", mb)
-        t0 = time.perf_counter()
-        self.engine.step()
-        dt = time.perf_counter() - t0
-        if self.ctx.slowdown > 1.0:
-            time.sleep((self.ctx.slowdown - 1.0) * dt)
-        timings.optimizer_s = time.perf_counter() - t0  # DeepSpeed's step includes its gradient reduction
+        # DeepSpeed's step includes its gradient reduction
+        _, _, timings.optimizer_s = timed(self.engine.step, self.ctx.slowdown)
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else math.nan
         return total, norm

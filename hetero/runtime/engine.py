@@ -11,7 +11,7 @@ from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
                                   scale_grads, sync_gradients)
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
-from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers
+from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,14 +102,14 @@ class NativeEngine:
         sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
         norm = math.sqrt(float(total[0]))
-        t0 = time.perf_counter()
-        scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
-        self.optimizer.step()
-        dt = time.perf_counter() - t0
-        if self.ctx.slowdown > 1.0:
-            time.sleep((self.ctx.slowdown - 1.0) * dt)
-        timings.schedule_s, timings.sync_s = t_sched - t_start, t0 - t_sched
-        timings.optimizer_s = time.perf_counter() - t0
+        t_sync = time.perf_counter()
+
+        def optimizer_step():
+            scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
+            self.optimizer.step()
+
+        _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown)
+        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched
         reported = loss if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
 

@@ -63,6 +63,18 @@ def stage_peers(layout, me) -> Peers:
     return p
 
 
+def timed(fn: Callable[[], object], slowdown: float = 1.0) -> tuple[object, float, float]:
+    """Run ``fn`` as a device ``slowdown`` times slower would: really compute, then wait
+    ``(slowdown - 1) x`` the compute time. Returns (result, start wall time, duration with the wait)."""
+    wall = time.time()
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    if slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * dt)
+    return out, wall, time.perf_counter() - t0
+
+
 @dataclass
 class Timings:
     """Compute times of one step on this rank (emulated slowdown included)."""
@@ -91,13 +103,7 @@ class StageExecutor:
         self.autocast_dtype = autocast_dtype
 
     def _compute(self, fn: Callable[[], object]):
-        wall = time.time()
-        t0 = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t0
-        if self.slowdown > 1.0:  # emulated slower device: really compute, then wait (k-1) x compute
-            time.sleep((self.slowdown - 1.0) * dt)
-        return out, wall, time.perf_counter() - t0
+        return timed(fn, self.slowdown)
 
     def _forward(self, x):
         if self.autocast_dtype is not None:
