@@ -95,6 +95,16 @@ def test_cluster_errors(mutate, fragments):
     expect_error(lambda: hetero.load_cluster(data), *fragments)
 
 
+def test_device_base_problems_are_reported_once_with_the_whole_cycle():
+    data = copy.deepcopy(CLUSTER)
+    data["devices"] = {"x": {"base": "y"}, "y": {"base": "x"}, "u": {"base": "nope"}, "v": {"base": "u"}}
+    data["groups"][2]["device"] = "v"
+    err = expect_error(lambda: hetero.load_cluster(data), "inheritance cycle x -> y -> x", "unknown device type 'nope'")
+    messages = [p.message for p in err.problems]
+    assert sum("cycle" in m for m in messages) == 1
+    assert sum("'nope'" in m for m in messages) == 1
+
+
 def test_cluster_reports_all_errors_at_once():
     data = copy.deepcopy(CLUSTER)
     data["groups"][0]["nodes"] = "two"

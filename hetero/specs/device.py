@@ -121,35 +121,38 @@ def _merge(base: dict, override: dict) -> dict:
 def resolve_devices(raw: dict[str, dict], known: dict[str, dict], path: str,
                     problems: Problems) -> dict[str, DeviceType]:
     """Resolve raw device entries (with ``base:`` inheritance) against ``known`` raw entries."""
-    merged_raw: dict[str, dict] = {}
+    # name -> merged entry, or None once its problem is recorded (so it is recorded only once).
+    merged_raw: dict[str, dict | None] = {}
 
-    def resolve(name: str, stack: tuple[str, ...]) -> dict | None:
+    def resolve(name: str, chain: tuple[str, ...]) -> dict | None:
         if name in merged_raw:
             return merged_raw[name]
         entry = raw.get(name)
         if entry is None:
             return known.get(name)
+        merged_raw[name] = merge(name, entry, chain + (name,))
+        return merged_raw[name]
+
+    def merge(name: str, entry, chain: tuple[str, ...]) -> dict | None:
+        """``entry`` (``raw[name]``) over its resolved base; ``chain``: the base links that led here."""
         if not isinstance(entry, dict):
             problems.add(join_path(path, name), f"expected a mapping, got {type(entry).__name__}",
                          "write the device's fields as key: value pairs")
             return None
         base = entry.get("base")
         if base is None:
-            merged_raw[name] = dict(entry)
-            return merged_raw[name]
-        if base in stack or base == name:
-            problems.add(join_path(join_path(path, name), "base"), f"inheritance cycle {' -> '.join(stack + (base,))}",
+            return dict(entry)
+        if base in chain:
+            problems.add(join_path(join_path(path, name), "base"), f"inheritance cycle {' -> '.join(chain + (base,))}",
                          "remove one of the base: links")
             return None
-        parent = resolve(base, stack + (name,)) if base in raw else known.get(base)
+        parent = resolve(base, chain)
         if parent is None:
             if base not in raw:
                 problems.add(join_path(join_path(path, name), "base"), f"unknown device type '{base}'",
                              did_you_mean(base, list(known) + list(raw)))
             return None
-        merged_raw[name] = _merge(parent, entry)
-        merged_raw[name]["base"] = base
-        return merged_raw[name]
+        return {**_merge(parent, entry), "base": base}
 
     out: dict[str, DeviceType] = {}
     for name in raw:
