@@ -84,7 +84,7 @@ def run(args) -> int:
                          load=os.path.abspath(args.load) if args.load else None,
                          threads=args.threads, quiet=args.quiet, extra=extra)
     if options.inject_failure:
-        world = sum(p.replicas * sum(s.tp for s in p.stages) for p in plan.pipelines)
+        world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
     if options.data and not os.path.exists(options.data):
