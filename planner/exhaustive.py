@@ -109,6 +109,7 @@ def exhaustive_best(cluster, model, global_batch_size: int, predict_fn=None, cal
 
 
 def count_plans(cluster, model, global_batch_size: int, **space) -> int:
+    """How many plans :func:`enumerate_plans` yields."""
     return sum(1 for _ in enumerate_plans(cluster, model, global_batch_size, **space))
 
 

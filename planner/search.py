@@ -45,6 +45,7 @@ class SearchResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """The predicted throughput."""
         return self.prediction.tokens_per_s
 
     def to_dict(self) -> dict:

@@ -34,6 +34,7 @@ def tp_options(cluster, model, group: str) -> list[int]:
 
 
 def mbs_options(global_batch_size: int, allowed=(1, 2, 4, 8)) -> list[int]:
+    """The allowed micro-batch sizes that divide the global batch ([1] if none does)."""
     return [m for m in allowed if m <= global_batch_size and global_batch_size % m == 0] or [1]
 
 

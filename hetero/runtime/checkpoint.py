@@ -27,6 +27,7 @@ def _local_from_full(like, full: torch.Tensor) -> torch.Tensor:
 
 
 def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step: int) -> None:
+    """Write this rank's share of the plan-independent checkpoint (a collective: every rank calls it)."""
     state: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         owner = holders[name][0] == rank

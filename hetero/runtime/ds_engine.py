@@ -25,6 +25,7 @@ from hetero.runtime.pipeline import timed
 
 
 def check_deepspeed_plan(plan) -> None:
+    """Raise HeteroError unless every pipeline is one stage of tp 1 and deepspeed is importable."""
     for i, p in enumerate(plan.pipelines):
         if len(p.stages) != 1 or p.stages[0].tp != 1:
             raise HeteroError(
@@ -74,6 +75,8 @@ class PlanMPU:
 
 
 class DeepSpeedEngine:
+    """Pure data parallelism with DeepSpeed ZeRO over the world (see the module docstring)."""
+
     name = "deepspeed"
 
     @staticmethod

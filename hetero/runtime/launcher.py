@@ -41,6 +41,8 @@ class LaunchError(HeteroError):
 
 @dataclass
 class NodeCommand:
+    """One node slot's torchrun: its ranks, environment and arguments."""
+
     slot: int
     group: str
     node: int
@@ -62,6 +64,8 @@ class NodeCommand:
 
 @dataclass
 class Launch:
+    """What :func:`prepare` built: the run file, the rank layout and every node's command."""
+
     spec: RunSpec
     spec_path: str
     layout: RankLayout
@@ -76,6 +80,7 @@ def _is_local(host: str | None) -> bool:
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` now (loopback by default)."""
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
@@ -138,6 +143,7 @@ def _loopback_ifname() -> str:
 
 
 def dry_run_text(launch: Launch) -> str:
+    """``--dry-run``: the rank map and every node's environment and torchrun command, as shell text."""
     lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
              f"rendezvous static at {launch.master_addr}:{launch.master_port}"
              + ("" if launch.master_addr in ("127.0.0.1", "::1") else " (non-loopback: reachable from the network)"),

@@ -5,6 +5,8 @@ import statistics
 
 
 class Reporter:
+    """Rank 0's console output for a run: header, one line per step, footer tables."""
+
     def __init__(self, trainer):
         from hetero.cli._common import console
 

@@ -50,6 +50,8 @@ class RunOptions:
 
 @dataclass
 class RunSpec:
+    """The run file: cluster, model and plan dicts, the rank layout, the node slots and the options."""
+
     cluster: dict
     model: dict
     plan: dict

@@ -22,11 +22,13 @@ from hetero.runtime.spec import describe_rank
 
 
 class InjectedFailure(SystemExit):
-    pass
+    """Raised by ``--inject-failure STEP:RANK`` on that rank at that step (the worker then dies hard)."""
 
 
 @dataclass
 class StepResult:
+    """One training step as every rank sees it after the step's all-reduce."""
+
     step: int
     """1-based step number."""
     loss: float
@@ -53,6 +55,8 @@ class TrainState:
 
 
 class Trainer:
+    """One rank's training: process groups, the engine (native or DeepSpeed), the step loop."""
+
     def __init__(self, spec, rank: int, on_ready: Callable[[], None] | None = None):
         self.ctx = ctx = RunContext(spec, rank)
         self.rank, self.world = rank, ctx.layout.world_size
@@ -80,12 +84,15 @@ class Trainer:
         self.tokens_per_step = ctx.plan.global_batch_size * ctx.model.seq_length
 
     def add_hook(self, fn: Callable) -> None:
+        """Run ``fn(trainer, result)`` after every step; ``False`` stops the loop (see module docstring)."""
         self.hooks.append(fn)
 
     def request_pause(self) -> None:
+        """Stop the loop at the next step boundary."""
         self._pause = True
 
     def train(self, steps: int, log: Callable[[StepResult], None] | None = None) -> TrainState:
+        """Run up to ``steps`` more steps, calling ``log(result)`` after each; returns the state."""
         end = self.step + steps
         inject = self.ctx.options.inject_failure
         while self.step < end:
@@ -126,6 +133,7 @@ class Trainer:
         self.engine.save(path, self.step)
 
     def gather_events(self) -> list | None:
+        """Every rank's trace events, on rank 0 (None elsewhere); a collective: all ranks call it."""
         events = self.comm.all_gather_object(self.state.events)
         return events if self.rank == 0 else None
 
