@@ -114,12 +114,10 @@ class Communicator:
         return self._build_group(ranks, name or f"g{self._counter}")
 
     def _vendor_pg(self, tag: str, ranks: Sequence[int]):
-
-
         key = (tag, tuple(ranks))
         if key not in self._vendor_pgs:
             self._vendor_pgs[key] = dist.new_group(list(ranks), backend=self.backend_of_vendor[tag],
-                                                   timeout=datetime.timedelta(seconds=self.timeout))
+                                                   timeout=self._timeout_td)
         return self._vendor_pgs[key]
 
     def _build_group(self, ranks: List[int], name: str) -> Group:
@@ -242,7 +240,7 @@ class Communicator:
             def issue(deadline):
                 if pg is None:
                     return [], (lambda: tensor)
-                self.stats.record("all_reduce", "vendor", self.vendor, g.my_vendor_ranks, nbytes)
+                self._rec("all_reduce", "vendor", g, nbytes)
                 if direct:  # the process group itself: skips torch.distributed's Python wrapper
                     opts = dist.AllreduceOptions()
                     opts.reduceOp = top

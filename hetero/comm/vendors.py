@@ -38,16 +38,20 @@ def _make_gloo(store, rank, size, timeout):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def register_emulated(tag: str) -> str:
-    """Register (once per process) a Gloo-backed backend for an emulated vendor tag; returns its name."""
+def _register_gloo(name: str, tag: str) -> str:
+    """Register (once per process) a Gloo-backed backend called ``name`` for vendor ``tag``."""
     import torch.distributed as dist
 
-    name = emulated_backend_name(tag)
     with _lock:
         if name not in _registered and name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _make_gloo, devices=["cpu"])
         _registered[name] = tag
     return name
+
+
+def register_emulated(tag: str) -> str:
+    """Register (once per process) a Gloo-backed backend for an emulated vendor tag; returns its name."""
+    return _register_gloo(emulated_backend_name(tag), tag)
 
 
 def backend_for(tag: str, overrides: Optional[Mapping[str, str]] = None) -> str:
@@ -58,14 +62,7 @@ def backend_for(tag: str, overrides: Optional[Mapping[str, str]] = None) -> str:
     """
     if overrides and tag in overrides:
         name = overrides[tag]
-        if name not in _BUILTIN:
-            import torch.distributed as dist
-
-            with _lock:
-                if name.upper() not in dist.Backend._plugins:
-                    dist.Backend.register_backend(name, _make_gloo, devices=["cpu"])
-                _registered[name] = tag
-        return name
+        return name if name in _BUILTIN else _register_gloo(name, tag)
     key = tag.lower()
     if key in KNOWN:
         return KNOWN[key]
