@@ -219,7 +219,8 @@ def test_bad_inputs_exit_1(tmp_path):
                                                    {"group": "slow", "layers": [3, 4]}]}])
     base = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "c.yaml", CLUSTER),
             "--model", _write(tmp_path, "m.yaml", GPT), "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run"]
-    for extra, needle in ((["--engine", "deepspeed"], "one stage"), (["--inject-failure", "x"], "STEP:RANK")):
+    for extra, needle in ((["--engine", "deepspeed"], "one stage"), (["--inject-failure", "x"], "STEP:RANK"),
+                          (["--engine", "deepspeed", "--load", str(tmp_path)], "--trust-checkpoint")):
         out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--save", metavar="DIR", help="save a torch.distributed.checkpoint here at the end")
     p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--run-dir", help="where workers leave status files (default: a temporary directory)")
     p.add_argument("--quiet", action="store_true")
@@ -69,6 +71,11 @@ def run(args) -> int:
         raise HeteroError(f"--steps must be >= 1, got {args.steps}")
     if args.elastic:
         raise HeteroError("--elastic is not available yet in this build")
+    if args.load and args.engine == "deepspeed" and not args.trust_checkpoint:
+        # DeepSpeed's loader calls torch.load(weights_only=False): unpickling runs code from the files.
+        raise HeteroError(f"--load {args.load} with --engine deepspeed: DeepSpeed's checkpoint loader unpickles the "
+                          f"files, which runs any code they carry; load only checkpoints you wrote and pass "
+                          f"--trust-checkpoint, or use --engine native (torch.distributed.checkpoint, no unpickling)")
     extra = list(args.extra or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
