@@ -287,27 +287,29 @@ class StageCostModel:
                 tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
                       for p in plan.pipelines))
 
-    def dp_sync_times(self, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
-        """Per (pipeline, physical stage): seconds that device spends syncing its gradients, with
-        the ranks placed on nodes by ``placement`` (:mod:`.placement`: which rings cross the
-        network and share a NIC); memoised on the plan's structure."""
-        struct = ("dp",) + self._struct(plan, placement)
+    def _placed(self, plan, placement: str) -> tuple[dict, dict]:
+        """(DP sync times, p2p links) of ``plan`` under ``placement``, from one placement of its
+        blocks on nodes; memoised on the plan's structure."""
+        struct = self._struct(plan, placement)
         hit = self._dp_cache.get(struct)
         if hit is None:
             if len(self._dp_cache) > 100_000:
                 self._dp_cache.clear()
-            hit = self._dp_cache[struct] = _placement.dp_sync_times(self, plan, placement)
+            where = _placement.block_nodes(self._groups, plan, placement)
+            hit = self._dp_cache[struct] = (_placement.dp_sync_times(self, plan, placement, where),
+                                            _placement.p2p_links(plan, where))
         return hit
+
+    def dp_sync_times(self, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
+        """Per (pipeline, physical stage): seconds that device spends syncing its gradients, with
+        the ranks placed on nodes by ``placement`` (:mod:`.placement`: which rings cross the
+        network and share a NIC); memoised on the plan's structure."""
+        return self._placed(plan, placement)[0]
 
     def p2p_links(self, plan, placement: str = "packed") -> dict[tuple[int, int], tuple[bool, int]]:
         """Per (pipeline, virtual stage with a successor): (same_node, streams) of its p2p
         transfers under ``placement`` (memoised; see :func:`.placement.p2p_links`)."""
-        struct = ("p2p",) + self._struct(plan, placement)
-        hit = self._dp_cache.get(struct)
-        if hit is None:
-            hit = self._dp_cache[struct] = _placement.placement_info(self, plan, placement)
-        return hit
-
+        return self._placed(plan, placement)[1]
 
 __all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]
 

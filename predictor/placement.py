@@ -91,7 +91,7 @@ def p2p_links(plan, where: dict) -> dict[tuple[int, int], tuple[bool, int]]:
 __all__ = ["PLACEMENTS", "block_nodes", "p2p_links"]
 
 
-def dp_sync_times(cm, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
+def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None) -> dict[tuple[int, int], float]:
     """Per (pipeline, physical stage): seconds its devices spend on the data-parallel gradient sync,
     with the placement's NIC sharing (see :meth:`hetero.predictor.costs.StageCostModel.dp_sync_times`).
 
@@ -103,12 +103,14 @@ def dp_sync_times(cm, plan, placement: str = "packed") -> dict[tuple[int, int], 
     its rings cross. Holders in several groups: in-group reduction, then the group leaders over
     ``network.cross_group`` (host-staged across vendors). Tied embeddings (gpt): the last stage holds a
     copy of the word embedding, summed together with the first stages' (Megatron's embedding
-    all-reduce between the first and last stage).
+    all-reduce between the first and last stage). ``where``: :func:`block_nodes` of the plan, when
+    the caller has it already.
     """
     from . import comm
 
     groups, fac, net = cm._groups, cm._factors, cm.cluster.network
-    where = block_nodes(groups, plan, placement)
+    if where is None:
+        where = block_nodes(groups, plan, placement)
     zs = plan.zero_stage
     # stage (pi, physical k) -> {(group, node): tp ranks there}
     stage_nodes: dict[tuple[int, int], dict] = {}
@@ -200,9 +202,4 @@ def dp_sync_times(cm, plan, placement: str = "packed") -> dict[tuple[int, int], 
     return out
 
 
-def placement_info(cm, plan, placement: str = "packed") -> dict[tuple[int, int], tuple[bool, int]]:
-    """The p2p summary of ``plan`` under ``placement`` (see :func:`p2p_links`)."""
-    return p2p_links(plan, block_nodes(cm._groups, plan, placement))
-
-
-__all__ += ["dp_sync_times", "placement_info"]
+__all__ += ["dp_sync_times"]
