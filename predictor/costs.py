@@ -255,14 +255,16 @@ class StageCostModel:
         hit = self._cache.get(key)
         if hit is None:
             nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
-            if group_a == group_b and not (same_node or (same_node is None and self._groups[group_a].nodes == 1)):
-                nbytes *= max(1, streams)
             fa, fb = self._factors[group_a].communication, self._factors[group_b].communication
             if group_a == group_b:
                 g = self._groups[group_a]
                 if same_node is None:
                     same_node = g.nodes == 1
-                link = g.intra_node if same_node else self.cluster.network.inter_node
+                if same_node:
+                    link = g.intra_node
+                else:
+                    link = self.cluster.network.inter_node
+                    nbytes *= max(1, streams)
                 hit = comm.p2p(nbytes, link.bandwidth, link.latency) * fa
             else:
                 link = self.cluster.network.cross_group
