@@ -100,15 +100,8 @@ class Calibration:
         extra = {k: v for k, v in self.extra.get(name, {}).items() if k in EXTRA}
         return dataclasses.replace(self.factors[name], **extra, op_model=self.op_model.get(name))
 
-    def op_model_for(self, device_name: str, device=None) -> str | None:
-        name = self._name_for(device_name, device)
-        return self.op_model.get(name) if name else None
-
-    def extra_for(self, device_name: str, device=None) -> dict:
-        name = self._name_for(device_name, device)
-        return dict(self.extra.get(name, {})) if name else {}
-
     def theta(self, device_name: str) -> tuple:
+        """The fitted values of ``device_name`` in the order of ``ALL`` (extras missing: identity)."""
         f, x = self.factors[device_name], self.extra.get(device_name, {})
         return tuple(getattr(f, k) for k in PARAMS) + tuple(x.get(k, d) for k, d in zip(EXTRA, IDENTITY_THETA[4:]))
 
