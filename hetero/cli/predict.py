@@ -28,23 +28,16 @@ def _ms(x: float) -> str:
 
 
 def run(args) -> int:
-    from hetero.errors import HeteroError
     from hetero.predictor import predict
 
     from ._common import console, load_inputs, print_json
 
     cluster, model, plan = load_inputs(args)
     calibration = None
-    if args.calibration:
-        try:
-            from hetero import load_calibration
+    if args.calibration:   # a missing or bad file raises CalibrationError (a HeteroError) naming it
+        from hetero.predictor.calibration import load_calibration
 
-            calibration = load_calibration(args.calibration)
-        except (ImportError, AttributeError) as e:
-            raise HeteroError(f"cannot load calibration '{args.calibration}': calibration support is not "
-                              f"available in this build ({e})") from None
-        except FileNotFoundError:
-            raise HeteroError(f"calibration file '{args.calibration}' not found") from None
+        calibration = load_calibration(args.calibration)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
     if args.timeline:
         with open(args.timeline, "w") as f:
