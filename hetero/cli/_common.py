@@ -27,22 +27,18 @@ def load_inputs(args, need_plan: bool = True):
     from hetero.specs.plan import load_plan
 
     problems = []
-    cluster = model = plan = None
-    for loader, attr in ((load_cluster, "cluster"), (load_model, "model")):
+
+    def attempt(load, *inputs):
+        """``load(*inputs)``, or None with its problems collected (so all files are reported at once)."""
         try:
-            value = loader(getattr(args, attr))
+            return load(*inputs)
         except SpecError as e:
             problems.extend(e.problems)
-            value = None
-        if attr == "cluster":
-            cluster = value
-        else:
-            model = value
-    if need_plan:
-        try:
-            plan = load_plan(args.plan, cluster, model) if cluster and model else load_plan(args.plan)
-        except SpecError as e:
-            problems.extend(e.problems)
+            return None
+
+    cluster = attempt(load_cluster, args.cluster)
+    model = attempt(load_model, args.model)
+    plan = attempt(load_plan, args.plan, cluster, model) if need_plan else None
     if problems:
         raise SpecError(problems)
     return cluster, model, plan
