@@ -24,7 +24,8 @@ from hetero.specs.model import ModelSpec
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 GEMM_OPS = ("linear", "bmm")
-# Tensors read per output element and FLOPs per element of vector ops (match opmodel.features).
+# Tensors read per output element and FLOPs per element of vector ops (the one definition: the
+# learned op model's features, the profile model and the roofline use these).
 VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
 VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
 

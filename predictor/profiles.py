@@ -41,15 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+
 COLUMNS = ("op", "device", "B", "M", "N", "K", "H", "latency_ms", "dtype")
 DIMS = ("B", "M", "N", "K", "H")
-GEMM_OPS = ("linear", "bmm")
 VECTOR_OPS = ("ln", "softmax", "gelu", "add", "mul", "div", "pow", "tanh", "relu")
+"""Profiled vector ops, in the order ``hetero profile`` measures them."""
 OPS = GEMM_OPS + VECTOR_OPS
-# Tensors read per output element and FLOPs per element (the same conventions as the op model).
-VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
-VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
-DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
 # Fixed reference rates: only a normaliser for the stored inefficiency, not a claim about the device.
 REF_FLOPS = 1e12

@@ -13,20 +13,16 @@ import math
 
 import numpy as np
 
-GEMM_OPS = ("linear", "bmm")
+from ..ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+
 NORM_OPS = ("ln", "softmax")
 ELEMENTWISE_OPS = ("add", "mul", "div", "pow", "tanh", "relu", "gelu")
 VECTOR_OPS = NORM_OPS + ELEMENTWISE_OPS
 OPS = GEMM_OPS + VECTOR_OPS
 FAMILY = {**{o: "gemm" for o in GEMM_OPS}, **{o: "vector" for o in VECTOR_OPS}}
-
-# Tensors read per output element (binary ops read two same-shaped tensors) and FLOPs per element.
-VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}
-VEC_FLOPS = {"ln": 8, "softmax": 5, "add": 1, "mul": 1, "div": 1, "pow": 1, "tanh": 8, "relu": 1, "gelu": 10}
 OP_INDEX = {o: i for i, o in enumerate(VECTOR_OPS)}
 OP_POS = {o: i for i, o in enumerate(OPS)}
 
-DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 OVERHEAD_SCALE = 1e-5  # seconds; roofline time is expressed relative to it
 GEMM_TILES = ((32, 32), (64, 64), (128, 64), (128, 128), (256, 128))
 
