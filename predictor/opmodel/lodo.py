@@ -51,9 +51,8 @@ def _work(rec: Records, devices: Mapping):
 def baseline_predictions(train: Records, test: Records, devices: Mapping) -> dict[str, np.ndarray]:
     from sklearn.linear_model import LinearRegression
 
-    _, _, r_tr = _work(train, devices)
+    tc_tr, tm_tr, r_tr = _work(train, devices)
     tc, tm, r_te = _work(test, devices)
-    tc_tr, tm_tr, _ = _work(train, devices)
     y_tr = train.latency_ms * 1e-3
     out = {"roofline_raw": r_te.copy(), "roofline": np.empty(len(test)), "linreg": np.empty(len(test))}
     for op in np.unique(test.op):
