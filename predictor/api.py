@@ -19,6 +19,8 @@ from .schedule import pipeline_time, simulate
 
 @dataclass
 class StagePrediction:
+    """One (virtual) stage of one pipeline: times per micro-batch, memory per device."""
+
     group: str
     tp: int
     layers: tuple[int, int]
@@ -39,13 +41,16 @@ class StagePrediction:
 
     @property
     def fits(self) -> bool:
+        """Whether the predicted peak fits the device's memory."""
         return self.peak_memory_bytes <= self.memory_capacity_bytes
 
     @property
     def memory_shortfall_bytes(self) -> int:
+        """Bytes over capacity (0 when it fits)."""
         return max(0, self.peak_memory_bytes - self.memory_capacity_bytes)
 
     def to_dict(self, extra: bool = False) -> dict:
+        """The SCHEMAS.md stage JSON; ``extra`` adds the memory breakdown and per-stage times."""
         out = {"group": self.group, "tp": self.tp, "layers": list(self.layers),
                "forward_time_s": self.forward_time_s, "backward_time_s": self.backward_time_s,
                "peak_memory_bytes": self.peak_memory_bytes, "memory_capacity_bytes": self.memory_capacity_bytes}
@@ -58,6 +63,8 @@ class StagePrediction:
 
 @dataclass
 class PipelinePrediction:
+    """One pipeline shape of the plan: its replicas, micro-batches and stages."""
+
     replicas: int
     micro_batches: int
     stages: list[StagePrediction]
@@ -66,6 +73,7 @@ class PipelinePrediction:
     """Schedule time of one replica's micro-batches (bubbles included; no DP sync / optimizer)."""
 
     def to_dict(self, extra: bool = False) -> dict:
+        """The SCHEMAS.md pipeline JSON; ``extra`` adds the micro-batch size and schedule time."""
         out = {"replicas": self.replicas, "micro_batches": self.micro_batches,
                "stages": [s.to_dict(extra) for s in self.stages]}
         if extra:
@@ -75,6 +83,8 @@ class PipelinePrediction:
 
 @dataclass
 class Prediction:
+    """What :func:`predict` returns: one training iteration of a plan (see the module docstring)."""
+
     iteration_time_s: float
     tokens_per_s: float
     samples_per_s: float
@@ -106,6 +116,7 @@ class Prediction:
         return out
 
     def stage(self, pipeline: int, stage: int) -> StagePrediction:
+        """The prediction of ``stage`` of ``pipeline``."""
         return self.pipelines[pipeline].stages[stage]
 
     def memory_shortfalls(self) -> list[tuple[int, int, StagePrediction]]:

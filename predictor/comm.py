@@ -22,12 +22,14 @@ HOST_STAGING_BANDWIDTH = 25e9
 
 
 def ring_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of ``nbytes`` among ``n`` ranks (seconds; module docstring)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / bandwidth + 2.0 * (n - 1) * latency
 
 
 def tree_allreduce(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Binary-tree all-reduce of ``nbytes`` among ``n`` ranks (seconds; module docstring)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2.0 * math.ceil(math.log2(n)) * (latency + nbytes / bandwidth)

@@ -81,9 +81,11 @@ class StageCostModel:
 
     # ------------------------------------------------------------------ basics
     def device(self, group: str):
+        """The ``DeviceType`` of ``group``."""
         return self._dev[group]
 
     def factors(self, group: str) -> CalibrationFactors:
+        """The calibration factors applied to ``group`` (identity without a calibration)."""
         return self._factors[group]
 
     def provenance(self) -> dict[str, dict]:
@@ -104,6 +106,7 @@ class StageCostModel:
         return hit
 
     def capacity(self, group: str) -> float:
+        """Memory bytes of one device of ``group``."""
         return float(self._dev[group].memory)
 
     # ------------------------------------------------------------------ compute
@@ -226,6 +229,7 @@ class StageCostModel:
     def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
                                zero_stage: int, dp: int, in_flight: float, first: bool,
                                last: bool) -> mem.MemoryBreakdown:
+        """Peak bytes on one device of a stage, by kind (see :func:`.memory.stage_memory`)."""
         key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last)
         hit = self._cache.get(key)
         if hit is None:

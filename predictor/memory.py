@@ -53,6 +53,8 @@ FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * Mi
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
+    """Peak bytes on one device, by kind (see the module docstring)."""
+
     weights: float
     gradients: float
     optimizer: float
@@ -139,6 +141,9 @@ def loss_transient_bytes(model: ModelSpec, b: int, s: int, tp: int) -> float:
 
 def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
                  zero_stage: int, dp: int, in_flight: float, first: bool, last: bool) -> MemoryBreakdown:
+    """Peak memory of one device of a stage of ``num_layers`` layers: model states (ZeRO-sharded
+    over ``dp``), ``in_flight`` micro-batches of activations, the loss transient on the last stage
+    and the framework overhead of the vendor ``family``."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
     w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp)

@@ -48,12 +48,14 @@ class Op:
         return self.op in GEMM_OPS
 
     def dims_dict(self) -> dict:
+        """``dims`` keyed as the operator model expects: B, M, N, K (GEMMs) or B, H."""
         if self.is_gemm:
             return dict(zip("BMNK", self.dims))
         return {"B": self.dims[0], "H": self.dims[1]}
 
 
 def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
+    """A ``linear`` or ``bmm`` kernel with ``e`` bytes per element (conventions: module docstring)."""
     if op == "bmm":
         nbytes = e * B * (M * K + K * N + M * N)
     else:  # one weight shared by the B x M rows
@@ -62,6 +64,7 @@ def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
 
 
 def vec(name: str, op: str, B: int, H: int, e: int) -> Op:
+    """A vector kernel over ``B`` rows of ``H`` elements of ``e`` bytes."""
     n = B * H
     return Op(name, op, (B, H), float(VEC_FLOPS[op] * n), float(e * n * (VEC_INPUTS[op] + 1)))
 
@@ -149,6 +152,7 @@ def embedding_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str |
 
 
 def embedding_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    """Backward of :func:`embedding_forward_ops`: one gradient pass per forward op."""
     e = DTYPE_BYTES[dtype or model.dtype]
     ops = []
     for o in embedding_forward_ops(model, b, s, t, dtype):
@@ -167,6 +171,7 @@ def head_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None
 
 
 def head_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
+    """Backward of :func:`head_forward_ops`, in reverse order."""
     e = DTYPE_BYTES[dtype or model.dtype]
     ops = []
     for o in reversed(head_forward_ops(model, b, s, t, dtype)):
@@ -175,10 +180,12 @@ def head_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | Non
 
 
 def total_flops(ops) -> float:
+    """FLOPs of ``ops``."""
     return sum(o.flops for o in ops)
 
 
 def gemm_flops(ops) -> float:
+    """FLOPs of the GEMMs among ``ops``."""
     return sum(o.flops for o in ops if o.is_gemm)
 
 

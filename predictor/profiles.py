@@ -68,6 +68,7 @@ def safe_name(device_name: str) -> str:
 
 
 def cache_path(device_name: str = "cpu") -> Path:
+    """The cached profile CSV of ``device_name`` (see :func:`cache_dir`)."""
     return cache_dir() / f"{safe_name(device_name)}.csv"
 
 
@@ -87,6 +88,7 @@ def read_meta(records_path) -> dict:
 
 
 def write_meta(records_path, meta: dict) -> Path:
+    """Write the JSON sidecar of ``records_path`` atomically."""
     from hetero.specs.io import write_text_atomic
 
     path = meta_path(records_path)
@@ -106,6 +108,7 @@ class Record:
     dtype: str = "fp32"
 
     def row(self) -> dict:
+        """The CSV row of this record (empty cells for dimensions that do not apply)."""
         out = {"op": self.op, "device": self.device, "latency_ms": f"{self.latency_ms:.6g}", "dtype": self.dtype}
         for d in DIMS:
             v = self.dims.get(d)
@@ -118,6 +121,7 @@ class ProfileError(ValueError):
 
 
 def records_to_csv(records: Iterable[Record]) -> str:
+    """Records as CSV text (header ``COLUMNS``)."""
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(COLUMNS), lineterminator="\n")
     w.writeheader()
@@ -375,6 +379,7 @@ _LOADED: dict[str, tuple[float, LocalOpModel]] = {}
 
 
 def load_local_model(path) -> LocalOpModel:
+    """A :class:`LocalOpModel` on the records at ``path`` and their sidecar."""
     return LocalOpModel(read_records(path), source=str(path), meta=read_meta(path))
 
 
