@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # Order is the order of ``hetero --help``.
-COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan")
+COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hetero {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"hetero.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"hetero.cli.{name}":
-                continue  # that command has not landed in this build
-            raise
-        module.add_parser(sub)
+        importlib.import_module(f"hetero.cli.{name}").add_parser(sub)
     return parser
 
 
