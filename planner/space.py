@@ -28,7 +28,7 @@ def tp_options(cluster, model, group: str) -> list[int]:
     """Tensor-parallel degrees for a group: divide the heads, the kv heads and the node size."""
     g = cluster.group(group)
     heads = model.num_attention_heads
-    kv = model.num_kv_heads or heads
+    kv = model.num_kv_heads
     return [t for t in range(1, g.devices_per_node + 1)
             if g.devices_per_node % t == 0 and heads % t == 0 and kv % t == 0]
 

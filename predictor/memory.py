@@ -75,7 +75,7 @@ def activation_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, rec
     """Bytes one transformer layer keeps for backward, one micro-batch, one tp rank."""
     e = DTYPE_BYTES[dtype or model.dtype]
     h, a, kv = model.hidden_size, model.num_attention_heads, model.kv_dim
-    f = model.ffn_hidden_size or 4 * h
+    f = model.ffn_hidden_size
     sb = s * b
     if recompute == "full":
         return float(e * sb * h)

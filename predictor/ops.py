@@ -92,7 +92,7 @@ def layer_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | Non
     e = DTYPE_BYTES[dtype or model.dtype]
     h, a = model.hidden_size, model.num_attention_heads
     kv = model.kv_dim
-    f = model.ffn_hidden_size or 4 * h
+    f = model.ffn_hidden_size
     d = h // a
     rows = b * s
     at = a // t

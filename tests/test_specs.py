@@ -142,6 +142,20 @@ def test_model_defaults_gpt_and_llama():
     assert llama.total_params() == pytest.approx(6.738e9, rel=2e-3)
 
 
+def test_model_spec_built_directly_gets_the_same_defaults():
+    """Defaults are filled at construction, not only by load_model: no caller needs a fallback."""
+    from hetero.specs.model import ModelSpec
+
+    direct = ModelSpec(name="l7", architecture="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       vocab_size=32000, seq_length=4096, dtype="bf16")
+    assert (direct.ffn_hidden_size, direct.activation, direct.num_kv_heads, direct.tie_embeddings) == \
+        (11008, "swiglu", 32, False)
+    assert direct == hetero.load_model({"name": "l7", "architecture": "llama", "num_layers": 32, "hidden_size": 4096,
+                                        "num_attention_heads": 32, "vocab_size": 32000, "seq_length": 4096,
+                                        "dtype": "bf16"})
+    assert direct.total_params() == pytest.approx(6.738e9, rel=2e-3)
+
+
 def test_gpt2_parameter_count():
     # GPT-2 large (774 M with tied embeddings).
     m = hetero.load_model({"name": "gpt2-large", "architecture": "gpt", "num_layers": 36, "hidden_size": 1280,

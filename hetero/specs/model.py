@@ -1,7 +1,6 @@
 """Model files: the transformer's shape (gpt or llama), with derived sizes and parameter counts."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,16 +67,19 @@ class ModelSpec:
             problems.add(join_path(path, "activation"), "swiglu belongs to the llama architecture",
                          "use gelu or relu for gpt, or architecture: llama")
 
-    def resolved(self) -> "ModelSpec":
-        """A copy with every architecture default filled in."""
+    def __post_init__(self) -> None:
+        # Fill the architecture's defaults at construction, so every ModelSpec is complete and no
+        # caller needs its own fallback (frozen dataclass: set through object.__setattr__).
         is_gpt = self.architecture == "gpt"
-        return dataclasses.replace(
-            self,
-            num_kv_heads=self.num_kv_heads or self.num_attention_heads,
-            ffn_hidden_size=self.ffn_hidden_size or (4 * self.hidden_size if is_gpt else llama_ffn_size(self.hidden_size)),
-            activation=self.activation or ("gelu" if is_gpt else "swiglu"),
-            tie_embeddings=is_gpt if self.tie_embeddings is None else self.tie_embeddings,
-        )
+        defaults = {
+            "num_kv_heads": self.num_attention_heads,
+            "ffn_hidden_size": 4 * self.hidden_size if is_gpt else llama_ffn_size(self.hidden_size),
+            "activation": "gelu" if is_gpt else "swiglu",
+            "tie_embeddings": is_gpt,
+        }
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     # --- derived sizes ---
     @property
@@ -86,7 +88,7 @@ class ModelSpec:
 
     @property
     def kv_dim(self) -> int:
-        return (self.num_kv_heads or self.num_attention_heads) * self.head_dim
+        return self.num_kv_heads * self.head_dim
 
     @property
     def bytes_per_element(self) -> int:
@@ -94,7 +96,7 @@ class ModelSpec:
 
     @property
     def gated_mlp(self) -> bool:
-        return (self.activation or ("gelu" if self.architecture == "gpt" else "swiglu")) == "swiglu"
+        return self.activation == "swiglu"
 
     @property
     def has_bias(self) -> bool:
@@ -102,7 +104,7 @@ class ModelSpec:
 
     def params_per_layer(self) -> int:
         """Parameters of one transformer block."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size, self.kv_dim
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_dim
         attn = h * h + 2 * h * kv + h * h          # q, k, v, out
         mlp = (3 if self.gated_mlp else 2) * h * f
         if self.has_bias:
@@ -141,4 +143,4 @@ def load_model(path_or_dict) -> ModelSpec:
     model = load_dataclass(ModelSpec, data, "", problems)
     problems.raise_if_any()
     assert not is_missing(model)
-    return model.resolved()
+    return model

@@ -153,7 +153,7 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
                              did_you_mean(s.group, cluster.group_names))
                 continue
             g = cluster.group(s.group)
-            heads, kv = model.num_attention_heads, model.num_kv_heads or model.num_attention_heads
+            heads, kv = model.num_attention_heads, model.num_kv_heads
             if heads % s.tp or kv % s.tp:
                 problems.add(join_path(spath, "tp"),
                              f"tp={s.tp} does not divide num_attention_heads={heads}"
