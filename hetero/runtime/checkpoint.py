@@ -11,11 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from hetero.runtime.grads import full_tensor
 
 
 def _local_from_full(like, full: torch.Tensor) -> torch.Tensor:
@@ -31,9 +27,9 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
     state: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         owner = holders[name][0] == rank
-        full = _full(p.detach())  # collective inside the tp group: every tp rank takes part
+        full = full_tensor(p.detach())  # collective inside the tp group: every tp rank takes part
         st = optimizer.state.get(p, {})
-        moments = {k: _full(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
+        moments = {k: full_tensor(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
         if owner:
             state[f"model/{name}"] = full.clone()
             for k, v in moments.items():

@@ -65,10 +65,11 @@ def all_holder_sets(holders: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]
     return sorted(set(holders.values()))
 
 
-def _full(g):
+def full_tensor(t):
+    """The whole tensor of a DTensor shard (a collective in its mesh), or ``t`` itself."""
     from torch.distributed.tensor import DTensor
 
-    return g.full_tensor() if isinstance(g, DTensor) else g
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _set_grad(p, full: torch.Tensor) -> None:
@@ -97,7 +98,7 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
         for name in bucket.names:
             p = params[name]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            fulls.append(_full(g).detach().float())
+            fulls.append(full_tensor(g).detach().float())
         flat = torch.cat([f.reshape(-1) for f in fulls])
         if tp_size > 1:
             flat.div_(tp_size)
