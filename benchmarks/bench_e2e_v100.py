@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,9 @@ CACHE = REPO / "benchmarks" / "out" / "opmodel_exclude_V100.json"
 
 
 def data_dir() -> Path:
-    env = os.environ.get("HETERO_SHARED_DATA")
-    return (Path(env) if env else REPO.parent / "shared" / "data") / "neusight"
+    from hetero.shared_data import shared_data_dir
+
+    return shared_data_dir() / "neusight"
 
 
 def op_model_without_v100(base: Path, refit: bool = False):

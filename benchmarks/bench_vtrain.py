@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,8 +25,9 @@ VTRAIN_SIM = {"single_node": 0.084, "multi_node": 0.147}
 
 
 def data_dir() -> Path:
-    env = os.environ.get("HETERO_SHARED_DATA")
-    return (Path(env) if env else REPO.parent / "shared" / "data") / "vtrain"
+    from hetero.shared_data import shared_data_dir
+
+    return shared_data_dir() / "vtrain"
 
 
 def load_cluster(path: Path):

@@ -1,21 +1,16 @@
 """Shared test fixtures: paths to the repository, its configs and the public data in ../shared."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hetero.shared_data import shared_data_dir
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-
-
-def shared_data_dir() -> Path:
-    """``../shared/data`` beside the repository, or ``$HETERO_SHARED_DATA``."""
-    env = os.environ.get("HETERO_SHARED_DATA")
-    return Path(env) if env else REPO.parent / "shared" / "data"
 
 
 @pytest.fixture

@@ -3,11 +3,10 @@ figure carries a source, and the figures agree with datasheets and the public Ne
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
+from hetero.shared_data import shared_data_dir
 from hetero.specs.device import DTYPES, VENDORS, catalog_raw, load_catalog
 
 REQUIRED = [
@@ -41,14 +40,6 @@ NEUSIGHT_CORE = ["P4", "P100-PCIE-16GB", "T4", "V100-PCIE-32GB", "A100-PCIE-40GB
 
 GiB = 2**30
 T = 1e12
-
-
-def _shared_data() -> Path:
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if path.is_dir():
-        return path
-    env = os.environ.get("HETERO_SHARED_DATA")
-    return Path(env) if env else path
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +122,7 @@ def test_fp32_matmul_does_not_fall_back_to_a_low_precision_peak(catalog):
 
 
 def test_neusight_devices_agree_with_the_public_specs(catalog):
-    devices_dir = _shared_data() / "neusight" / "devices"
+    devices_dir = shared_data_dir() / "neusight" / "devices"
     if not devices_dir.is_dir():
         pytest.skip(f"NeuSight device specs not found at {devices_dir} (set HETERO_SHARED_DATA)")
     seen = set()

@@ -14,6 +14,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from hetero.shared_data import shared_data_dir
 from hetero.specs.device import DeviceType
 
 DIM_COLUMNS = ("B", "M", "N", "K", "H")
@@ -50,15 +51,6 @@ def load_neusight_devices(directory: str | os.PathLike) -> dict[str, DeviceType]
         spec = json.loads(path.read_text())
         out[str(spec["Device"])] = device_from_neusight(spec)
     return out
-
-
-def shared_data_dir(repo_root: str | os.PathLike | None = None) -> Path:
-    """``$HETERO_SHARED_DATA`` or ``<repo>/../shared/data``."""
-    env = os.environ.get("HETERO_SHARED_DATA")
-    if env:
-        return Path(env)
-    root = Path(repo_root) if repo_root else Path(__file__).resolve().parents[2]
-    return root.parent / "shared" / "data"
 
 
 class Records:
