@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     console.print(f"wrote {args.json}")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                                "evaluation": "all rows of the held-out GPU", "selection": selection,
                                "results": res}, indent=1))
     print(f"wrote {out}")
-    return 0
+    return 0 if all(ok.values()) else 1
 
 
 if __name__ == "__main__":
