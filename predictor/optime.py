@@ -118,8 +118,10 @@ def op_model_for(device_name: str, device) -> tuple[object, str]:
     """(model with .predict(op, dims, dtype, device), provenance) for one device type.
 
     CPU-family devices use this machine's profile when ``hetero.predictor.profiles`` has one
-    (their own, else the ``cpu`` one; times the device's slowdown; provenance ``profile``);
-    everything else uses the catalog numbers (``catalog``).
+    (their own, else the ``cpu`` one; times the device's slowdown; provenance ``profile``); an
+    accelerator with a cached profile of its own (``hetero profile`` on it) uses the learned model
+    pinned to it by that profile's probe shapes (``profile``); everything else uses the catalog
+    numbers (``catalog``).
     """
     if device.family == "cpu":
         local = None
@@ -136,8 +138,44 @@ def op_model_for(device_name: str, device) -> tuple[object, str]:
             local = None
         if local is not None:
             return _Scaled(local, device.slowdown), "profile"
+    else:
+        probed = probed_model(device_name, device)
+        if probed is not None:
+            return probed, "profile"
     return catalog_model()[0], "catalog"
 
 
-__all__ = ["op_time", "roofline_time", "learned_model", "catalog_model", "op_model_for",
+_PROBED: dict = {}
+
+
+def probed_model(device_name: str, device):
+    """The learned model pinned to an accelerator by the probe shapes of its cached profile
+    (``hetero profile`` run on that device; :mod:`hetero.predictor.opmodel.probes`), or None when
+    there is no such profile or it holds no probe. Reloaded when the file changes."""
+    try:
+        from .opmodel.probes import ProbedDevice
+        from .opmodel.specs import Records
+        from .profiles import ProfileError, cache_path, read_records
+
+        path = cache_path(device_name)
+        stamp = path.stat().st_mtime_ns
+    except (ImportError, OSError):
+        return None
+    key = (str(path), id(device))
+    hit = _PROBED.get(key)
+    if hit and hit[0] == stamp:
+        return hit[1]
+    model = learned_model()
+    if model is None:
+        return None
+    try:
+        rows = [r.row() for r in read_records(path)]
+        probed = ProbedDevice(model, device, Records.from_rows(rows))
+    except (OSError, ProfileError, ValueError, KeyError):
+        probed = None
+    _PROBED[key] = (stamp, probed)
+    return probed
+
+
+__all__ = ["op_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
            "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY"]

@@ -74,6 +74,15 @@ def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
     return grid
 
 
+def probe_grid(grid: Iterable[tuple[str, dict]] = ()) -> list[tuple[str, dict]]:
+    """The probe shapes of :mod:`hetero.predictor.opmodel.probes` not already in ``grid``: what
+    ``hetero profile`` adds on an accelerator so the learned model can be pinned to it."""
+    from .opmodel.probes import PROBES
+
+    have = {(op, tuple(sorted(d.items()))) for op, d in grid}
+    return [(op, dict(d)) for op, d in PROBES if (op, tuple(sorted(d.items()))) not in have]
+
+
 # --------------------------------------------------------------------------------------- measuring
 def detect_device(requested: str | None = None) -> tuple[str, str]:
     """(record device name, torch device string). Accelerators are probed at run time, guarded.

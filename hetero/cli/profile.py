@@ -60,6 +60,8 @@ def run(args) -> int:
     if bad:
         raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(M.TORCH_DTYPES)})")
     grid = M.default_grid(quick=args.quick)
+    if torch_device != "cpu":  # 20 probe shapes pin the learned model to this accelerator
+        grid += M.probe_grid(grid)
     err = console(stderr=True)
     if args.device and args.device != "cpu" and torch_device == "cpu":
         from hetero.specs.device import load_catalog

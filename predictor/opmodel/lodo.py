@@ -96,10 +96,14 @@ def stratified_sample(rec: Records, per_group: int, seed: int) -> np.ndarray:
 def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = None,
              train_rows_per_group: int | None = 4000, test_rows_per_group: int | None = None,
              seed: int = 0, model_kwargs: Mapping | None = None, log=print, baselines: bool = True,
-             designs: Mapping[str, str] | None = None) -> dict:
+             designs: Mapping[str, str] | None = None, probes: bool = False) -> dict:
     """Train on all but one device, evaluate on it, for each device. Training uses at most
     ``train_rows_per_group`` rows per (op, device) (fixed seed); evaluation uses every held-out row
-    unless ``test_rows_per_group`` is given."""
+    unless ``test_rows_per_group`` is given.
+
+    ``probes``: also score the "probed" protocol: the fitted model calibrated to the held-out device
+    by the ~20 probe measurements of :mod:`.probes` taken from its rows (:func:`.probes.calibrate`);
+    those rows are then removed from the test set of every method, so all are scored on the same rows."""
     measured = sorted(set(rec.device.tolist()) & set(devices))
     holdouts = list(holdouts) if holdouts else measured
     results = {}
@@ -109,13 +113,27 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
         if train_rows_per_group:
             train = train.subset(stratified_sample(train, train_rows_per_group, seed))
         test = rec.subset(rec.device == dev)
+        probe_set = None
+        if probes:  # taken from all of the device's rows, then kept out of every method's test set
+            from .probes import probe_rows
+
+            used = np.array(sorted(probe_rows(test).values()), dtype=np.int64)
+            probe_set = test.subset(used)
+            test = test.subset(np.setdiff1d(np.arange(len(test)), used))
         if test_rows_per_group:
             test = test.subset(stratified_sample(test, test_rows_per_group, seed + 1))
         kw = dict(model_kwargs or {})
         if designs and dev in designs:
             kw["design"] = designs[dev]
         model = OpModel().fit(train, devices, seed=seed, **kw)
+        calibration = None
+        if probe_set is not None:
+            from .probes import ProbedOpModel, calibrate
+
+            calibration = calibrate(model, devices[dev], probe_set)
         preds = {"learned": model.predict_records(test, devices)}
+        if calibration is not None:
+            preds["probed"] = ProbedOpModel(model, devices[dev], calibration).predict_records(test)
         if baselines:
             preds.update(baseline_predictions(train, test, devices))
         meas = test.latency_ms * 1e-3
@@ -123,9 +141,16 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
         results[dev]["n_train"] = len(train)
         results[dev]["seconds"] = time.time() - t0
         results[dev]["design"] = model.design
+        if calibration is not None:
+            results[dev]["calibration"] = calibration.to_dict()
+            results[dev]["probe_rows"] = [{"op": str(probe_set.op[i]), **{k: float(v[i]) for k, v in probe_set.dims.items()
+                                           if np.isfinite(v[i])}, "latency_ms": float(probe_set.latency_ms[i])}
+                                          for i in range(len(probe_set))]
         if log and baselines:
             r = results[dev]
-            log(f"{dev:24s} learned MAPE {r['learned']['overall']['mape']:.3f} med {r['learned']['overall']['medape']:.3f}"
+            pr = (f" | probed {r['probed']['overall']['mape']:.3f} med {r['probed']['overall']['medape']:.3f}"
+                  if "probed" in r else "")
+            log(f"{dev:24s} learned MAPE {r['learned']['overall']['mape']:.3f} med {r['learned']['overall']['medape']:.3f}{pr}"
                 f" | roofline {r['roofline']['overall']['mape']:.3f} | linreg {r['linreg']['overall']['mape']:.3f}"
                 f"  ({r['seconds']:.0f}s)")
     return results

@@ -254,6 +254,24 @@ class OpModel:
         rec = as_records(records)
         return self.predict_many(rec.op, rec.dims, list(rec.dtype), [devices[d] for d in rec.device])
 
+    def with_device_floors(self, device, floors: Mapping[str, float]) -> "OpModel":
+        """A light copy (sharing the fitted trees) that uses ``floors`` (op -> seconds, e.g. measured
+        on the device by :mod:`.probes`) as the launch floors of ``device``; ops not in ``floors``
+        keep what this model would use. The ``ratio`` design has no floors: returns ``self``."""
+        if self.design not in FLOOR_DESIGNS:
+            return self
+        m = OpModel()
+        m.ensembles, m.meta, m.design = self.ensembles, self.meta, self.design
+        m._packed, m._scalar = self._packed, self._scalar
+        fi = self._floor_index(device)
+        known = self._floor_tables[fi]
+        own = {o: float(floors.get(o, known[F.OP_POS[o]])) for o in F.OPS}
+        m.floors = {"global": dict(self.floors.get("global", {})),
+                    "devices": [{"name": "<measured>", "key": list(_device_key(device)), "floors": own}]
+                    + list(self.floors.get("devices", []))}
+        m._prepare_floors()
+        return m
+
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "design": self.design, "floors": self.floors,
