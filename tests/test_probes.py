@@ -128,3 +128,16 @@ def test_predict_uses_gpu_profile(truth, tmp_path, monkeypatch):
                           "--plan", spec[2], "--json"], cwd=REPO, capture_output=True, text=True, check=True,
                          env={**os.environ, "HETERO_CACHE_DIR": str(tmp_path)})
     assert json.loads(cli.stdout)["iteration_time_s"] == pytest.approx(after.iteration_time_s, rel=1e-6)
+
+
+def test_profile_grid_gains_probes_on_accelerators():
+    """`hetero profile` on an accelerator measures every probe shape once (grid + probe_grid)."""
+    from hetero.predictor.profiling import default_grid, probe_grid
+
+    grid = default_grid(quick=True)
+    extra = probe_grid(grid)
+    full = {(op, tuple(sorted(d.items()))) for op, d in grid + extra}
+    assert all((op, tuple(sorted(d.items()))) in full for op, d in PROBES)
+    assert len(extra) == len({(op, tuple(sorted(d.items()))) for op, d in PROBES} - {
+        (op, tuple(sorted(d.items()))) for op, d in grid})
+    assert probe_grid(grid + extra) == []
