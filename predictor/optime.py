@@ -169,7 +169,8 @@ def probed_model(device_name: str, device):
     if model is None:
         return None
     try:
-        rows = [r.row() for r in read_records(path)]
+        rows = [{"op": r.op, "device": r.device, "dtype": r.dtype, "latency_ms": r.latency_ms, **r.dims}
+                for r in read_records(path)]  # the parsed values, not their 6-digit CSV text
         probed = ProbedDevice(model, device, Records.from_rows(rows))
     except (OSError, ProfileError, ValueError, KeyError):
         probed = None

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from hetero.predictor.opmodel import default_model
@@ -33,10 +32,10 @@ def truth(v100):
     return ProbedOpModel(m, v100, DeviceCalibration(floors, 0.8, {"linear": 1.25, "bmm": 0.6}, 0))
 
 
-def records_from(model, shapes, device_name="dev", dtype="fp32") -> Records:
+def records_from(model, shapes, dtype="fp32") -> Records:
     rows = []
     for op, dims in shapes:
-        rows.append({"op": op, "device": device_name, "dtype": dtype,
+        rows.append({"op": op, "device": "dev", "dtype": dtype,
                      **{k: str(v) for k, v in dims.items()}, "latency_ms": model.predict(op, dims, dtype) * 1e3})
     return Records.from_rows(rows)
 
@@ -97,7 +96,7 @@ def test_predict_uses_gpu_profile(truth, tmp_path, monkeypatch):
     from catalog numbers to the probed model in the predictor; the CLI JSON changes with it."""
     import hetero
     from hetero.predictor import predict
-    from hetero.predictor.profiles import cache_path
+    from hetero.predictor.profiles import Record, cache_path, write_records
 
     spec = ["configs/clusters/a100-v100.yaml", "configs/models/gpt3-1.3b.yaml", "configs/plans/a100-v100-gpt3-1.3b.yaml"]
     cluster, model, plan = (hetero.load_cluster(os.path.join(REPO, spec[0])), hetero.load_model(os.path.join(REPO, spec[1])),
@@ -106,13 +105,8 @@ def test_predict_uses_gpu_profile(truth, tmp_path, monkeypatch):
     before = predict(cluster, model, plan)
     assert before.provenance[DEVICE]["source"] == "catalog", before.provenance
     path = cache_path(DEVICE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rec = records_from(truth, PROBES, device_name=DEVICE, dtype=model.dtype)
-    with open(path, "w") as fh:
-        fh.write("op,device,B,M,N,K,H,latency_ms,dtype\n")
-        for i in range(len(rec)):
-            dims = [("" if np.isnan(rec.dims[k][i]) else str(int(rec.dims[k][i]))) for k in "BMNKH"]
-            fh.write(",".join([rec.op[i], DEVICE, *dims, f"{rec.latency_ms[i]:.6g}", model.dtype]) + "\n")
+    write_records(path, [Record(op, DEVICE, dict(dims), truth.predict(op, dims, model.dtype) * 1e3, model.dtype)
+                         for op, dims in PROBES])
     # fresh objects: predict() memoises its cost model per (cluster, model) object, as one CLI run does
     cluster, model, plan = (hetero.load_cluster(os.path.join(REPO, spec[0])), hetero.load_model(os.path.join(REPO, spec[1])),
                             hetero.load_plan(os.path.join(REPO, spec[2])))

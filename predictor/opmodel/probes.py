@@ -41,6 +41,9 @@ COMPUTE_PROBES = {"linear": [{"B": 1, "M": s, "N": s, "K": s} for s in (512, 102
 PROBES: list[tuple[str, dict]] = ([(op, dict(d)) for op, d in FLOOR_SHAPES.items()] + BANDWIDTH_PROBES
                                   + [(op, dict(d)) for op, ds in COMPUTE_PROBES.items() for d in ds])
 """(op, dims) of every probe: 11 floors + 3 bandwidth + 6 compute = 20 measurements."""
+PROBE_KINDS: list[str] = (["floor"] * len(FLOOR_SHAPES) + ["bandwidth"] * len(BANDWIDTH_PROBES)
+                          + ["compute"] * sum(len(ds) for ds in COMPUTE_PROBES.values()))
+"""What each entry of :data:`PROBES` measures, by position."""
 
 MAX_SHAPE_DISTANCE = 1.0  # log2 units per dim: a record more than 2x off on average is not a probe
 FLOOR_SHAPE_DISTANCE = 3.0
@@ -74,7 +77,7 @@ def probe_rows(records, dtype: str = "fp32") -> dict[tuple[str, int], int]:
             dist += np.abs(np.log2(np.maximum(col, 1.0) / v))
         j = int(np.argmin(dist))
         # a size probe must be within 2x per dim on average, a floor probe within 8x (any tiny shape)
-        limit = (FLOOR_SHAPE_DISTANCE if i < len(FLOOR_SHAPES) else MAX_SHAPE_DISTANCE) * len(target)
+        limit = (FLOOR_SHAPE_DISTANCE if PROBE_KINDS[i] == "floor" else MAX_SHAPE_DISTANCE) * len(target)
         if dist[j] <= limit:
             out[(op, i)] = int(idx[j])
     return out
@@ -112,25 +115,24 @@ def calibrate(model: OpModel, device, records, dtype: str = "fp32") -> DeviceCal
     rec = as_records(records)
     rows = probe_rows(rec, dtype)
     lat = rec.latency_ms * 1e-3
-    n_floor, n_bw = len(FLOOR_SHAPES), len(BANDWIDTH_PROBES)
-    floors = {op: float(lat[r]) for (op, i), r in rows.items() if i < n_floor}
+    floors = {op: float(lat[r]) for (op, i), r in rows.items() if PROBE_KINDS[i] == "floor"}
     if not floors:
         return None
 
-    def subset(pick):
-        idx = [r for (op, i), r in rows.items() if pick(op, i)]
+    def subset(kind, only_op=None):
+        idx = [r for (op, i), r in rows.items() if PROBE_KINDS[i] == kind and only_op in (None, op)]
         return rec.subset(np.array(idx, dtype=np.int64)) if idx else None
 
     def probed(bandwidth, compute):
         return ProbedOpModel(model, device, DeviceCalibration(floors, bandwidth, compute, len(rows)))
 
     sm = 1.0
-    bw = subset(lambda op, i: n_floor <= i < n_floor + n_bw)
+    bw = subset("bandwidth")
     if bw is not None:
         sm = _solve_scale(lambda s: probed(s, {}).predict_records(bw), bw.latency_ms * 1e-3)
     sc = {}
     for gemm in COMPUTE_PROBES:
-        g = subset(lambda op, i, gemm=gemm: op == gemm and i >= n_floor + n_bw)
+        g = subset("compute", gemm)
         if g is not None:
             sc[gemm] = _solve_scale(lambda s, gemm=gemm: probed(sm, {gemm: s}).predict_records(g),
                                     g.latency_ms * 1e-3)
@@ -146,7 +148,7 @@ class ProbedOpModel:
     kind = "probes"
 
     def __init__(self, model: OpModel, device, calibration: DeviceCalibration):
-        self.base, self.device, self.calibration = model, device, calibration
+        self.device, self.calibration = device, calibration
         cal = calibration
         self._devices = {op: scaled_device(device, cal.compute_scale.get(op, 1.0), cal.bandwidth_scale)
                          for op in F.OPS}
@@ -165,8 +167,6 @@ class ProbedOpModel:
             sub = rec.subset(m)
             out[m] = self._model.predict_many(str(op), sub.dims, list(sub.dtype), self._devices[str(op)])
         return out
-
-
 
 
 class ProbedDevice:
@@ -194,5 +194,5 @@ class ProbedDevice:
         return self._models.get(dtype, self._fallback).predict(op, dims, dtype)
 
 
-__all__ = ["BANDWIDTH_PROBES", "COMPUTE_PROBES", "DeviceCalibration", "FLOOR_SHAPES", "PROBES", "ProbedDevice",
+__all__ = ["BANDWIDTH_PROBES", "COMPUTE_PROBES", "DeviceCalibration", "FLOOR_SHAPES", "PROBES", "PROBE_KINDS", "ProbedDevice",
            "ProbedOpModel", "calibrate", "probe_rows", "scaled_device"]
