@@ -237,3 +237,50 @@ def test_floor_design(v100, tmp_path):
     m2 = OpModel.load(path)
     assert m2.floors == m.floors
     assert m2.predict("add", tiny, "fp32", v100) == m.predict("add", tiny, "fp32", v100)
+
+
+# GPT-2-large training step on the V100 (NeuSight e2e label) from the model fitted without V100:
+# figures when documented (benchmarks/bench_e2e_v100.py). The target is 10%; neither
+# protocol meets it yet, so the test keeps both from getting worse and the probed one ahead.
+E2E_DOCUMENTED = {"specs": 0.220, "probed": 0.122}
+E2E_MARGIN = 0.02
+
+
+@pytest.mark.skipif(not (DATA / "neusight" / "e2e_labels.json").is_file(),
+                    reason=f"NeuSight data not found under {DATA} (set HETERO_SHARED_DATA)")
+def test_v100_gpt2_step_without_v100():
+    import dataclasses
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from hetero.predictor.opmodel import load_neusight
+    from hetero.predictor.opmodel.probes import ProbedOpModel, calibrate
+    from hetero.specs.device import load_catalog
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_v100.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e_v100", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    device = load_catalog()[bench.CATALOG_DEVICE]
+    opm = default_model(without=bench.HELD_OUT)
+    rec, _ = load_neusight(DATA)
+    probed = ProbedOpModel(opm, device, calibrate(opm, device, rec.subset(rec.device == bench.HELD_OUT)))
+    labels = json.loads((DATA / "neusight" / "e2e_labels.json").read_text())
+    gpt2 = bench.models()["gpt2_large"]
+    checked = 0
+    for key, lab in labels.items():
+        _, rest = key.split("/", 1)
+        name, _, seq, batch = rest.split("-")
+        if name != "gpt2_large":
+            continue
+        model = dataclasses.replace(gpt2, seq_length=int(seq))
+        errors = {}
+        for label, m in (("specs", opm), ("probed", probed)):
+            f, b = bench.step_ms(m, model, int(batch), int(seq), device)
+            errors[label] = (f + b) / lab["e2e_latency"] - 1
+        for label, err in errors.items():
+            assert abs(err) <= E2E_DOCUMENTED[label] + E2E_MARGIN, errors
+        assert abs(errors["probed"]) < abs(errors["specs"]), errors
+        checked += 1
+    assert checked >= 1
