@@ -19,6 +19,7 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from hetero.specs.model import ModelSpec
 
@@ -54,19 +55,30 @@ class Op:
         return {"B": self.dims[0], "H": self.dims[1]}
 
 
+def kernel_work(op: str, dims: Mapping, e: int) -> tuple[float, float]:
+    """(FLOPs, bytes moved) of one kernel with ``e`` bytes per element; a dimension missing from
+    ``dims`` counts as 1, a vector op not in the tables as 1 FLOP and 1 input per element.
+    The one definition behind :func:`gemm`, :func:`vec`, the roofline and the CPU profile model."""
+    d = lambda k: float(dims.get(k) or 1)  # noqa: E731
+    if op in GEMM_OPS:
+        B, M, N, K = d("B"), d("M"), d("N"), d("K")
+        if op == "bmm":
+            nbytes = e * B * (M * K + K * N + M * N)
+        else:  # one weight shared by the B x M rows
+            nbytes = e * (B * M * K + K * N + B * M * N)
+        return 2.0 * B * M * N * K, float(nbytes)
+    n = d("B") * d("H")
+    return float(VEC_FLOPS.get(op, 1) * n), float(e * n * (VEC_INPUTS.get(op, 1) + 1))
+
+
 def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
     """A ``linear`` or ``bmm`` kernel with ``e`` bytes per element (conventions: module docstring)."""
-    if op == "bmm":
-        nbytes = e * B * (M * K + K * N + M * N)
-    else:  # one weight shared by the B x M rows
-        nbytes = e * (B * M * K + K * N + B * M * N)
-    return Op(name, op, (B, M, N, K), 2.0 * B * M * N * K, float(nbytes))
+    return Op(name, op, (B, M, N, K), *kernel_work(op, {"B": B, "M": M, "N": N, "K": K}, e))
 
 
 def vec(name: str, op: str, B: int, H: int, e: int) -> Op:
     """A vector kernel over ``B`` rows of ``H`` elements of ``e`` bytes."""
-    n = B * H
-    return Op(name, op, (B, H), float(VEC_FLOPS[op] * n), float(e * n * (VEC_INPUTS[op] + 1)))
+    return Op(name, op, (B, H), *kernel_work(op, {"B": B, "H": H}, e))
 
 
 def backward_of(f: Op, e: int) -> list[Op]:
@@ -199,6 +211,6 @@ def model_flops_per_token(model: ModelSpec) -> float:
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * model.seq_length
 
 
-__all__ = ["Op", "DTYPE_BYTES", "ATTENTION_CORE", "layer_forward_ops", "layer_backward_ops",
+__all__ = ["Op", "DTYPE_BYTES", "ATTENTION_CORE", "kernel_work", "layer_forward_ops", "layer_backward_ops",
            "embedding_forward_ops", "embedding_backward_ops", "head_forward_ops", "head_backward_ops",
            "backward_of", "total_flops", "gemm_flops", "model_flops_per_token"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from .ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+from .ops import DTYPE_BYTES, GEMM_OPS, kernel_work
 
 GEMM_EFFICIENCY = 0.70
 MEMORY_EFFICIENCY = 0.80
@@ -25,21 +25,9 @@ LAUNCH_OVERHEAD = {"cpu": 1e-6}
 DEFAULT_LAUNCH_OVERHEAD = 5e-6
 
 
-def _work(op: str, dims: dict, dtype: str) -> tuple[float, float]:
-    e = DTYPE_BYTES.get(dtype, 4)
-    g = dims.get
-    if op in GEMM_OPS:
-        B, M, N, K = (float(g(k) or 1) for k in "BMNK")
-        flops = 2.0 * B * M * N * K
-        nbytes = e * B * (M * K + K * N + M * N) if op == "bmm" else e * (B * M * K + K * N + B * M * N)
-        return flops, nbytes
-    n = float(g("B") or 1) * float(g("H") or 1)
-    return VEC_FLOPS.get(op, 1) * n, e * n * (VEC_INPUTS.get(op, 1) + 1)
-
-
 def roofline_time(op: str, dims: dict, dtype: str, device) -> float:
     """Roofline with fixed efficiencies plus a launch overhead (seconds)."""
-    flops, nbytes = _work(op, dims, dtype)
+    flops, nbytes = kernel_work(op, dims, DTYPE_BYTES.get(dtype, 4))
     peak = device.matrix_flops(dtype) if op in GEMM_OPS else device.vector_flops(dtype)
     t = max(flops / (peak * GEMM_EFFICIENCY), nbytes / (device.effective_memory_bandwidth * MEMORY_EFFICIENCY))
     return t + LAUNCH_OVERHEAD.get(device.family, DEFAULT_LAUNCH_OVERHEAD)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+from .ops import DTYPE_BYTES, GEMM_OPS, kernel_work
 
 COLUMNS = ("op", "device", "B", "M", "N", "K", "H", "latency_ms", "dtype")
 DIMS = ("B", "M", "N", "K", "H")
@@ -181,22 +181,9 @@ def probe_model_dict(probe: Mapping) -> dict:
 
 
 # --------------------------------------------------------------------------------------- the model
-def _work(op: str, dims: Mapping, elem_bytes: int) -> tuple[float, float]:
-    """(FLOPs, bytes moved) of one operator, dims missing -> 1."""
-    d = lambda k: float(dims.get(k) or 1.0)  # noqa: E731
-    if op in GEMM_OPS:
-        B, M, N, K = d("B"), d("M"), d("N"), d("K")
-        if op == "linear":   # (B*M) x K @ K x N, one weight
-            rows = B * M
-            return 2.0 * rows * N * K, elem_bytes * (rows * K + K * N + rows * N)
-        return 2.0 * B * M * N * K, elem_bytes * B * (M * K + K * N + M * N)
-    n = d("B") * d("H")
-    return VEC_FLOPS[op] * n, elem_bytes * n * (VEC_INPUTS[op] + 1)
-
-
 def _features(op: str, dims: Mapping, elem_bytes: int) -> tuple[tuple[float, ...], float]:
     """(point in feature space, log reference roofline seconds)."""
-    flops, nbytes = _work(op, dims, elem_bytes)
+    flops, nbytes = kernel_work(op, dims, elem_bytes)
     log_roof = math.log(max(flops / REF_FLOPS, nbytes / REF_BANDWIDTH))
     if op in GEMM_OPS:
         # size and arithmetic intensity; log2 so one grid step ~ 1 unit

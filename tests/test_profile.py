@@ -66,12 +66,13 @@ def test_no_cache_means_no_local_model(tmp_path, monkeypatch):
 
 def _synthetic(device="cpu"):
     """Records of a made-up machine: GEMMs at 100 GFLOP/s + 5 us, vector ops at 20 GB/s + 2 us."""
-    from hetero.predictor.profiles import GEMM_OPS, Record, _work
+    from hetero.predictor.ops import kernel_work
+    from hetero.predictor.profiles import GEMM_OPS, Record
     from hetero.predictor.profiling import default_grid
 
     recs = []
     for op, dims in default_grid():
-        flops, nbytes = _work(op, dims, 4)
+        flops, nbytes = kernel_work(op, dims, 4)
         t = 5e-6 + flops / 100e9 if op in GEMM_OPS else 2e-6 + nbytes / 20e9
         recs.append(Record(op, device, dict(dims), t * 1e3, "fp32"))
     return recs
