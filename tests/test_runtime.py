@@ -309,3 +309,28 @@ def test_injected_failure_names_rank_and_stage_without_orphans(tmp_path):
     assert "Traceback" not in err.split("error:")[-1]
     assert proc.elapsed < 20 + 60  # within the communicator timeout (plus start-up)
     assert not _leftover(tmp_path / "run")
+
+
+@pytest.mark.timeout(60)
+def test_launch_ends_when_no_rank_ever_starts(tmp_path, monkeypatch):
+    """A node launcher that never spawns its workers (e.g. a rendezvous that never completes) ends
+    the launch with an error naming the missing ranks after the timeout, and is killed."""
+    import hetero
+    from hetero.runtime import launcher
+    from hetero.runtime.spec import RunOptions
+
+    cluster = hetero.load_cluster(_write(tmp_path, "cluster.yaml", CLUSTER))
+    model = hetero.load_model(_write(tmp_path, "model.yaml", GPT))
+    plan = hetero.load_plan(_write(tmp_path, "plan.yaml", _plan([{"replicas": 1, "micro_batches": 4, "stages": [
+        {"group": "fast", "layers": [0, 4]}]}])), cluster, model)
+    launch = launcher.prepare(cluster, model, plan, RunOptions(timeout_s=1.0), run_dir=str(tmp_path / "run"))
+    marker = str(tmp_path / "run")
+    monkeypatch.setattr(launcher.NodeCommand, "argv", lambda self, local: [
+        sys.executable, "-c", "import sys, time; time.sleep(600)", marker])
+    monkeypatch.setattr(launcher, "STARTUP_GRACE_S", 0.5)
+    t0 = time.time()
+    with pytest.raises(launcher.LaunchError, match="never arrived") as err:
+        launcher.run(launch, print_fn=lambda *a: None)
+    assert time.time() - t0 < 10
+    assert "rank 0" in str(err.value)
+    assert not _leftover(tmp_path / "run"), "the node launcher was left running"

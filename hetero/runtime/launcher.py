@@ -35,6 +35,10 @@ VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES
 WORKER_MODULE = "hetero.runtime.worker"
 
 
+STARTUP_GRACE_S = 30.0
+"""Seconds a node launcher may take to start its first worker before the arrival timeout counts."""
+
+
 class LaunchError(HeteroError):
     """The job failed; the message names the rank(s) and their stage."""
 
@@ -291,7 +295,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     layout = launch.layout
     try:
         job.start()  # inside the try: a node launcher that fails to start ends the ones already started
-        first_seen = None
+        started_at, first_seen = time.time(), None
         all_arrived_at = None
         while True:
             time.sleep(0.1)
@@ -307,7 +311,11 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
             now = time.time()
             if started and first_seen is None:
                 first_seen = now
-            if first_seen and len(started) < len(job.ranks) and now - first_seen > timeout:
+            # The clock starts at the first rank's arrival; while none has arrived it runs from the
+            # job's start, with STARTUP_GRACE_S for interpreter + torch import (a node launcher that
+            # never spawns its workers, e.g. a rendezvous that never completes, must not hang us).
+            waited = now - first_seen if first_seen else now - started_at - STARTUP_GRACE_S
+            if len(started) < len(job.ranks) and waited > timeout:
                 missing = [r for r in job.ranks if r not in started]
                 raise LaunchError("ranks never arrived within the timeout ({:g} s): {}".format(
                     timeout, "; ".join(describe_rank(layout.ranks[r]) for r in missing)))
