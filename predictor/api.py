@@ -133,10 +133,14 @@ _RECENT: list[tuple] = []
 
 
 def cost_model_for(cluster, model, calibration=None) -> StageCostModel:
-    """The memoised StageCostModel for these very objects (identity), created on first use."""
-    for c, m, cal, cm in _RECENT:
+    """The memoised StageCostModel for these very objects (identity), created on first use and
+    rebuilt when a device's operator-time source changed (a profile cached meanwhile)."""
+    for i, (c, m, cal, cm) in enumerate(_RECENT):
         if c is cluster and m is model and cal is calibration:
-            return cm
+            if not cm.sources_changed():
+                return cm
+            del _RECENT[i]
+            break
     cm = StageCostModel(cluster, model, calibration)
     _RECENT.insert(0, (cluster, model, calibration, cm))
     del _RECENT[4:]

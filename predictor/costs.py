@@ -59,10 +59,13 @@ class StageCostModel:
         self._prov: dict[str, str] = {}
         self._opkind: dict[str, str] = {}
         by_device: dict[str, tuple] = {}
+        self._sources: dict[str, object] = {}
+        self._profiles_stamp = _profiles_stamp()
         for name, g in self._groups.items():
             dev = self._dev[name]
             if g.device not in by_device:
                 opm, prov = op_model_for(g.device, dev)
+                self._sources[g.device] = (dev, _source_of(opm))
                 f = None
                 if calibration is not None:
                     f = calibration.factors_for(g.device, dev)
@@ -78,6 +81,15 @@ class StageCostModel:
         self._op_cache: dict = {}
         self._dp_cache: dict = {}
         self._params_per_layer = model.params_per_layer()
+
+    def sources_changed(self) -> bool:
+        """Whether a device's operator-time source changed since this model was built (a profile
+        written or rewritten by ``hetero profile`` meanwhile): memoised cost models are then stale."""
+        stamp = _profiles_stamp()
+        if stamp is not None and stamp == self._profiles_stamp:  # profiles are written by rename: the folder's mtime moves
+            return False
+        self._profiles_stamp = stamp
+        return any(_source_of(op_model_for(name, dev)[0]) is not src for name, (dev, src) in self._sources.items())
 
     # ------------------------------------------------------------------ basics
     def device(self, group: str):
@@ -339,3 +351,21 @@ def _with_calibrated_network(cluster: Cluster, calibration) -> Cluster:
     new = Link(bandwidth=old.bandwidth / factor, latency=old.latency * factor)
     groups = tuple(dataclasses.replace(g, intra_node=new) if g.intra_node is old else g for g in cluster.groups)
     return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))
+
+
+def _source_of(opm):
+    """The cached model object behind ``opm`` (a CPU profile is wrapped anew on each lookup)."""
+    return getattr(opm, "source_model", opm)
+
+
+def _profiles_stamp() -> tuple:
+    """(profile cache folder, its mtime): changes whenever a profile is written there."""
+    try:
+        from .profiles import cache_dir
+    except ImportError:  # no profile machinery: op_model_for itself is the check
+        return None
+    d = cache_dir()
+    try:
+        return str(d), d.stat().st_mtime_ns
+    except OSError:  # no folder yet; creating it (to write a profile) changes the stamp
+        return str(d), None

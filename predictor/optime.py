@@ -81,6 +81,11 @@ class _Scaled:
     def __init__(self, model, factor: float):
         self.model, self.factor = model, factor
 
+    @property
+    def source_model(self):
+        """The cached profile model wrapped (a new wrapper is made on each lookup)."""
+        return self.model
+
     def predict(self, op, dims, dtype, device) -> float:
         return self.model.predict(op, dims, dtype, device) * self.factor
 

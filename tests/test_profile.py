@@ -201,3 +201,24 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
     params = mem.stage_params(model, 2, 1, True, True)
     assert cm.optimizer_time("g", 1, (0, 2), True, True) == pytest.approx(2.0 * 3e-9 * params)
     assert optime.op_model_for("slow", cluster.device_type("g"))[1] == "profile"
+
+
+def test_predict_sees_a_profile_cached_after_its_first_call(tmp_path, monkeypatch):
+    """hetero.predict memoises its cost model per (cluster, model); a profile written meanwhile
+    (``hetero profile`` in the same process or beside it) must switch the source, not be ignored."""
+    import hetero
+    from hetero.predictor import profiles
+
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    cluster = hetero.load_cluster({"name": "one-cpu", "groups": [{"name": "c", "device": "cpu", "nodes": 1,
+                                                                  "devices_per_node": 1}]})
+    model = hetero.load_model({"name": "t", "architecture": "gpt", "num_layers": 2, "hidden_size": 64,
+                               "num_attention_heads": 4, "vocab_size": 512, "seq_length": 32, "dtype": "fp32"})
+    plan = hetero.load_plan({"global_batch_size": 4, "micro_batch_size": 2, "pipelines": [
+        {"replicas": 1, "micro_batches": 2, "stages": [{"group": "c", "layers": [0, 2]}]}]}, cluster, model)
+    before = hetero.predict(cluster, model, plan)
+    assert before.provenance["cpu"]["source"] == "catalog"
+    profiles.write_records(profiles.cache_path("cpu"), _synthetic())
+    after = hetero.predict(cluster, model, plan)
+    assert after.provenance["cpu"]["source"] == "profile"
+    assert after.iteration_time_s != before.iteration_time_s
