@@ -55,20 +55,33 @@ class Op:
         return {"B": self.dims[0], "H": self.dims[1]}
 
 
+def gemm_work(is_bmm, B, M, N, K, e):
+    """(batches, rows per batch, FLOPs, bytes) of a GEMM with ``e`` bytes per element: linear
+    (``is_bmm`` 0) is (B*M) x K @ K x N with one weight, bmm (``is_bmm`` 1) is B independent
+    M x K @ K x N. Plain arithmetic, so it works on floats and, elementwise, on numpy arrays."""
+    Bb = 1 + is_bmm * (B - 1)
+    Mr = M * B / Bb
+    return Bb, Mr, 2.0 * Bb * Mr * N * K, e * Bb * (Mr * K + K * N + Mr * N)
+
+
+def vector_work(n_in, fpe, B, H, e):
+    """(elements, FLOPs, bytes) of a vector op over B x H elements with ``n_in`` inputs and one
+    output and ``fpe`` FLOPs per element (floats or numpy arrays)."""
+    n = B * H
+    return n, fpe * n, e * n * (n_in + 1)
+
+
 def kernel_work(op: str, dims: Mapping, e: int) -> tuple[float, float]:
     """(FLOPs, bytes moved) of one kernel with ``e`` bytes per element; a dimension missing from
     ``dims`` counts as 1, a vector op not in the tables as 1 FLOP and 1 input per element.
-    The one definition behind :func:`gemm`, :func:`vec`, the roofline and the CPU profile model."""
+    The one definition behind :func:`gemm`, :func:`vec`, the roofline, the CPU profile model and
+    (through :func:`gemm_work` / :func:`vector_work`) the learned model's features."""
     d = lambda k: float(dims.get(k) or 1)  # noqa: E731
     if op in GEMM_OPS:
-        B, M, N, K = d("B"), d("M"), d("N"), d("K")
-        if op == "bmm":
-            nbytes = e * B * (M * K + K * N + M * N)
-        else:  # one weight shared by the B x M rows
-            nbytes = e * (B * M * K + K * N + B * M * N)
-        return 2.0 * B * M * N * K, float(nbytes)
-    n = d("B") * d("H")
-    return float(VEC_FLOPS.get(op, 1) * n), float(e * n * (VEC_INPUTS.get(op, 1) + 1))
+        _, _, flops, nbytes = gemm_work(float(op == "bmm"), d("B"), d("M"), d("N"), d("K"), e)
+    else:
+        _, flops, nbytes = vector_work(VEC_INPUTS.get(op, 1), VEC_FLOPS.get(op, 1), d("B"), d("H"), e)
+    return float(flops), float(nbytes)
 
 
 def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
@@ -211,6 +224,6 @@ def model_flops_per_token(model: ModelSpec) -> float:
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * model.seq_length
 
 
-__all__ = ["Op", "DTYPE_BYTES", "ATTENTION_CORE", "kernel_work", "layer_forward_ops", "layer_backward_ops",
+__all__ = ["Op", "DTYPE_BYTES", "ATTENTION_CORE", "gemm_work", "vector_work", "kernel_work", "layer_forward_ops", "layer_backward_ops",
            "embedding_forward_ops", "embedding_backward_ops", "head_forward_ops", "head_backward_ops",
            "backward_of", "total_flops", "gemm_flops", "model_flops_per_token"]

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS
+from ..ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS, gemm_work, vector_work
 
 NORM_OPS = ("ln", "softmax")
 ELEMENTWISE_OPS = ("add", "mul", "div", "pow", "tanh", "relu", "gelu")
@@ -61,24 +61,15 @@ def dtype_bytes(dtype: str) -> int:
         raise ValueError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPE_BYTES)})") from None
 
 
-def gemm_work(xp, is_bmm, B, M, N, K, e):
-    """(batch, rows, flops, bytes). linear: (B*M) x K @ K x N, one weight; bmm: B independent GEMMs."""
-    Bb = 1 + is_bmm * (B - 1)
-    Mr = M * B / Bb
-    flops = 2.0 * Bb * Mr * N * K
-    nbytes = e * Bb * (Mr * K + K * N + Mr * N)
-    return Bb, Mr, flops, nbytes
-
-
 def gemm_roofline(xp, is_bmm, B, M, N, K, e, P, BW):
-    _, _, flops, nbytes = gemm_work(xp, is_bmm, B, M, N, K, e)
+    _, _, flops, nbytes = gemm_work(is_bmm, B, M, N, K, e)
     return xp.maximum(flops / P, nbytes / BW)
 
 
 def gemm_features(xp, is_bmm, B, M, N, K, e, P, BW, SM, L2, floor=OVERHEAD_SCALE):
     """Return (features list, roofline seconds). ``floor``: the launch-floor scale (seconds) the
     roofline time is expressed against (``OVERHEAD_SCALE`` or the op's floor on the device)."""
-    Bb, Mr, flops, nbytes = gemm_work(xp, is_bmm, B, M, N, K, e)
+    Bb, Mr, flops, nbytes = gemm_work(is_bmm, B, M, N, K, e)
     tc = flops / P
     tm = nbytes / BW
     troof = xp.maximum(tc, tm)
@@ -100,19 +91,14 @@ GEMM_FEATURE_NAMES = (["log_m", "log_n", "log_k", "log_batch", "is_bmm", "log_ai
                       + ["log_tiles128_per_cu", "pad_eff_64"])
 
 
-def vector_work(xp, n_in, fpe, B, H, e):
-    n = B * H
-    return n, fpe * n, e * n * (n_in + 1)
-
-
 def vector_roofline(xp, n_in, fpe, B, H, e, Pv, BW):
-    _, flops, nbytes = vector_work(xp, n_in, fpe, B, H, e)
+    _, flops, nbytes = vector_work(n_in, fpe, B, H, e)
     return xp.maximum(flops / Pv, nbytes / BW)
 
 
 def vector_features(xp, onehot, n_in, fpe, B, H, e, Pv, BW, SM, L2, floor=OVERHEAD_SCALE):
     """``onehot``: list of 0/1 (scalars or arrays), one per op of ``VECTOR_OPS``."""
-    n, flops, nbytes = vector_work(xp, n_in, fpe, B, H, e)
+    n, flops, nbytes = vector_work(n_in, fpe, B, H, e)
     tc = flops / Pv
     tm = nbytes / BW
     troof = xp.maximum(tc, tm)

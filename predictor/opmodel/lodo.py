@@ -39,11 +39,11 @@ def _work(rec: Records, devices: Mapping):
                 P, Pv, BW, _, _ = F.device_params(devices[name], dt)
                 e = F.dtype_bytes(dt)
                 if op in F.GEMM_OPS:
-                    _, _, fl, by = F.gemm_work(F.VECTOR, float(op == "bmm"), d["B"][m], d["M"][m], d["N"][m],
+                    _, _, fl, by = F.gemm_work(float(op == "bmm"), d["B"][m], d["M"][m], d["N"][m],
                                                d["K"][m], e)
                     tc[m], tm[m] = fl / P, by / BW
                 else:
-                    _, fl, by = F.vector_work(F.VECTOR, F.VEC_INPUTS[op], F.VEC_FLOPS[op], d["B"][m], d["H"][m], e)
+                    _, fl, by = F.vector_work(F.VEC_INPUTS[op], F.VEC_FLOPS[op], d["B"][m], d["H"][m], e)
                     tc[m], tm[m] = fl / Pv, by / BW
     return tc, tm, np.maximum(tc, tm)
 
