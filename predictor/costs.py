@@ -105,8 +105,11 @@ class StageCostModel:
         which operator model ran (learned / roofline / profile)."""
         out = {}
         for name, g in self._groups.items():
-            out.setdefault(g.device, {"device": g.device, "groups": [], "source": self._prov[name],
-                                      "op_model": self._opkind[name]})["groups"].append(name)
+            if g.device not in out:
+                note = getattr(self._opm[name], "accuracy_note", None)
+                out[g.device] = {"device": g.device, "groups": [], "source": self._prov[name],
+                                 "op_model": self._opkind[name], "note": note(self._dev[name]) if note else ""}
+            out[g.device]["groups"].append(name)
         return out
 
     def peak_flops(self, group: str) -> float:

@@ -284,3 +284,24 @@ def test_v100_gpt2_step_without_v100():
         assert abs(errors["probed"]) < abs(errors["specs"]), errors
         checked += 1
     assert checked >= 1
+
+
+def test_provenance_says_what_the_model_knows_of_each_gpu():
+    """`hetero predict` tells, per device, whether the learned model saw a GPU with its specs or
+    extrapolates from specs (with the leave-one-GPU-out error stored beside the model)."""
+    import hetero
+
+    cluster = hetero.load_cluster({"name": "two", "groups": [
+        {"name": "a", "device": "A100-SXM4-40GB", "nodes": 1, "devices_per_node": 1},
+        {"name": "h", "device": "H100-SXM5-80GB", "nodes": 1, "devices_per_node": 1}]})
+    from pathlib import Path
+
+    model = hetero.load_model(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml")
+    plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 2, "stages": [{"group": "a", "layers": [0, 2]},
+                                                        {"group": "h", "layers": [2, 4]}]}]}, cluster, model)
+    prov = hetero.predict(cluster, model, plan).provenance
+    assert prov["A100-SXM4-40GB"]["note"].startswith("fitted on measurements of NVIDIA A100-PCIE-40GB")
+    lodo = default_model().meta["design_selection"]["inner_mean_mape"][default_model().design]
+    assert 0.05 < lodo < 0.5
+    assert f"leave-one-GPU-out operator MAPE {lodo:.0%}" in prov["H100-SXM5-80GB"]["note"]

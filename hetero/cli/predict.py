@@ -79,7 +79,7 @@ def run(args) -> int:
                       f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
     for dev, info in pred.provenance.items():
         out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
-                  f"operator model {info['op_model']}")
+                  f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
     if args.timeline:
         out.print(f"timeline written to {args.timeline}")
     return 0

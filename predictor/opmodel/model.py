@@ -175,6 +175,19 @@ class OpModel:
             self._dev[key] = hit
         return hit[1]
 
+    def accuracy_note(self, device) -> str:
+        """What the model knows of ``device``, for the predictor's provenance: whether it was fitted
+        on this GPU's own measurements, else the leave-one-GPU-out error stored with the model
+        (``meta.design_selection``, measured by scripts/fit_opmodel.py on the training GPUs)."""
+        i = self._floor_index(device)
+        if i > 0:
+            name = self.floors["devices"][i - 1].get("name", "a GPU")
+            return f"fitted on measurements of {name}, whose specs this device shares"
+        sel = self.meta.get("design_selection", {}).get("inner_mean_mape", {})
+        err = sel.get(self.design)
+        tail = f"; leave-one-GPU-out operator MAPE {err:.0%} on the training GPUs" if err else ""
+        return f"a GPU it was not fitted on: from its specs{tail} (`hetero profile` on it narrows this)"
+
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device) -> float:
         """Latency in seconds of ``op`` with ``dims`` (B, M, N, K for linear/bmm; B, H otherwise)."""
         g = dims.get

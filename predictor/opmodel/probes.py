@@ -193,6 +193,11 @@ class ProbedDevice:
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device=None) -> float:
         return self._models.get(dtype, self._fallback).predict(op, dims, dtype)
 
+    def accuracy_note(self, device=None) -> str:
+        """For the predictor's provenance: which dtypes the profile's probes pinned."""
+        return (f"learned model pinned by this GPU's profile probes ({', '.join(self.calibrations)}; "
+                f"other dtypes keep its measured launch floors and the datasheet peaks)")
+
 
 __all__ = ["BANDWIDTH_PROBES", "COMPUTE_PROBES", "DeviceCalibration", "FLOOR_SHAPES", "PROBES", "PROBE_KINDS", "ProbedDevice",
            "ProbedOpModel", "calibrate", "probe_rows", "scaled_device"]
