@@ -59,7 +59,7 @@ class StageCostModel:
         self._prov: dict[str, str] = {}
         self._opkind: dict[str, str] = {}
         by_device: dict[str, tuple] = {}
-        self._sources: dict[str, object] = {}
+        self._sources: dict[str, tuple] = {}  # device type -> (DeviceType, its op-time source)
         self._profiles_stamp = _profiles_stamp()
         for name, g in self._groups.items():
             dev = self._dev[name]
@@ -361,8 +361,9 @@ def _source_of(opm):
     return getattr(opm, "source_model", opm)
 
 
-def _profiles_stamp() -> tuple:
-    """(profile cache folder, its mtime): changes whenever a profile is written there."""
+def _profiles_stamp() -> tuple | None:
+    """(profile cache folder, its mtime): changes whenever a profile is written there; None when
+    there is no profile machinery to ask."""
     try:
         from .profiles import cache_dir
     except ImportError:  # no profile machinery: op_model_for itself is the check
