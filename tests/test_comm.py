@@ -305,6 +305,9 @@ MPI_SCRIPT = textwrap.dedent('''
     comm.barrier()
     print(f"MPI-BRIDGE-OK rank={rank} size={n}", flush=True)
     comm.close()
+    # whoever initialised torch.distributed tears it down: left to interpreter exit, a Gloo worker
+    # thread may drop its last tensor reference while Python finalises and abort the process
+    dist.destroy_process_group()
 ''')
 
 
