@@ -66,18 +66,21 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
                           else best_tp[g][:1] for g in subset]
                 cands = []
                 orders = group_orders(cluster, subset)
-                first_order = orders[0]
+                # A pair is tried both ways round: which group holds the LM head (last stage) or the
+                # embedding changes the split enough to reorder close shapes. Larger sets try their
+                # other orders only for the best few shapes of the first order.
+                tried = orders if k <= 2 else orders[:1]
                 for tps in itertools.product(*per_tp):
                     tp_of = dict(zip(subset, tps))
                     for r in replica_options(tp_of, sizes, units, L):
-                        segs = tuple(Segment(g, tp_of[g], sizes[g] // (r * tp_of[g])) for g in first_order)
-                        blk = ev.evaluate(segs, r, mbs, rc, opts.zero_stages)
-                        if blk is not None:
-                            cands.append(blk)
+                        for order in tried:
+                            segs = tuple(Segment(g, tp_of[g], sizes[g] // (r * tp_of[g])) for g in order)
+                            blk = ev.evaluate(segs, r, mbs, rc, opts.zero_stages)
+                            if blk is not None:
+                                cands.append(blk)
                 cands.sort(key=lambda b: -key(b, share))
-                # other orders only for the best few shapes
                 extra = []
-                for blk in cands[:3]:
+                for blk in cands[:3] if k > 2 else ():
                     seg_of = {s.group: s for s in blk.segments}
                     for order in orders[1:]:
                         alt = ev.evaluate(tuple(seg_of[g] for g in order), blk.replicas, mbs, rc, opts.zero_stages)
