@@ -4,10 +4,13 @@ Data: ../shared/data/neusight/e2e_labels.json: measured single-GPU training step
 backward, ms) of HF-transformers GPT-2-large (seq 1024, batch 1) and BERT-large (seq 512, batch
 2 and 8) on a Tesla V100-PCIE-32GB, fp32. Method: fit the learned operator model
 (``hetero.predictor.opmodel.OpModel``) on the NeuSight operator records WITHOUT any V100 row
-(``exclude_devices``), then sum its predictions over the predictor's operator decomposition
+(``exclude_devices``), then compose its predictions over the predictor's operator decomposition
 (``hetero.predictor.ops``) of one device holding one stage with every layer plus the embedding and
 the LM head: layers x (forward + backward) + embedding + head, fp32, tp 1, no recomputation, no
-optimizer step (the labels do not include it). The device is the catalog's V100-PCIE-32GB.
+optimizer step (the labels do not include it). Composition is the cost model's
+(``hetero.predictor.optime.stream_time``): per layer, max(host dispatch, GPU work), since the
+operator records time one call each (dispatch + kernel) while a step queues kernels ahead of the
+GPU; the plain sum of isolated latencies is printed beside it. The device is the catalog's V100-PCIE-32GB.
 BERT-large is an encoder, not one of our architectures: it is reported as a gpt-shaped
 approximation (same widths, bidirectional attention costs the same kernels), marked as such.
 Target: within 10% on each GPT-2-large label.
@@ -60,12 +63,16 @@ def op_model_without_v100(base: Path, refit: bool = False):
     return m, f"fitted in {time.perf_counter() - t:.0f} s"
 
 
-def step_ms(opm, model, batch: int, seq: int, device) -> tuple[float, float]:
-    """(forward, backward) ms of one training step through the predictor's op decomposition."""
+def step_ms(opm, model, batch: int, seq: int, device, overlap: bool = True) -> tuple[float, float]:
+    """(forward, backward) ms of one training step through the predictor's op decomposition,
+    composed as the cost model composes a layer (``overlap``), or as a plain sum of latencies."""
     from hetero.predictor import ops as O
+    from hetero.predictor.optime import op_cost, stream_time
 
     def total(ops):
-        return sum(opm.predict(o.op, o.dims_dict(), model.dtype, device) for o in ops)
+        if not overlap:
+            return sum(opm.predict(o.op, o.dims_dict(), model.dtype, device) for o in ops)
+        return stream_time(op_cost(opm, o.op, o.dims_dict(), model.dtype, device) for o in ops)
 
     L = model.num_layers
     fwd = L * total(O.layer_forward_ops(model, batch, seq, 1)) + \
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
     from hetero.predictor.opmodel import default_model
     from hetero.specs.device import load_catalog
 
-    console = Console(highlight=False, width=max(120, Console().width))
+    console = Console(highlight=False, width=max(170, Console().width))
     device = load_catalog()[CATALOG_DEVICE]
     opm, how = op_model_without_v100(base, args.refit)
     console.print(f"op model without {HELD_OUT}: trained on {', '.join(opm.meta.get('trained_devices', []))} ({how})")
@@ -120,7 +127,8 @@ def main(argv=None) -> int:
     from hetero.predictor.optime import ROOFLINE
 
     for col in ("model", "seq", "batch", "measured fwd/bwd/step ms", "specs only fwd/bwd/step ms", "error",
-                "specs + probes fwd/bwd/step ms", "error", "with V100 in training", "roofline"):
+                "specs + probes fwd/bwd/step ms", "error", "with V100 in training", "roofline",
+                "summed: specs / probes"):
         table.add_column(col, justify="left" if col == "model" else "right")
     rows = []
     for key, lab in labels.items():
@@ -132,6 +140,8 @@ def main(argv=None) -> int:
         fs, bs = step_ms(shipped, model, batch, seq, device)
         fr, br = step_ms(ROOFLINE, model, batch, seq, device)
         fp, bp = step_ms(probed, model, batch, seq, device)
+        err_summed = sum(step_ms(opm, model, batch, seq, device, overlap=False)) / lab["e2e_latency"] - 1
+        err_probed_summed = sum(step_ms(probed, model, batch, seq, device, overlap=False)) / lab["e2e_latency"] - 1
         err_probed = (fp + bp) / lab["e2e_latency"] - 1
         err_roof = (fr + br) / lab["e2e_latency"] - 1
         err = (f + b) / lab["e2e_latency"] - 1
@@ -141,12 +151,13 @@ def main(argv=None) -> int:
                      "measured_ms": {"forward": lab["fw_latency"], "backward": lab["bwall_latency"], "step": lab["e2e_latency"]},
                      "predicted_ms": {"forward": f, "backward": b, "step": f + b}, "error": err,
                      "probed_ms": {"forward": fp, "backward": bp, "step": fp + bp}, "error_probed": err_probed,
-                     "error_with_v100_in_training": err_shipped, "error_roofline": err_roof})
+                     "error_with_v100_in_training": err_shipped, "error_roofline": err_roof,
+                     "error_summed": err_summed, "error_probed_summed": err_probed_summed})
         table.add_row(name + (" (gpt-shaped approx.)" if approx else ""), str(seq), str(batch),
                       f"{lab['fw_latency']:.0f}/{lab['bwall_latency']:.0f}/{lab['e2e_latency']:.0f}",
                       f"{f:.0f}/{b:.0f}/{f + b:.0f}", f"{err:+.1%}", f"{fp:.0f}/{bp:.0f}/{fp + bp:.0f}",
                       f"{err_probed:+.1%}", f"{err_shipped:+.1%}",
-                      f"{err_roof:+.1%}")
+                      f"{err_roof:+.1%}", f"{err_summed:+.1%} / {err_probed_summed:+.1%}")
     console.print(table)
     gpt = [r for r in rows if r["model"] == "gpt2_large"]
     ok = all(abs(r["error"]) <= TARGET for r in gpt)
@@ -155,8 +166,10 @@ def main(argv=None) -> int:
     errors_probed = ", ".join(format(r["error_probed"], "+.1%") for r in gpt)
     console.print(f"GPT-2-large within {TARGET:.0%}, specs only: {'yes' if ok else 'NO'} ({errors}); "
                   f"specs + probes: {'yes' if ok_probed else 'NO'} ({errors_probed})")
-    out = {"method": "op model fitted without V100 rows (exclude_devices), summed over hetero.predictor.ops "
-                     "decomposition: layers x (fwd + bwd) + embedding + head, tp 1, no recompute, no optimizer",
+    out = {"method": "op model fitted without V100 rows (exclude_devices), composed over hetero.predictor.ops "
+                     "decomposition as the cost model does (optime.stream_time: per layer max(host dispatch, "
+                     "GPU work)): layers x (fwd + bwd) + embedding + head, tp 1, no recompute, no optimizer; "
+                     "error_summed*: plain sum of isolated latencies",
            "device": CATALOG_DEVICE, "trained_devices": opm.meta.get("trained_devices"), "target": TARGET,
            "gpt2_large_within_target": ok, "gpt2_large_within_target_probed": ok_probed,
            "probes": {"calibration": calibration.to_dict(),

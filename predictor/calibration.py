@@ -43,10 +43,10 @@ PARAMS = ("compute", "communication", "layer_overhead_s", "iteration_overhead_s"
 """The factors every predictor applies (:class:`~hetero.predictor.factors.CalibrationFactors`)."""
 EXTRA = ("op_floor_s", "network")
 """Extra structure this module fits (the predictor applies it, see :class:`CalibrationFactors`):
-``op_floor_s``: no modelled kernel takes less than this (seconds, after the compute factor): the
-host issues kernels at a finite rate, so small kernels are dispatch-bound, and the time of a layer
-is a max (device work, host dispatch), not a sum -- an additive overhead cannot express that
-small models are launch-bound while large ones are compute-bound.
+``op_floor_s``: the host's dispatch time per kernel, at least (seconds): the host issues kernels at
+a finite rate while the device runs the queued ones, so the time of a layer is a max (device
+work, host dispatch), not a sum -- an additive overhead cannot express that small models are
+launch-bound while large ones are compute-bound.
 ``network``: multiplies the time of traffic over the inter-node network (on top of
 ``communication``): NICs and NVLink reach different fractions of their nominal bandwidth."""
 ALL = PARAMS + EXTRA

@@ -10,6 +10,11 @@ disagree (the predictor is the single source of cost truth).
                              first=True, last=False)
     cm.capacity("a100"); cm.p2p_time("a100", "mi250", 4); cm.dp_sync_time(plan)
 
+Compute: a layer's kernels run in order on one device stream. Their latencies come from the
+device's op model as an isolated call measures them (host dispatch + kernel); in a step the host
+queues kernels ahead of the device, so a layer takes max(host dispatch, device work), not the sum
+(:func:`~hetero.predictor.optime.stream_time`; CPU devices run ops synchronously and sum them).
+
 Data-parallel gradient synchronisation (see :meth:`StageCostModel.dp_sync_time` and
 :mod:`.placement`): every layer's gradient is summed over every replica that holds it, whatever its
 pipeline's shape. Replicas in one group all-reduce among themselves (NVLink when they share a node,
@@ -36,7 +41,7 @@ from . import memory as mem
 from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
-from .optime import ROOFLINE, op_model_for
+from .optime import ROOFLINE, op_cost, op_model_for, stream_time
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
@@ -126,21 +131,22 @@ class StageCostModel:
 
     # ------------------------------------------------------------------ compute
     def _ops_time(self, group: str, ops) -> float:
+        """Seconds of ``ops`` in order on one device stream, host dispatch overlapping the device
+        (:func:`~hetero.predictor.optime.stream_time`), with the calibration's compute factor and
+        per-kernel dispatch floor."""
         dev = self._dev[group]
         opm = self._opm[group]
         dtype = self.dtype
         cache = self._op_cache
         factors = self._factors[group]
-        floor, c = factors.op_floor_s, factors.compute
-        total = 0.0
+        costs = []
         for o in ops:
             key = (group, o.op, o.dims)
-            t = cache.get(key)
-            if t is None:
-                t = opm.predict(o.op, o.dims_dict(), dtype, dev)
-                cache[key] = t
-            total += t if floor <= 0 else max(t * c, floor) / c
-        return total * c
+            hit = cache.get(key)
+            if hit is None:
+                hit = cache[key] = op_cost(opm, o.op, o.dims_dict(), dtype, dev)
+            costs.append(hit)
+        return stream_time(costs, factors.compute, factors.op_floor_s)
 
     def _layer_ratio(self, group: str, mbs: int, which: str = "layer_ratio") -> tuple[float, float]:
         """Operator sum -> measured layer (or edge: ``which="edge_ratio"``) time, for op models that

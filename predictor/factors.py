@@ -21,8 +21,10 @@ class CalibrationFactors:
     iteration_overhead_s: float = 0.0
     """Added once per iteration (framework, data loading, synchronisation)."""
     op_floor_s: float = 0.0
-    """No kernel takes less than this (seconds, after the compute factor): the host's launch rate
-    bounds small kernels, which a per-layer overhead cannot express for small and large models at once."""
+    """Host dispatch time of every kernel at least (seconds): the framework's launch rate. Dispatch
+    overlaps the device's work (:func:`hetero.predictor.optime.stream_time`), so it bounds small,
+    launch-bound models and vanishes behind large kernels, which a per-layer overhead cannot express
+    for small and large models at once."""
     network: float = 1.0
     """Multiplies the time of traffic over the inter-node network (one factor per cluster: the
     largest over its device types)."""

@@ -73,8 +73,39 @@ def op_time(op: str, dims: dict, dtype: str, device) -> float:
     return catalog_model()[0].predict(op, dims, dtype, device)
 
 
+def op_cost(opm, op: str, dims: dict, dtype: str, device) -> tuple[float, float]:
+    """(latency, host share) seconds of one kernel under op model ``opm``: the latency an isolated
+    call measures, and how much of it is host dispatch (``opm.host_overhead``). The share is 0 for
+    models whose latencies hold none (the roofline) and on CPU-family devices, where an op runs on
+    the host itself, synchronously, whatever model predicts it."""
+    t = opm.predict(op, dims, dtype, device)
+    fn = getattr(opm, "host_overhead", None)
+    if fn is None or device.family == "cpu":
+        return t, 0.0
+    return t, min(fn(op, dtype, device), t)
+
+
+def stream_time(costs, compute: float = 1.0, host_floor: float = 0.0) -> float:
+    """Seconds to run kernels in order on one stream, from their ``(latency, host share)`` pairs.
+
+    The host dispatches kernels into the stream queue while the device runs earlier ones, so in a
+    step (many repetitions of the same layer) the two overlap and the slower side sets the pace:
+    ``max(sum of host shares, compute x sum of device shares)`` -- the throughput of a two-stage
+    line with a deep queue (CUDA queues about a thousand launches). A sum of isolated latencies
+    would count every launch's dispatch once more; that sum is what this returns when no host share
+    is known. ``compute``: the calibration's compute factor (device side); ``host_floor``: its
+    per-kernel dispatch time, the least host time of any kernel."""
+    host = device = 0.0
+    for t, d in costs:
+        host += d if d > host_floor else host_floor
+        device += t - d
+    device *= compute
+    return host if host > device else device
+
+
 class _Scaled:
-    """A local (profile) model on an emulated device that runs ``factor`` times slower."""
+    """A local (profile) model on an emulated device that runs ``factor`` times slower. It has no
+    host share: a CPU op runs on the host itself, synchronously."""
 
     kind = "profile"
 
@@ -171,5 +202,5 @@ def probed_model(device_name: str, device):
     return probed
 
 
-__all__ = ["op_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
+__all__ = ["op_time", "op_cost", "stream_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
            "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY"]

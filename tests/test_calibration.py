@@ -203,17 +203,24 @@ def vtrain_cv():
 
 
 def test_vtrain_cross_validation_regression(vtrain_cv):
-    """Targets: <= 8% single-node (met: 7.8%), <= 12% multi-node (not met: 14.5%; see
-    benchmarks/results/vtrain_cv.json). The multi-node bound is what the model reaches now plus
-    0.5 pt, so a regression fails here."""
+    """Targets: <= 8% single-node, <= 12% multi-node; neither is met on fold seed 0 (8.3%, 12.9%;
+    benchmarks/results/vtrain_cv.json). The bounds are what the model reaches now plus 0.5 pt, so
+    a regression fails here."""
     single, multi, uncal, overall = vtrain_cv
     assert overall < 0.6 * uncal
-    assert single <= 0.08, single
-    assert multi <= 0.150, multi
+    assert single <= 0.088, single
+    assert multi <= 0.134, multi
 
 
-@pytest.mark.xfail(reason="multi-node target not reached yet: CV MAPE 14.5% on 22 multi-node runs "
-                          "(vTrain's simulator: 14.7%); the two tp2 h8192 runs are ~35% low and no "
-                          "communication term explains it", strict=True)
+@pytest.mark.xfail(reason="single-node target not reached: CV MAPE 8.3% on 200 runs (7.8% before kernel "
+                          "dispatch was overlapped with device work, which took multi-node from 14.5% to "
+                          "12.9%); in-sample the structure reaches 8.1%", strict=True)
+def test_vtrain_cross_validation_single_node_target(vtrain_cv):
+    assert vtrain_cv[0] <= 0.08, vtrain_cv[0]
+
+
+@pytest.mark.xfail(reason="multi-node target not reached on fold seed 0: CV MAPE 12.9% on 22 multi-node "
+                          "runs (11.2% and 11.6% with fold seeds 1 and 2; vTrain's simulator: 14.7%); the "
+                          "two tp2 h8192 runs are ~35% low and no communication term explains it", strict=True)
 def test_vtrain_cross_validation_multi_node_target(vtrain_cv):
     assert vtrain_cv[1] <= 0.12, vtrain_cv[1]

@@ -310,6 +310,43 @@ def test_calibration_factors_apply(inputs):
     assert comm2.p2p_time("a100", "a100", 2) == pytest.approx(3 * base.p2p_time("a100", "a100", 2))
 
 
+def test_stream_time_overlaps_host_dispatch():
+    """Kernels queue ahead of the device: the slower of host dispatch and device work sets the pace."""
+    from hetero.predictor.optime import stream_time
+
+    assert stream_time([(10.0, 2.0), (10.0, 2.0)]) == 16.0          # device-bound: dispatch hidden
+    assert stream_time([(5.0, 4.0), (5.0, 4.0)]) == 8.0             # launch-bound: the host's sum
+    assert stream_time([(3.0, 0.0), (4.0, 0.0)]) == 7.0             # no host share known: the plain sum
+    assert stream_time([(10.0, 2.0)] * 2, compute=2.0) == 32.0      # the compute factor is device-side
+    assert stream_time([(10.0, 0.0)] * 3, host_floor=5.0) == 30.0   # a dispatch floor under the work...
+    assert stream_time([(10.0, 0.0)] * 3, host_floor=20.0) == 60.0  # ...and one above it
+
+
+def test_gpu_layer_composes_isolated_latencies_with_overlap(inputs):
+    """A learned-model GPU's layer is max(host dispatch, device work) over its kernels, below the
+    sum of the isolated latencies (each of which includes its own dispatch); the host share is the
+    launch floor the model holds for the device minus a kernel's minimum device time."""
+    from hetero.predictor.opmodel.model import KERNEL_MIN_S
+    from hetero.predictor.optime import op_cost, stream_time
+
+    cluster, model, _ = inputs
+    cm = StageCostModel(cluster, model)
+    opm, dev = cm._opm["a100"], cm.device("a100")
+    if not hasattr(opm, "host_overhead"):
+        pytest.skip("the learned op model is not installed (roofline fallback has no host share)")
+    ops = O.layer_forward_ops(model, 2, model.seq_length, 2)
+    costs = [op_cost(opm, o.op, o.dims_dict(), model.dtype, dev) for o in ops]
+    assert all(0 < d < t for t, d in costs)
+    assert cm.layer_compute_times("a100", 2, 2, "none")[0] == pytest.approx(stream_time(costs))
+    assert stream_time(costs) < sum(t for t, _ in costs) - 0.5 * sum(d for _, d in costs)
+    from hetero.predictor.opmodel.features import OP_POS
+
+    fi = int(opm._device_params(dev, model.dtype)[5])
+    assert fi >= 0, "a floor design"
+    floor = opm._floor_tables[fi][OP_POS["linear"]]
+    assert opm.host_overhead("linear", model.dtype, dev) == pytest.approx(floor - KERNEL_MIN_S)
+
+
 def test_cpu_devices_use_local_profile(monkeypatch):
     class Local:
         def predict(self, op, dims, dtype, device):
@@ -328,6 +365,14 @@ def test_cpu_devices_use_local_profile(monkeypatch):
     assert prov["cpu-slow"]["source"] == "profile" and prov["cpu"]["source"] == "catalog"
     n = len(O.layer_forward_ops(model, 1, 32, 1))
     assert cm.layer_compute_times("slow", 1, 1, "none")[0] == pytest.approx(n * 1e-3 * 2.0)
+    # a CPU runs its ops synchronously: no dispatch overlap, whatever model predicts them
+    from hetero.predictor.optime import op_cost
+
+    opm = cm._opm["fast"]
+    ops = O.layer_forward_ops(model, 1, 32, 1)
+    assert all(d == 0.0 for _, d in (op_cost(opm, o.op, o.dims_dict(), "fp32", cm.device("fast")) for o in ops))
+    assert cm.layer_compute_times("fast", 1, 1, "none")[0] == pytest.approx(
+        sum(opm.predict(o.op, o.dims_dict(), "fp32", cm.device("fast")) for o in ops))
     # cpu <-> emulated vendor: cross-group but no host staging (both live in host memory)
     link = cluster.network.cross_group
     assert cm.p2p_time("fast", "slow", 1) == pytest.approx(link.latency + 32 * 64 * 4 / link.bandwidth)

@@ -10,7 +10,9 @@ log(roofline / floor). floor[op, device] is the launch floor: on a training devi
 bandwidth, compute units, L2 and clock), the 1% quantile of the op's measured latency there (a
 host/driver constant: 25-42 us for one elementwise op on the NeuSight machines, not explained by
 any GPU spec); on any other device, an aggregate of the training devices' floors: the geometric
-mean (design "floor") or the median ("floor_median"). Normalising by each training device's own
+mean (design "floor") or the median ("floor_median"). A floor is mostly host dispatch, which a
+training step overlaps with earlier kernels: :meth:`OpModel.host_overhead` says how much, and the
+cost model composes a layer with it (``hetero.predictor.optime.stream_time``). Normalising by each training device's own
 floor keeps the trees from learning the floor as a function of device-identifying spec ratios
 (which made an unseen GPU inherit the floor of its nearest training neighbour). Design "ratio"
 (format v1, the previous model) is latency = roofline * exp(g); "floor_power" is "floor" plus
@@ -54,6 +56,11 @@ TARGETS = {
 TARGETS["floor_power"] = TARGETS["floor"] + "; GEMM features add log2(peak/tdp) and log2(tdp)"
 TARGETS["floor_median"] = TARGETS["floor"].replace("geometric mean", "median")
 FLOOR_QUANTILE = 0.01
+KERNEL_MIN_S = 2e-6
+"""Device time of the smallest kernel (a tiny elementwise kernel runs for about 2 us on these GPUs).
+A launch floor minus this is host time: NeuSight times one call between two CUDA events on an idle
+GPU (sitar-lab/NeuSight, neusight/Tracing/trace.py, ``measure_cuda_kernel``), so each record is host
+dispatch + kernel. Fixed beforehand, not fitted; see :meth:`OpModel.host_overhead`."""
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "opmodel.json"
 
 HGB_PARAMS = dict(max_iter=200, learning_rate=0.08, max_leaf_nodes=31, min_samples_leaf=40,
@@ -187,6 +194,19 @@ class OpModel:
         err = sel.get(self.design)
         tail = f"; leave-one-GPU-out operator MAPE {err:.0%} on the training GPUs" if err else ""
         return f"a GPU it was not fitted on: from its specs{tail} (`hetero profile` on it narrows this)"
+
+    def host_overhead(self, op: str, dtype: str, device) -> float:
+        """Seconds of host dispatch inside :meth:`predict`'s latency of ``op`` on ``device``.
+
+        A latency here is what an isolated call measures: host dispatch + kernel. Inside a training
+        step the host queues kernels ahead of the GPU, so the dispatch overlaps the previous kernels
+        (:func:`hetero.predictor.optime.stream_time`). It is the op's launch floor (measured on a
+        training device, else the floors' aggregate) minus :data:`KERNEL_MIN_S`; 0 for the
+        ``ratio`` design, which has no floor."""
+        fi = self._device_params(device, dtype)[5]
+        if fi < 0:
+            return 0.0
+        return max(self._floor_tables[int(fi)][F.OP_POS[op]] - KERNEL_MIN_S, 0.0)
 
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device) -> float:
         """Latency in seconds of ``op`` with ``dims`` (B, M, N, K for linear/bmm; B, H otherwise)."""

@@ -158,6 +158,11 @@ class ProbedOpModel:
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device=None) -> float:
         return self._model.predict(op, dims, dtype, self._devices[op])
 
+    def host_overhead(self, op: str, dtype: str, device=None) -> float:
+        """Host dispatch inside :meth:`predict`'s latency (the measured floor minus a kernel's
+        minimum; see :meth:`OpModel.host_overhead`)."""
+        return self._model.host_overhead(op, dtype, self._devices[op])
+
     def predict_records(self, records) -> np.ndarray:
         """Seconds for each row of ``records`` (their device column is ignored)."""
         rec = as_records(records)
@@ -192,6 +197,9 @@ class ProbedDevice:
 
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device=None) -> float:
         return self._models.get(dtype, self._fallback).predict(op, dims, dtype)
+
+    def host_overhead(self, op: str, dtype: str, device=None) -> float:
+        return self._models.get(dtype, self._fallback).host_overhead(op, dtype)
 
     def accuracy_note(self, device=None) -> str:
         """For the predictor's provenance: which dtypes the profile's probes pinned."""
