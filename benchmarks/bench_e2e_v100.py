@@ -82,6 +82,31 @@ def step_ms(opm, model, batch: int, seq: int, device, overlap: bool = True) -> t
     return fwd * 1e3, bwd * 1e3
 
 
+def attribution(opm, device, calibration, gpt2, labels, console) -> dict:
+    """Which missing knowledge the specs-only GPT-2-large error comes from: the step error with the
+    specs-only model given ONE kind of the V100's probe results at a time (its launch floors, its
+    bandwidth scale, its GEMM peak scales), then all of them."""
+    from hetero.predictor.opmodel.probes import DeviceCalibration, ProbedOpModel
+
+    c = calibration
+    variants = {"specs only": DeviceCalibration({}, 1.0, {}, 0),
+                "+ measured floors": DeviceCalibration(c.floors, 1.0, {}, 0),
+                "+ bandwidth scale": DeviceCalibration({}, c.bandwidth_scale, {}, 0),
+                "+ GEMM peak scales": DeviceCalibration({}, 1.0, c.compute_scale, 0),
+                "+ all probes": c}
+    out = {}
+    for key, lab in labels.items():
+        name, _, seq, batch = key.split("/", 1)[1].split("-")
+        if name != "gpt2_large":
+            continue
+        model = dataclasses.replace(gpt2, seq_length=int(seq))
+        out[key] = {v: sum(step_ms(ProbedOpModel(opm, device, cal), model, int(batch), int(seq), device))
+                    / lab["e2e_latency"] - 1 for v, cal in variants.items()}
+        console.print(f"GPT-2-large step error by what is known of the V100 ({key}): "
+                      + ", ".join(f"{v} {e:+.1%}" for v, e in out[key].items()))
+    return out
+
+
 def models():
     import hetero
 
@@ -175,6 +200,7 @@ def main(argv=None) -> int:
            "probes": {"calibration": calibration.to_dict(),
                       "method": "hetero.predictor.opmodel.probes.calibrate on the V100's NeuSight records"},
            "rows": rows}
+    out["gpt2_large_attribution"] = attribution(opm, device, calibration, specs["gpt2_large"], labels, console)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     console.print(f"wrote {args.json}")

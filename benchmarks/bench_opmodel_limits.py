@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much of an operator's latency on an unseen GPU the spec sheet can explain (NeuSight data).
 
-Three measurements, no model involved, printed and written to
+Four measurements, no model involved, printed and written to
 benchmarks/results/opmodel_limits.json:
   1. launch floor per (op, GPU): the 1% quantile of the op's latency on that GPU, and the share of
      rows within 3x of it. A spec-only predictor must guess this host + driver + framework constant.
@@ -11,6 +11,8 @@ benchmarks/results/opmodel_limits.json:
      very same shape, as floor_target + (latency_source - floor_source) x peak_source / peak_target
      (the target's own floor is given, i.e. this is more than specs). MAPE per (target, source):
      the error a predictor would have even with a perfect shape model borrowed from a sibling GPU.
+  4. sustained fraction of the datasheet memory bandwidth reached by large memory-bound ops (at
+     least 200 MB moved; median per op), the bandwidth twin of 2.
 
     python benchmarks/bench_opmodel_limits.py
 """
@@ -95,11 +97,28 @@ def main(argv=None) -> int:
     best = {k: min(v.values()) for k, v in transfer.items()}
     print("\nbest sibling per target: " + ", ".join(f"{k.split('/')[0]} {short[k.split('/')[1]]} {v:.0%}"
                                                   for k, v in best.items()))
+
+    print("\n4. large memory-bound ops (>= 200 MB moved): achieved / datasheet bandwidth, median (rows)")
+    bw_ops = ("add", "mul", "gelu", "ln", "softmax")
+    print(f"{'GPU':6s} {'GB/s':>6s}" + "".join(f"{op:>13s}" for op in bw_ops))
+    bandwidth = {}
+    for n in names:
+        dev, cells = devices[n], []
+        bandwidth[n] = {}
+        for op in bw_ops:
+            m = (rec.device == n) & (rec.op == op)
+            _, _, nbytes = F.vector_work(F.VEC_INPUTS[op], F.VEC_FLOPS[op], rec.dims["B"][m], rec.dims["H"][m], 4)
+            big = nbytes >= 200e6
+            frac = nbytes[big] / (rec.latency_ms[m][big] * 1e-3) / dev.effective_memory_bandwidth
+            bandwidth[n][op] = {"median": float(np.median(frac)), "rows": int(big.sum())}
+            cells.append(f"{np.median(frac):>7.2f} ({big.sum():>3d})")
+        print(f"{short[n]:6s} {dev.effective_memory_bandwidth / 1e9:>6.0f}" + "".join(cells))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"method": __doc__, "floors_us": {f"{op}/{n}": v for (op, n), v in floors.items()},
                                "share_within_3x_floor": {f"{op}/{n}": v for (op, n), v in near.items()},
                                "large_linear_fraction_of_peak": sustained, "same_shape_transfer_mape": transfer,
-                               "best_sibling_mape": best}, indent=1) + "\n")
+                               "best_sibling_mape": best, "large_memory_bound_fraction_of_bandwidth": bandwidth},
+                              indent=1) + "\n")
     print(f"wrote {OUT}")
     return 0
 
