@@ -38,6 +38,15 @@ class StagePrediction:
     optimizer_time_s: float = 0.0
     p2p_time_s: float = 0.0
     """Sending one micro-batch to the next stage (0 for the last)."""
+    layer_dispatch_s: float = 0.0
+    """Host time to issue one layer's kernels (forward + backward, one micro-batch)."""
+    layer_device_s: float = 0.0
+    """Device time of those kernels; below ``layer_dispatch_s`` the stage is launch-bound."""
+
+    @property
+    def launch_bound(self) -> bool:
+        """Whether the host's kernel dispatch, not the device, paces this stage's layers."""
+        return self.layer_dispatch_s > self.layer_device_s > 0
 
     @property
     def fits(self) -> bool:
@@ -57,7 +66,8 @@ class StagePrediction:
         if extra:
             out.update(memory=self.memory_breakdown.to_dict() if self.memory_breakdown else {}, in_flight_microbatches=self.in_flight_microbatches,
                        dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
-                       p2p_time_s=self.p2p_time_s)
+                       p2p_time_s=self.p2p_time_s, layer_dispatch_s=self.layer_dispatch_s,
+                       layer_device_s=self.layer_device_s, launch_bound=self.launch_bound)
         return out
 
 
@@ -200,11 +210,13 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                                            inflight, first, last)
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, p.replicas)
             opt_max = max(opt_max, opt)
+            dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)
             stage_preds.append(StagePrediction(
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
                 peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
                 memory_breakdown=br, in_flight_microbatches=inflight, dp_sync_time_s=dp_times.get((pi, i), 0.0),
-                optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0))
+                optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0,
+                layer_dispatch_s=dispatch, layer_device_s=device))
         pipes.append(PipelinePrediction(replicas=p.replicas, micro_batches=m, stages=stage_preds,
                                         micro_batch_size=mbs, pipeline_time_s=ptime))
         if ptime > slowest_t:

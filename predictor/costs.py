@@ -41,7 +41,7 @@ from . import memory as mem
 from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
-from .optime import ROOFLINE, op_cost, op_model_for, stream_time
+from .optime import ROOFLINE, op_cost, op_model_for, stream_split
 
 OPTIMIZER_BYTES_PER_PARAM = 28
 """Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
@@ -130,10 +130,10 @@ class StageCostModel:
         return float(self._dev[group].memory)
 
     # ------------------------------------------------------------------ compute
-    def _ops_time(self, group: str, ops) -> float:
-        """Seconds of ``ops`` in order on one device stream, host dispatch overlapping the device
-        (:func:`~hetero.predictor.optime.stream_time`), with the calibration's compute factor and
-        per-kernel dispatch floor."""
+    def _ops_split(self, group: str, ops) -> tuple[float, float]:
+        """(host dispatch, device work) seconds of ``ops`` on one device stream, with the
+        calibration's compute factor and per-kernel dispatch floor
+        (:func:`~hetero.predictor.optime.stream_split`)."""
         dev = self._dev[group]
         opm = self._opm[group]
         dtype = self.dtype
@@ -146,7 +146,26 @@ class StageCostModel:
             if hit is None:
                 hit = cache[key] = op_cost(opm, o.op, o.dims_dict(), dtype, dev)
             costs.append(hit)
-        return stream_time(costs, factors.compute, factors.op_floor_s)
+        return stream_split(costs, factors.compute, factors.op_floor_s)
+
+    def _ops_time(self, group: str, ops) -> float:
+        """Seconds of ``ops`` in order on one device stream: host dispatch overlaps the device,
+        the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""
+        host, device = self._ops_split(group, ops)
+        return host if host > device else device
+
+    def layer_stream(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
+        """(host dispatch, device work) seconds of one layer's kernels, forward plus backward, for one
+        micro-batch (no communication). Host >= device means the layer is launch-bound: the device
+        waits for the host to issue kernels, and only bigger kernels or fewer launches help."""
+        key = ("ls", group, tp, mbs, recompute)
+        hit = self._cache.get(key)
+        if hit is None:
+            s = self.model.seq_length
+            hf, df = self._ops_split(group, O.layer_forward_ops(self.model, mbs, s, tp))
+            hb, db = self._ops_split(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute))
+            hit = self._cache[key] = (hf + hb, df + db)
+        return hit
 
     def _layer_ratio(self, group: str, mbs: int, which: str = "layer_ratio") -> tuple[float, float]:
         """Operator sum -> measured layer (or edge: ``which="edge_ratio"``) time, for op models that

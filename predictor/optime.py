@@ -85,21 +85,27 @@ def op_cost(opm, op: str, dims: dict, dtype: str, device) -> tuple[float, float]
     return t, min(fn(op, dtype, device), t)
 
 
+def stream_split(costs, compute: float = 1.0, host_floor: float = 0.0) -> tuple[float, float]:
+    """(host dispatch, device work) seconds of kernels given as ``(latency, host share)`` pairs:
+    the sum of host shares (each at least ``host_floor``, the calibration's per-kernel dispatch
+    time) and ``compute`` (the calibration's compute factor) x the sum of the device shares."""
+    host = device = 0.0
+    for t, d in costs:
+        host += d if d > host_floor else host_floor
+        device += t - d
+    return host, device * compute
+
+
 def stream_time(costs, compute: float = 1.0, host_floor: float = 0.0) -> float:
     """Seconds to run kernels in order on one stream, from their ``(latency, host share)`` pairs.
 
     The host dispatches kernels into the stream queue while the device runs earlier ones, so in a
     step (many repetitions of the same layer) the two overlap and the slower side sets the pace:
-    ``max(sum of host shares, compute x sum of device shares)`` -- the throughput of a two-stage
+    ``max(host dispatch, device work)`` of :func:`stream_split` -- the throughput of a two-stage
     line with a deep queue (CUDA queues about a thousand launches). A sum of isolated latencies
     would count every launch's dispatch once more; that sum is what this returns when no host share
-    is known. ``compute``: the calibration's compute factor (device side); ``host_floor``: its
-    per-kernel dispatch time, the least host time of any kernel."""
-    host = device = 0.0
-    for t, d in costs:
-        host += d if d > host_floor else host_floor
-        device += t - d
-    device *= compute
+    is known."""
+    host, device = stream_split(costs, compute, host_floor)
     return host if host > device else device
 
 
@@ -202,5 +208,5 @@ def probed_model(device_name: str, device):
     return probed
 
 
-__all__ = ["op_time", "op_cost", "stream_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
+__all__ = ["op_time", "op_cost", "stream_split", "stream_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
            "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY"]

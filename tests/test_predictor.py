@@ -433,6 +433,37 @@ def test_cli_json_and_timeline(tmp_path, inputs):
     assert r.returncode == 0 and "bottleneck" in r.stdout and "provenance" in r.stdout
 
 
+def test_launch_bound_stages_are_reported(tmp_path, inputs):
+    """A tiny model on a GPU is paced by the host's kernel dispatch; `hetero predict` says so (with
+    the host and device times), and a large one is not flagged."""
+    import yaml
+
+    cluster, big, plan = inputs
+    tiny = {**GPT, "name": "tiny-gpt", "num_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
+            "seq_length": 128, "vocab_size": 1000}
+    tiny_plan = {"global_batch_size": 4, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 4, "stages": [{"group": "a100", "tp": 1, "layers": [0, 2]}]}]}
+    small = predict(cluster, hetero.load_model(tiny), hetero.load_plan(tiny_plan))
+    st = small.pipelines[0].stages[0]
+    if st.layer_dispatch_s == 0:
+        pytest.skip("the learned op model is not installed (roofline fallback has no host share)")
+    assert st.launch_bound and st.layer_dispatch_s > 2 * st.layer_device_s > 0
+    assert st.to_dict(extra=True)["launch_bound"] is True
+    big_plan = {"global_batch_size": 16, "micro_batch_size": 4, "pipelines": [
+        {"replicas": 1, "micro_batches": 4, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]}
+    large = predict(cluster, big, hetero.load_plan(big_plan)).pipelines[0].stages[0]
+    assert not large.launch_bound and large.layer_device_s > 2 * large.layer_dispatch_s
+    c, _, _ = _write_inputs(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny))
+    (tmp_path / "tiny-plan.yaml").write_text(yaml.safe_dump(tiny_plan))
+    r = _cli("predict", "--cluster", c, "--model", str(tmp_path / "tiny.yaml"), "--plan", str(tmp_path / "tiny-plan.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert "launch-bound a100 (tp 1, micro-batch 1)" in " ".join(r.stdout.split()), r.stdout
+    (tmp_path / "big-plan.yaml").write_text(yaml.safe_dump(big_plan))
+    r = _cli("predict", "--cluster", c, "--model", _write_inputs(tmp_path)[1], "--plan", str(tmp_path / "big-plan.yaml"))
+    assert r.returncode == 0 and "launch-bound" not in r.stdout, r.stdout
+
+
 def test_cli_bad_plan_exit_1(tmp_path):
     import yaml
 

@@ -77,6 +77,17 @@ def run(args) -> int:
             out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
                       f"needs {_gib(s.peak_memory_bytes)} of {_gib(s.memory_capacity_bytes)}: "
                       f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
+    shown = set()
+    for p in pred.pipelines:
+        for s in p.stages:
+            key = (s.group, s.tp, p.micro_batch_size)
+            if s.launch_bound and key not in shown:
+                shown.add(key)
+                out.print(f"[bold]launch-bound[/bold] {s.group} (tp {s.tp}, micro-batch {p.micro_batch_size}): the host "
+                          f"issues a layer's kernels in {_ms(s.layer_dispatch_s)}, the device runs them in "
+                          f"{_ms(s.layer_device_s)}; a larger micro-batch"
+                          + (", less tensor parallelism" if s.tp > 1 else "")
+                          + " or fewer launches (fused kernels, CUDA graphs) would use the device better")
     for dev, info in pred.provenance.items():
         out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
                   f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
