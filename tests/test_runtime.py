@@ -334,3 +334,60 @@ def test_launch_ends_when_no_rank_ever_starts(tmp_path, monkeypatch):
     assert time.time() - t0 < 10
     assert "rank 0" in str(err.value)
     assert not _leftover(tmp_path / "run"), "the node launcher was left running"
+
+
+def test_dynamic_loss_scale_rule():
+    from hetero.runtime.loss_scale import DynamicLossScale
+
+    s = DynamicLossScale(1024.0, growth_interval=3)
+    assert s.unscale(2048.0) == (2.0, True)
+    norm, finite = s.unscale(float("inf"))
+    assert not finite
+    s.update(False)
+    assert s.scale == 512.0 and s.clean_steps == 0       # overflow: halve
+    for _ in range(2):
+        s.update(True)
+    assert s.scale == 512.0                              # not yet a clean streak
+    s.update(True)
+    assert s.scale == 1024.0 and s.clean_steps == 0      # 3 clean steps: double
+    with pytest.raises(ValueError):
+        DynamicLossScale(0.0)
+
+
+@pytest.mark.timeout(240)
+def test_fp16_dynamic_loss_scaling_skips_overflows_and_unscales(tmp_path):
+    """fp16 autocast runs with a loss scale that every rank applies the same way: at the default
+    scale the unscaled gradient norms and losses follow the fp32 reference (clipping off, so a
+    missing unscale would show); at a scale whose backward overflows fp16, every rank skips that
+    update and halves the scale until it fits, and training goes on with finite numbers."""
+    fp16 = {**GPT, "name": "tiny-fp16", "dtype": "fp16"}
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    summary, _ = _launch(tmp_path, fp16, plan, "--clip", "0")
+    ref_losses, ref_norms = reference_run_unclipped()
+    assert summary["skipped_steps"] == [] and summary["loss_scales"] == [65536.0] * STEPS
+    assert summary["grad_norms"] == pytest.approx(ref_norms, rel=2e-2)
+    assert summary["losses"] == pytest.approx(ref_losses, rel=2e-2)
+
+    (tmp_path / "big").mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    summary, proc = _launch(tmp_path / "big", fp16, plan, "--clip", "0", "--loss-scale", str(2.0 ** 24),
+                            "--steps", "8", "--save", ckpt)
+    skipped, scales = summary["skipped_steps"], summary["loss_scales"]
+    assert skipped and skipped == list(range(1, len(skipped) + 1)) and len(skipped) < 8, (skipped, scales)
+    assert scales[:len(skipped) + 1] == [2.0 ** (24 - i) for i in range(len(skipped) + 1)]
+    assert all(summary["grad_norms"][i - 1] is None for i in skipped)  # JSON null, not NaN
+    applied = [n for i, n in enumerate(summary["grad_norms"]) if i + 1 not in skipped]
+    assert applied and all(0 < n < float("inf") for n in applied)
+    assert all(abs(v) < float("inf") for v in summary["losses"])
+    assert summary["losses"][-1] < summary["losses"][len(skipped)]  # the applied updates trained
+    # the checkpoint carries the scale: a resumed run starts where this one would have gone on
+    (tmp_path / "resumed").mkdir()
+    resumed, _ = _launch(tmp_path / "resumed", fp16, plan, "--clip", "0", "--load", ckpt, "--steps", "1")
+    assert resumed["loss_scales"] == [scales[-1] * (0.5 if 8 in skipped else 1.0)]
+
+
+def reference_run_unclipped():
+    from hetero.runtime.reference import reference_run
+
+    return reference_run(GPT, 0, STEPS, 8, lr=LR, clip=0.0)

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--loss-scale", type=float, metavar="S",
+                   help="fp16 models: initial dynamic loss scale (default 65536; halved and the step skipped "
+                        "on a gradient overflow, doubled after 2000 clean steps)")
     p.add_argument("--save", metavar="DIR", help="save a torch.distributed.checkpoint here at the end")
     p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model)")
     p.add_argument("--trust-checkpoint", action="store_true",
@@ -86,10 +89,12 @@ def run(args) -> int:
                          summary=os.path.abspath(args.summary) if args.summary else None,
                          trace=os.path.abspath(args.trace) if args.trace else None,
                          inject_failure=parse_failure(args.inject_failure), lr=args.lr,
-                         weight_decay=args.weight_decay, clip=args.clip,
+                         weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
                          save=os.path.abspath(args.save) if args.save else None,
                          load=os.path.abspath(args.load) if args.load else None,
                          threads=args.threads, quiet=args.quiet, extra=extra)
+    if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
+        raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     if options.inject_failure:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:

@@ -1,8 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint, addressable by layer and tensor name.
 
 Keys are plan-independent: ``model/layers.<l>.<tensor>``, ``model/wte.weight``, ...,
-``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step`` and
-``meta/step``. Every tensor is stored unsharded, written once (by the lowest rank holding it; tp
+``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``, ``optim/<param>/step``, ``meta/step``
+and, for fp16 runs, ``meta/loss_scale``. Every tensor is stored unsharded, written once (by the lowest rank holding it; tp
 shards are gathered first), so a run with a different plan (other layer splits, tp degrees,
 pipeline shapes) loads exactly the tensors its ranks hold and shards them locally.
 """
@@ -22,8 +22,10 @@ def _local_from_full(like, full: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step: int) -> None:
-    """Write this rank's share of the plan-independent checkpoint (a collective: every rank calls it)."""
+def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step: int,
+                    loss_scale: float | None = None) -> None:
+    """Write this rank's share of the plan-independent checkpoint (a collective: every rank calls it);
+    ``loss_scale``: the fp16 dynamic loss scale to resume with."""
     state: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
         owner = holders[name][0] == rank
@@ -38,7 +40,19 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
                 state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
     if rank == 0:
         state["meta/step"] = torch.tensor(step, dtype=torch.int64)
+        if loss_scale is not None:
+            state["meta/loss_scale"] = torch.tensor(loss_scale, dtype=torch.float64)
     dcp.save(state, checkpoint_id=path)
+
+
+def saved_loss_scale(path: str) -> float | None:
+    """The fp16 loss scale stored in the checkpoint at ``path``, or None (fp32/bf16, older checkpoints)."""
+    reader = dcp.FileSystemReader(path)
+    if "meta/loss_scale" not in reader.read_metadata().state_dict_metadata:
+        return None
+    state = {"meta/loss_scale": torch.tensor(0.0, dtype=torch.float64)}
+    dcp.load(state, checkpoint_id=path)
+    return float(state["meta/loss_scale"])
 
 
 def load_checkpoint(path: str, module, optimizer) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 from hetero.errors import HeteroError
 from hetero.runtime.data import TokenSource, replica_slice
@@ -117,6 +118,9 @@ class DeepSpeedEngine:
             config["gradient_clipping"] = opts.clip
         if model.dtype == "bf16":
             config["bf16"] = {"enabled": True}
+        elif model.dtype == "fp16" and ctx.rank == 0:
+            print("note: the deepspeed engine trains this fp16 model in fp32 (no DeepSpeed fp16 optimizer on "
+                  "CPU); the native engine runs fp16 autocast with dynamic loss scaling", file=sys.stderr, flush=True)
         optimizer = make_optimizer(module.parameters(), opts.lr, opts.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=config,

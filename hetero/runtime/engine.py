@@ -10,6 +10,7 @@ import torch
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
                                   scale_grads, sync_gradients)
+from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
@@ -83,10 +84,18 @@ class NativeEngine:
                                       act_shape=(self.mbs, model.seq_length, model.hidden_size),
                                       slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype])
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
+        self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
+        self.step_loss_scale: float | None = None
+        """The loss scale the last step ran with (fp16), else None."""
+        self.step_skipped = False
+        """Whether the last step's update was skipped (fp16 gradient overflow on some rank)."""
 
     def train_step(self, step: int, timings: Timings) -> tuple[float, float]:
-        """One iteration (0-based ``step``); returns (this rank's loss share, global grad norm)."""
+        """One iteration (0-based ``step``); returns (this rank's loss share, global grad norm).
+        fp16: the loss is scaled for backward and the gradients unscaled before clipping; when any
+        rank's gradients overflowed (the all-reduced norm is not finite) every rank skips the update."""
         B = self.ctx.plan.global_batch_size
+        S = self.scaler.scale if self.scaler else 1.0
         cache: dict[int, tuple] = {}
 
         def batch(mb):
@@ -97,29 +106,45 @@ class NativeEngine:
         self.optimizer.zero_grad(set_to_none=True)
         t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
-                                 self.mbs / B, timings)
+                                 self.mbs / B * S, timings)
         t_sched = time.perf_counter()
         sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
-        norm = math.sqrt(float(total[0]))
+        norm, finite = math.sqrt(float(total[0])), True
+        if self.scaler:
+            norm, finite = self.scaler.unscale(norm)
         t_sync = time.perf_counter()
 
         def optimizer_step():
-            scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip))
+            scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip) / S)
             self.optimizer.step()
 
-        _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown)
+        if finite:
+            _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler:
+            self.step_loss_scale, self.step_skipped = S, not finite
+            self.scaler.update(finite)
         timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched
-        reported = loss if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
+        reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
 
     # checkpoint hooks
     def save(self, path: str, step: int) -> None:
         from hetero.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(path, self.module, self.optimizer, self.holders, self.ctx.rank, step)
+        save_checkpoint(path, self.module, self.optimizer, self.holders, self.ctx.rank, step,
+                        loss_scale=self.scaler.scale if self.scaler else None)
 
     def load(self, path: str) -> int:
         from hetero.runtime.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.module, self.optimizer)
+        step = load_checkpoint(path, self.module, self.optimizer)
+        if self.scaler:
+            from hetero.runtime.checkpoint import saved_loss_scale
+
+            saved = saved_loss_scale(path)
+            if saved is not None and self.ctx.options.loss_scale is None:  # an explicit --loss-scale wins
+                self.scaler.scale = saved
+        return step

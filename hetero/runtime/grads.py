@@ -120,7 +120,8 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 
 
 def scale_grads(module, coef: float) -> None:
-    if coef >= 1.0:
+    """Multiply every gradient by ``coef`` (clipping, and unscaling an fp16 loss scale)."""
+    if coef == 1.0:
         return
     for p in module.parameters():
         if p.grad is not None:

@@ -25,7 +25,9 @@ class Reporter:
         slowest = max(range(len(r.forward_s)), key=lambda i: r.forward_s[i] + r.backward_s[i])
         self.out.print(f"step {r.step:>4}  loss {r.loss:8.4f}  time {r.time_s * 1e3:8.1f} ms  "
                        f"{tps:10.0f} tok/s  |g| {r.grad_norm:7.3f}  slowest rank {slowest} "
-                       f"(F {r.forward_s[slowest] * 1e3:.1f} / B {r.backward_s[slowest] * 1e3:.1f} ms per mb)")
+                       f"(F {r.forward_s[slowest] * 1e3:.1f} / B {r.backward_s[slowest] * 1e3:.1f} ms per mb)"
+                       + (f"  [yellow]gradient overflow at loss scale {r.loss_scale:g}: update skipped, "
+                          f"scale halved[/yellow]" if r.skipped else ""))
 
     def footer(self, summary: dict) -> None:
         from rich.table import Table

@@ -36,6 +36,8 @@ class RunOptions:
     lr: float = 1e-3
     weight_decay: float = 0.0
     clip: float = 1.0
+    loss_scale: float | None = None
+    """fp16 only: the initial dynamic loss scale (None: 2^16; see hetero.runtime.loss_scale)."""
     save: str | None = None
     """Directory for a torch.distributed.checkpoint at the end of the run."""
     load: str | None = None

@@ -7,6 +7,7 @@ there. ``trainer.request_pause()`` does the same from elsewhere in the process.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -43,6 +44,10 @@ class StepResult:
     """Per rank: gradient sync + global-norm all-reduce."""
     optimizer_s: list[float] = field(default_factory=list)
     """Per rank: optimizer step (emulated slowdown included)."""
+    loss_scale: float | None = None
+    """fp16: the loss scale this step ran with (None otherwise)."""
+    skipped: bool = False
+    """fp16: the update was skipped because a gradient overflowed at that scale."""
 
 
 PER_RANK = ("forward_s", "backward_s", "schedule_s", "sync_s", "optimizer_s")
@@ -115,7 +120,8 @@ class Trainer:
             col = lambda i: [float(v) for v in row[1 + i * W:1 + (i + 1) * W]]  # noqa: E731
             result = StepResult(step=number, loss=float(row[0]), time_s=elapsed, grad_norm=norm,
                                 forward_s=col(0), backward_s=col(1), schedule_s=col(2), sync_s=col(3),
-                                optimizer_s=col(4))
+                                optimizer_s=col(4), loss_scale=getattr(self.engine, "step_loss_scale", None),
+                                skipped=bool(getattr(self.engine, "step_skipped", False)))
             self.state.results.append(result)
             if self.ctx.options.trace:
                 self.state.events.extend((k, mb, number, t, d) for k, mb, t, d in timings.events)
@@ -164,11 +170,16 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
                       "grad_sync_time_s": _mean(steady([r.sync_s[info.rank] for r in res if r.sync_s])),
                       "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
                       "vendor": info.vendor, "tp_rank": info.tp_rank, "tp_size": info.tp_size})
-    return {"steps": len(res), "losses": [r.loss for r in res], "iteration_times_s": times,
+    scaling = {}
+    if any(r.loss_scale is not None for r in res):  # fp16 with the native engine
+        scaling = {"loss_scales": [r.loss_scale for r in res], "skipped_steps": [r.step for r in res if r.skipped]}
+    return {**scaling, "steps": len(res), "losses": [r.loss for r in res], "iteration_times_s": times,
             "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
             "reconfigurations": [],
             "median_iteration_time_s": statistics.median(st) if st else None,
-            "grad_norms": [r.grad_norm for r in res], "engine": ctx.options.engine,
+            # a skipped fp16 step has no finite norm: null, since JSON has no NaN / Infinity
+            "grad_norms": [r.grad_norm if math.isfinite(r.grad_norm) else None for r in res],
+            "engine": ctx.options.engine,
             "schedule": ctx.plan.schedule,
             "communicator": "hetero.comm" if trainer.comm.hc is not None else "torch.distributed", "global_batch_size": ctx.plan.global_batch_size,
             "seq_length": ctx.model.seq_length, "world_size": trainer.world, "pid": os.getpid()}
