@@ -175,21 +175,47 @@ def _make_op(torch, op: str, dims: Mapping, dtype, device):
 
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
+ISOLATED_CALLS, ISOLATED_KEEP = 25, 5
+
+
+def isolated_call_ms(fn: Callable[[], object], new_event: Callable[[], object], synchronize: Callable[[], object],
+                     calls: int = ISOLATED_CALLS, keep: int = ISOLATED_KEEP) -> float:
+    """Milliseconds of one call on an asynchronous device, timed as the NeuSight records the learned
+    model is fitted on were: an event, the call, an event, then wait for the device -- so each time
+    is host dispatch + kernel on an idle device, the latency the model predicts and whose dispatch
+    share the cost model overlaps (:meth:`~hetero.predictor.opmodel.model.OpModel.host_overhead`).
+    Back-to-back calls would measure max(dispatch, kernel) instead. Returns the mean of the
+    ``keep`` fastest of ``calls`` calls. ``new_event()`` gives an object with ``record()`` and
+    ``elapsed_time(other) -> ms`` (``torch.cuda.Event(enable_timing=True)``)."""
+    start, end = new_event(), new_event()
+    times = []
+    for _ in range(calls):
+        start.record()
+        fn()
+        end.record()
+        synchronize()
+        times.append(float(start.elapsed_time(end)))
+    times.sort()
+    fastest = times[:max(1, keep)]
+    return sum(fastest) / len(fastest)
 
 
 def measure(grid: list[tuple[str, dict]], device_name: str, torch_device: str = "cpu",
             dtypes: Iterable[str] = ("fp32",), quick: bool = False,
             progress: Callable[[str], None] | None = None) -> list[Record]:
-    """Time every (op, dims) of ``grid`` with ``torch.utils.benchmark``: warm-up calls, then the
-    fastest of ``reps`` blocks of ``number`` calls each (``number`` sized so a block lasts at least
-    ``block_s``). Returns records; ``progress(label)`` is called after each operator."""
+    """Time every (op, dims) of ``grid``. On a CPU (ops run synchronously) with
+    ``torch.utils.benchmark``: warm-up calls, then the fastest of ``reps`` blocks of ``number``
+    calls each (``number`` sized so a block lasts at least ``block_s``). On CUDA and Ascend NPUs
+    each call is timed alone between two events (:func:`isolated_call_ms`), the protocol of the
+    data the learned model was fitted on. Returns records; ``progress(label)`` is called after
+    each operator."""
     import torch
     from torch.utils import benchmark
 
     block_s = 0.004 if quick else 0.01
-    sync = None
-    if torch_device.startswith("npu"):
-        sync = torch.npu.synchronize  # torch.utils.benchmark only synchronises CUDA
+    # CUDA and Ascend (torch_npu mirrors torch.cuda's Event / synchronize) run kernels asynchronously
+    asynchronous = torch.cuda if torch_device.startswith("cuda") else (
+        torch.npu if torch_device.startswith("npu") else None)
     out: list[Record] = []
     # Wake the thread pool / device and let clocks settle before the first timed operator.
     warm = _make_op(torch, "linear", {"B": 1, "M": 256, "N": 256, "K": 256}, torch.float32, torch_device)
@@ -201,8 +227,16 @@ def measure(grid: list[tuple[str, dict]], device_name: str, torch_device: str = 
         tdtype = getattr(torch, TORCH_DTYPES[dtype_name])
         for op, dims in grid:
             fn = _make_op(torch, op, dims, tdtype, torch_device)
-            stmt = (lambda: (fn(), sync())) if sync else fn
-            timer = benchmark.Timer(stmt="stmt()", globals={"stmt": stmt},
+            if asynchronous is not None:
+                for _ in range(3):  # warm-up: allocations, BLAS heuristics
+                    fn()
+                ms = isolated_call_ms(fn, lambda: asynchronous.Event(enable_timing=True), asynchronous.synchronize)
+                out.append(Record(op, device_name, dict(dims), ms, dtype_name))
+                del fn
+                if progress:
+                    progress(_label(op, dims))
+                continue
+            timer = benchmark.Timer(stmt="stmt()", globals={"stmt": fn},
                                     num_threads=torch.get_num_threads(), label=op)
             one = math.inf
             for _ in range(3):                    # warm-up (allocations, kernel selection, caches);
@@ -220,10 +254,14 @@ def measure(grid: list[tuple[str, dict]], device_name: str, torch_device: str = 
             # shared cores and caches), so the minimum is the least load-biased estimate
             best = min(times)
             out.append(Record(op, device_name, dict(dims), best * 1e3, dtype_name))
-            del fn, stmt, timer
+            del fn, timer
             if progress:
-                progress(f"{op} {' '.join(f'{k}={int(v)}' for k, v in dims.items())}")
+                progress(_label(op, dims))
     return out
+
+
+def _label(op: str, dims: Mapping) -> str:
+    return f"{op} {' '.join(f'{k}={int(v)}' for k, v in dims.items())}"
 
 
 # --------------------------------------------------------------------------------------- block probes
