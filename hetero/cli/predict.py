@@ -88,6 +88,9 @@ def run(args) -> int:
                           f"{_ms(s.layer_device_s)}; a larger micro-batch"
                           + (", less tensor parallelism" if s.tp > 1 else "")
                           + " or fewer launches (fused kernels, CUDA graphs) would use the device better")
+    if shown:
+        out.print("  [dim](host dispatch times are those of the machines the operator data was measured on, unless "
+                  "`hetero profile` on your device or a calibration on your runs measured them)[/dim]")
     for dev, info in pred.provenance.items():
         out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
                   f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
