@@ -91,15 +91,27 @@ def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: b
     return _evaluate(prog, ndev, durs, comm, trace)
 
 
+def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per device, the ordered ops ``(kind 'F'/'B', micro-batch, virtual stage)`` this module
+    simulates for ``stages`` (virtual) stages and ``m`` micro-batches, deadlock fallback included:
+    what the runtime executes, so the predicted and the executed schedule are the same."""
+    v = interleave if schedule == "interleaved" and interleave > 1 and stages % interleave == 0 else 1
+    kind = schedule if v > 1 or schedule != "interleaved" else "gpipe"
+    p = stages // v
+    seqs = _orders(kind, p, m, v)
+    try:
+        _topo(seqs, stages, m)
+    except Deadlock:
+        seqs = _orders("gpipe", stages, m, 1) if v == 1 else _gpipe_virtual(p, m, v)
+    return seqs
+
+
 @functools.lru_cache(maxsize=4096)
 def _compile(schedule: str, V: int, m: int, v: int):
     """Ops in a dependency-respecting order (the DAG does not depend on the durations), as tuples
     (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage)."""
     p = V // v
-    try:
-        order = _topo(_orders(schedule, p, m, v), V, m)
-    except Deadlock:
-        order = _topo(_orders("gpipe", V, m, 1) if v == 1 else _gpipe_virtual(p, m, v), V, m)
+    order = _topo(device_orders(schedule, V, m, v), V, m)
     nocomm = V - 1  # index of the appended 0.0
     prog = []
     for d, kind, j, vs in order:
@@ -198,4 +210,4 @@ def pipeline_time(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> 
     return _time(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)
 
 
-__all__ = ["simulate", "pipeline_time", "Deadlock"]
+__all__ = ["simulate", "pipeline_time", "device_orders", "Deadlock"]

@@ -97,18 +97,19 @@ class Collectives:
             self._run(lambda: dist.barrier(group=self.group(ranks)), "barrier", ranks)
 
     # ------------------------------------------------------------------ point to point
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Asynchronous send; completed by :meth:`wait_sends` (or the next step)."""
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Asynchronous send; completed by :meth:`wait_sends` (or the next step). Messages between
+        two ranks with the same ``tag`` arrive in the order sent; different tags do not mix."""
         if self.hc is not None:
-            self._pending.append((self.hc.send(tensor.contiguous(), dst, async_op=True), dst))
+            self._pending.append((self.hc.send(tensor.contiguous(), dst, tag=tag, async_op=True), dst))
             return
-        self._pending.append((dist.isend(tensor.contiguous(), dst), dst))
+        self._pending.append((dist.isend(tensor.contiguous(), dst, tag=tag), dst))
 
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         if self.hc is not None:
-            self._run(lambda: self.hc.recv(tensor, src), "recv", (src,))
+            self._run(lambda: self.hc.recv(tensor, src, tag=tag), "recv", (src,))
             return tensor
-        self._run(lambda: dist.recv(tensor, src), "recv", (src,))
+        self._run(lambda: dist.recv(tensor, src, tag=tag), "recv", (src,))
         return tensor
 
     def wait_sends(self) -> None:

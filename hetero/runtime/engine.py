@@ -33,9 +33,17 @@ class RunContext:
         self.me = self.layout.ranks[rank]
         self.pipeline = self.plan.pipelines[self.me.pipeline]
         self.num_stages = len(self.pipeline.stages)
-        self.first = self.me.stage == 0
-        self.last = self.me.stage == self.num_stages - 1
+        """Virtual stages (the stage list; more than the physical stages when interleaved)."""
+        self.num_physical = len(self.plan.physical_stages(self.pipeline))
+        self.vstages = self.me.chunks or (self.me.stage,)
+        """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
+        self.first = self.vstages[0] == 0
+        self.last = self.vstages[-1] == self.num_stages - 1
         self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
+
+    def pipeline_of(self, info):
+        """The plan pipeline a rank (``RankInfo``) belongs to."""
+        return self.plan.pipelines[info.pipeline]
 
     def tp_groups(self) -> list[list[int]]:
         seen = set()
@@ -49,7 +57,8 @@ class RunContext:
 
 
 class NativeEngine:
-    """Hand-written pipeline (1F1B / GPipe), DTensor TP inside the stage, holder-set gradient sync."""
+    """Hand-written pipeline (1F1B / GPipe / interleaved), DTensor TP inside the stage, holder-set
+    gradient sync."""
 
     name = "native"
 
@@ -65,7 +74,8 @@ class NativeEngine:
         if ctx.plan.zero_stage and me.rank == 0:
             print(f"note: zero_stage {ctx.plan.zero_stage} shards optimizer state only with --engine deepspeed; "
                   f"the native engine keeps it unsharded on every replica", file=sys.stderr, flush=True)
-        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed)
+        chunks = tuple(tuple(ctx.pipeline.stages[k].layers) for k in ctx.vstages)
+        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed, chunks)
         self.module.set_recompute(ctx.plan.recompute)
         self.mesh = None
         if me.tp_size > 1:
@@ -79,8 +89,10 @@ class NativeEngine:
         self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
         self.mbs = ctx.plan.mbs(ctx.pipeline)
         self.slice = replica_slice(ctx.plan, me.pipeline, me.replica)
-        self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_stages, ctx.pipeline.micro_batches)
-        self.executor = StageExecutor(self.module, comm, stage_peers(ctx.layout, me), first=ctx.first, last=ctx.last,
+        self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_physical, ctx.pipeline.micro_batches,
+                                        ctx.plan.virtual_chunks(ctx.pipeline))
+        peers = [stage_peers(ctx.layout, me, k, ctx.num_stages) for k in ctx.vstages]
+        self.executor = StageExecutor(self.module, comm, peers, first=ctx.first, last=ctx.last,
                                       act_shape=(self.mbs, model.seq_length, model.hidden_size),
                                       slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype])
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)

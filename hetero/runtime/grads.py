@@ -43,12 +43,14 @@ class Bucket:
 def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
     """Global parameter name -> ranks holding it (any tp rank, any pipeline, any replica)."""
     shapes = functools.lru_cache(maxsize=None)(
-        lambda layers, first, last: tuple(stage_param_shapes(model_spec, layers, first, last)))
+        lambda chunks, first, last: tuple(stage_param_shapes(model_spec, chunks[0], first, last, chunks)))
     holders: dict[str, list[int]] = {}
     for r in layout.ranks:
         p = plan.pipelines[r.pipeline]
         n = len(p.stages)
-        for name in shapes(tuple(p.stages[r.stage].layers), r.stage == 0, r.stage == n - 1):
+        vstages = r.chunks or (r.stage,)  # an interleaved rank holds several virtual stages
+        chunks = tuple(tuple(p.stages[k].layers) for k in vstages)
+        for name in shapes(chunks, vstages[0] == 0, vstages[-1] == n - 1):
             holders.setdefault(name, []).append(r.rank)
     return {k: tuple(sorted(v)) for k, v in holders.items()}
 

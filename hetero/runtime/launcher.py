@@ -97,8 +97,11 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
 
     check_plan(plan, cluster, model)
     if plan.schedule == "interleaved":
-        raise HeteroError("plan.schedule: the runtime runs 1f1b and gpipe; interleaved is not supported yet "
-                          "(use schedule: 1f1b)")
+        for pi, p in enumerate(plan.pipelines):
+            if plan.virtual_chunks(p) > 1 and len(plan.physical_stages(p)) < 2:
+                raise HeteroError(f"pipelines[{pi}]: schedule interleaved needs at least 2 physical stages to "
+                                  f"interleave over, this pipeline has 1 (fix: use schedule 1f1b, or list "
+                                  f"{2 * plan.interleave} or more stages)")
     if options.engine == "deepspeed":
         from hetero.runtime.ds_engine import check_deepspeed_plan
 

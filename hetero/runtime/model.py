@@ -136,12 +136,19 @@ ROWWISE = ("attn.wo", "mlp.w2")
 
 
 class StageModel(nn.Module):
-    """Layers ``[start, end)`` of ``spec``; embedding if ``first``, final norm + head if ``last``."""
+    """Layers ``[start, end)`` of ``spec``; embedding if ``first``, final norm + head if ``last``.
 
-    def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool):
+    With ``chunks`` (an interleaved schedule's model chunks on one rank: layer ranges in pipeline
+    order) the rank holds every chunk's layers, ``forward(x, chunk)`` runs one of them, the
+    embedding comes before chunk 0 and the head after the last chunk. Parameter names stay global
+    (``layers.<l>....``) either way, so gradient sync and checkpoints need not know about chunks."""
+
+    def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
+                 chunks: tuple[tuple[int, int], ...] | None = None):
         super().__init__()
         self.spec, self.first, self.last = spec, first, last
-        self.start, self.end = layers
+        self.chunks = tuple(tuple(c) for c in chunks) if chunks else (tuple(layers),)
+        self.start, self.end = self.chunks[0][0], self.chunks[-1][1]
         self.recompute = "none"
         h = spec.hidden_size
         tied = bool(spec.tie_embeddings)
@@ -149,7 +156,7 @@ class StageModel(nn.Module):
             self.wte = nn.Embedding(spec.vocab_size, h)
         if first and spec.architecture == "gpt":
             self.wpe = nn.Embedding(spec.seq_length, h)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(self.start, self.end)})
+        self.layers = nn.ModuleDict({str(i): Block(spec) for a, b in self.chunks for i in range(a, b)})
         if last:
             self.final_norm = (RMSNorm(h, spec.norm_eps) if spec.architecture == "llama"
                                else nn.LayerNorm(h, eps=spec.norm_eps))
@@ -165,30 +172,33 @@ class StageModel(nn.Module):
         for block in self.layers.values():
             block.attn.recompute_core = mode == "selective"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (B, T) on the first stage, else hidden states (B, T, h); returns hidden states,
-        or logits (B, T, vocab) on the last stage."""
-        if self.first:
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Tokens (B, T) into the first stage, else hidden states (B, T, h); returns hidden states,
+        or logits (B, T, vocab) out of the last stage. ``chunk``: which model chunk to run."""
+        if self.first and chunk == 0:
             tokens = x
             x = self.wte(tokens)
             if hasattr(self, "wpe"):
                 x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.layers.values():
+        a, b = self.chunks[chunk]
+        for i in range(a, b):
+            block = self.layers[str(i)]
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)  # keep only each block's input
             else:
                 x = block(x)
-        if self.last:
+        if self.last and chunk == len(self.chunks) - 1:
             x = self.final_norm(x)
             x = F.linear(x, self.wte.weight) if hasattr(self, "wte") and not hasattr(self, "head") \
                 else self.head(x)
         return x
 
 
-def stage_param_shapes(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool) -> dict[str, tuple]:
+def stage_param_shapes(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
+                       chunks: tuple[tuple[int, int], ...] | None = None) -> dict[str, tuple]:
     """Global parameter names and full shapes of a stage, without building it (meta device)."""
     with torch.device("meta"):
-        m = StageModel(spec, layers, first, last)
+        m = StageModel(spec, layers, first, last, chunks)
     return {n: tuple(p.shape) for n, p in m.named_parameters()}
 
 
@@ -214,8 +224,10 @@ def init_weights(module: StageModel, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
 
 
-def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int) -> StageModel:
-    m = StageModel(spec, tuple(layers), first, last)
+def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int,
+                chunks: tuple[tuple[int, int], ...] | None = None) -> StageModel:
+    """A stage (or a rank's interleaved chunks) with its deterministic initial weights."""
+    m = StageModel(spec, tuple(layers), first, last, chunks)
     init_weights(m, seed)
     return m
 

@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B) written by hand over explicit send/recv.
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) run by hand over explicit send/recv.
 
 Stages of one pipeline may run on different vendors, so activations and gradients travel through
 :class:`~hetero.runtime.collectives.Collectives` (the host bridge between vendors) rather than
@@ -8,6 +8,11 @@ Tensor parallelism inside a stage keeps the residual stream replicated on every 
 hand-off between a stage of tp ``a`` and the next of tp ``b`` is a fan-out: receiver tp rank ``j``
 takes the activation from sender tp rank ``j % a``, and gradients go back the same way (stage
 ``s`` tp rank ``i`` receives from stage ``s+1`` tp rank ``i % b``).
+
+Interleaved 1F1B: a rank runs several model chunks (virtual stage k on physical stage k mod p);
+the last physical stage hands chunk c's output to the first physical stage's chunk c + 1. Every
+rank executes the order the predictor simulates (:func:`schedule_actions`); receives block,
+sends do not, and messages between two ranks arrive in the order sent per tag.
 """
 from __future__ import annotations
 
@@ -19,25 +24,30 @@ import torch
 
 from hetero.errors import HeteroError
 
+ACTIVATION_TAG, GRADIENT_TAG = 1, 2
+"""Activations and gradients travel on separate tags: with two physical stages interleaved, the
+same pair of ranks carries both, and one first-in-first-out queue would hand a gradient to a
+receive that expects an activation (same shape) when the two sides' orders interleave differently."""
 
-def schedule_actions(kind: str, stage: int, num_stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The ordered ("F"|"B", micro-batch) actions of one stage."""
-    M = micro_batches
-    if kind == "gpipe":
-        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-    if kind == "1f1b":
-        warm = min(num_stages - stage - 1, M)
-        acts = [("F", m) for m in range(warm)]
-        for i in range(M - warm):
-            acts += [("F", warm + i), ("B", i)]
-        acts += [("B", m) for m in range(M - warm, M)]
-        return acts
-    raise HeteroError(f"schedule '{kind}' is not supported by the runtime (use 1f1b or gpipe)")
+
+def schedule_actions(kind: str, stage: int, num_stages: int, micro_batches: int,
+                     interleave: int = 1) -> list[tuple[str, int, int]]:
+    """The ordered ("F"|"B", micro-batch, chunk) actions of physical stage ``stage`` of
+    ``num_stages``: the order the predictor simulates (:func:`hetero.predictor.schedule.device_orders`),
+    so what runs is what was predicted. ``chunk`` indexes the rank's model chunks (interleaved:
+    virtual stage ``chunk x num_stages + stage``; otherwise always 0)."""
+    from hetero.predictor.schedule import device_orders
+
+    if kind not in ("gpipe", "1f1b", "interleaved"):
+        raise HeteroError(f"schedule '{kind}' is not supported by the runtime (use 1f1b, gpipe or interleaved)")
+    v = interleave if kind == "interleaved" else 1
+    order = device_orders(kind, num_stages * v, micro_batches, v)[stage]
+    return [(k, mb, vs // num_stages) for k, mb, vs in order]
 
 
 @dataclass
 class Peers:
-    """Who this rank exchanges activations and gradients with."""
+    """Who this rank exchanges activations and gradients with (for one model chunk)."""
 
     recv_act_from: int | None = None
     send_act_to: list[int] = field(default_factory=list)
@@ -45,19 +55,23 @@ class Peers:
     send_grad_to: list[int] = field(default_factory=list)
 
 
-def stage_peers(layout, me) -> Peers:
-    """Peers of rank ``me`` along its pipeline replica (see the module docstring for the fan-out)."""
+def stage_peers(layout, me, vstage: int | None = None, num_virtual: int | None = None) -> Peers:
+    """Peers of rank ``me`` along its pipeline replica (see the module docstring for the fan-out),
+    for its virtual stage ``vstage`` of ``num_virtual`` (default: its own stage, no interleaving).
+    Virtual stage k runs on physical stage k mod (physical stages)."""
     def stage_ranks(stage):
         return layout.stage_ranks(me.pipeline, me.replica, stage)
 
     num_stages = 1 + max(r.stage for r in layout.ranks if (r.pipeline, r.replica) == (me.pipeline, me.replica))
+    k = me.stage if vstage is None else vstage
+    n = num_stages if num_virtual is None else num_virtual
     p = Peers()
-    if me.stage > 0:
-        prev = stage_ranks(me.stage - 1)
+    if k > 0:
+        prev = stage_ranks((k - 1) % num_stages)
         p.recv_act_from = prev[me.tp_rank % len(prev)]
         p.send_grad_to = [r for i, r in enumerate(prev) if i % me.tp_size == me.tp_rank]
-    if me.stage < num_stages - 1:
-        nxt = stage_ranks(me.stage + 1)
+    if k < n - 1:
+        nxt = stage_ranks((k + 1) % num_stages)
         p.send_act_to = [r for i, r in enumerate(nxt) if i % me.tp_size == me.tp_rank]
         p.recv_grad_from = nxt[me.tp_rank % len(nxt)]
     return p
@@ -92,12 +106,13 @@ class Timings:
 
 
 class StageExecutor:
-    """Runs one step's schedule on one rank of one stage."""
+    """Runs one step's schedule on one rank of one stage (its model chunks, when interleaved)."""
 
-    def __init__(self, module, comm, peers: Peers, *, first: bool, last: bool, act_shape: tuple[int, ...],
-                 slowdown: float = 1.0, autocast_dtype: torch.dtype | None = None):
-        self.module, self.comm, self.peers = module, comm, peers
-        self.first, self.last = first, last
+    def __init__(self, module, comm, peers: Peers | list[Peers], *, first: bool, last: bool,
+                 act_shape: tuple[int, ...], slowdown: float = 1.0, autocast_dtype: torch.dtype | None = None):
+        self.module, self.comm = module, comm
+        self.peers = list(peers) if isinstance(peers, (list, tuple)) else [peers]  # one per chunk
+        self.first, self.last = first, last  # before chunk 0 / after the last chunk
         self.act_shape = act_shape
         self.slowdown = slowdown
         self.autocast_dtype = autocast_dtype
@@ -105,48 +120,53 @@ class StageExecutor:
     def _compute(self, fn: Callable[[], object]):
         return timed(fn, self.slowdown)
 
-    def _forward(self, x):
+    def _forward(self, x, chunk: int):
         if self.autocast_dtype is not None:
             with torch.autocast("cpu", dtype=self.autocast_dtype):
-                return self.module(x)
-        return self.module(x)
+                return self.module(x, chunk)
+        return self.module(x, chunk)
 
     def run(self, actions, get_inputs: Callable[[int], torch.Tensor], get_targets: Callable[[int], torch.Tensor],
             loss_fn: Callable, loss_scale: float, timings: Timings) -> float:
-        """Execute ``actions``; returns the sum of scaled micro-batch losses (last stage, else 0)."""
-        saved: dict[int, tuple] = {}
+        """Execute ``actions`` ((kind, micro-batch, chunk) triples); returns the sum of scaled
+        micro-batch losses (last stage, else 0)."""
+        saved: dict[tuple[int, int], tuple] = {}
         total = 0.0
-        for kind, mb in actions:
+        last_chunk = len(self.peers) - 1
+        for kind, mb, chunk in actions:
+            peers = self.peers[chunk]
+            first = self.first and chunk == 0
+            last = self.last and chunk == last_chunk
             if kind == "F":
-                if self.first:
+                if first:
                     x = get_inputs(mb)
                 else:
                     x = torch.empty(self.act_shape, dtype=torch.float32)
-                    self.comm.recv(x, self.peers.recv_act_from)
+                    self.comm.recv(x, peers.recv_act_from, ACTIVATION_TAG)
                     x.requires_grad_(True)
-                if self.last:
+                if last:
                     tgt = get_targets(mb)
-                    loss, t0, dt = self._compute(lambda: loss_fn(self._forward(x), tgt) * loss_scale)
+                    loss, t0, dt = self._compute(lambda: loss_fn(self._forward(x, chunk), tgt) * loss_scale)
                     total += float(loss.detach())
-                    saved[mb] = (x, loss)
+                    saved[(chunk, mb)] = (x, loss)
                 else:
-                    out, t0, dt = self._compute(lambda: self._forward(x).float())
-                    for dst in self.peers.send_act_to:
-                        self.comm.send(out.detach(), dst)
-                    saved[mb] = (x, out)
+                    out, t0, dt = self._compute(lambda: self._forward(x, chunk).float())
+                    for dst in peers.send_act_to:
+                        self.comm.send(out.detach(), dst, ACTIVATION_TAG)
+                    saved[(chunk, mb)] = (x, out)
                 timings.forward_s.append(dt)
                 timings.events.append(("F", mb, t0, dt))
             else:
-                x, out = saved.pop(mb)
-                if self.last:
+                x, out = saved.pop((chunk, mb))
+                if last:
                     _, t0, dt = self._compute(lambda: out.backward())
                 else:
                     grad = torch.empty(self.act_shape, dtype=torch.float32)
-                    self.comm.recv(grad, self.peers.recv_grad_from)
+                    self.comm.recv(grad, peers.recv_grad_from, GRADIENT_TAG)
                     _, t0, dt = self._compute(lambda: out.backward(grad))
-                if not self.first:
-                    for dst in self.peers.send_grad_to:
-                        self.comm.send(x.grad, dst)
+                if not first:
+                    for dst in peers.send_grad_to:
+                        self.comm.send(x.grad, dst, GRADIENT_TAG)
                 timings.backward_s.append(dt)
                 timings.events.append(("B", mb, t0, dt))
         self.comm.wait_sends()

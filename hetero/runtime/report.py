@@ -36,9 +36,9 @@ class Reporter:
         for col in ("rank", "group", "pipeline", "replica", "stage", "layers", "tp", "forward ms", "backward ms"):
             table.add_column(col, justify="right")
         for r in summary["ranks"]:
-            a, b = r["layers"]
+            layers = ", ".join(f"{a}-{b - 1}" for a, b in r.get("chunk_layers") or [r["layers"]])
             table.add_row(str(r["rank"]), r["group"], str(r["pipeline"]), str(r["replica"]), str(r["stage"]),
-                          f"{a}-{b - 1}", f"{r['tp_rank']}/{r['tp_size']}",
+                          layers, f"{r['tp_rank']}/{r['tp_size']}",
                           f"{r['forward_time_s'] * 1e3:.2f}", f"{r['backward_time_s'] * 1e3:.2f}")
         self.out.print(table)
         measured = summary.get("median_iteration_time_s")
