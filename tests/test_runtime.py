@@ -464,3 +464,16 @@ def reference_run_unclipped():
     from hetero.runtime.reference import reference_run
 
     return reference_run(GPT, 0, STEPS, 8, lr=LR, clip=0.0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,replicas,model", [(2, 1, LLAMA), (1, 2, GPT)])
+def test_interleaved_with_tp_or_replicas_matches_reference(tmp_path, tp, replicas, model):
+    """Interleaved chunks under tensor parallelism (fan-out between a tp2 and a tp1 chunk) and with
+    two replicas (gradients of every chunk summed over its holders, tied embeddings included)."""
+    stages = [{"group": "fast", "tp": tp, "layers": [0, 1]}, {"group": "slow", "layers": [1, 2]},
+              {"group": "fast", "tp": tp, "layers": [2, 3]}, {"group": "slow", "layers": [3, 4]}]
+    plan = _plan([{"replicas": replicas, "micro_batches": 4 // replicas, "stages": stages}],
+                 schedule="interleaved", interleave=2)
+    summary, _ = _launch(tmp_path, model, plan)
+    _assert_matches(summary, model)
