@@ -349,7 +349,8 @@ def test_deepspeed_zero2_unequal_micro_batches(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_checkpoint_reloads_under_another_plan(tmp_path):
+@pytest.mark.parametrize("saved_by", ["1f1b", "interleaved"])
+def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
     global STEPS
     a = tmp_path / "a"
     b = tmp_path / "b"
@@ -357,6 +358,11 @@ def test_checkpoint_reloads_under_another_plan(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     plan_a = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 1]},
                                                      {"group": "slow", "layers": [1, 4]}]}])
+    if saved_by == "interleaved":  # model chunks of one rank saved under their global names
+        plan_a = _plan([{"micro_batches": 4, "stages": [
+            {"group": "fast", "layers": [0, 1]}, {"group": "slow", "layers": [1, 2]},
+            {"group": "fast", "layers": [2, 3]}, {"group": "slow", "layers": [3, 4]}]}],
+            schedule="interleaved", interleave=2)
     plan_b = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
                     {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}])
     old = STEPS
