@@ -88,5 +88,7 @@ def describe_rank(info: RankInfo) -> str:
     """``rank 3 (group slow, pipeline 0 replica 0 stage 1, layers 2-3, tp 0/1)``."""
     a, b = info.layers
     tp = f", tp {info.tp_rank}/{info.tp_size}" if info.tp_size > 1 else ""
+    chunks = (f", interleaved: virtual stages {', '.join(map(str, info.chunks))}"
+              if len(info.chunks) > 1 else "")
     return (f"rank {info.rank} (group {info.group}, pipeline {info.pipeline} replica {info.replica} "
-            f"stage {info.stage}, layers {a}-{b - 1}{tp})")
+            f"stage {info.stage}, layers {a}-{b - 1}{tp}{chunks})")
