@@ -188,6 +188,20 @@ def test_reasons_explain_the_choice():
     text = "\n".join(results.reasons)
     assert "layers" in text and "upper bound" in text and "runner-up" in text
     assert results[0].reasons == results.reasons
+    assert "launch-bound" not in text  # 7B layers keep an A100 / MI250X / Ascend busy
+
+
+def test_reasons_name_launch_bound_stages():
+    """A tiny model on GPUs: whatever plan wins, its layers are paced by kernel dispatch, and the
+    reasons say so with the host and device times."""
+    cluster = hetero.load_cluster(CLUSTERS / "a100-v100.yaml")
+    results = hetero.search(cluster, hetero.load_model(MODELS / "tiny.yaml"), global_batch_size=16)
+    stages = [s for p in results[0].prediction.pipelines for s in p.stages]
+    if not any(s.layer_dispatch_s > 0 for s in stages):
+        pytest.skip("the learned op model is not installed (roofline fallback has no host share)")
+    assert any(s.launch_bound for s in stages)
+    text = "\n".join(results.reasons)
+    assert "are launch-bound: the host issues a layer's kernels in" in text, text
 
 
 def test_cli_plan_writes_a_plan_that_predict_and_launch_can_load(tmp_path, capsys):
