@@ -72,15 +72,10 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     if tp_pp:
         reasons.append(tp_pp)
     # 4. launch-bound stages: where only bigger kernels or fewer launches would help
-    seen = set()
-    for pp in best.prediction.pipelines:
-        for s in pp.stages:
-            key = (s.group, s.tp, pp.micro_batch_size)
-            if s.launch_bound and key not in seen:
-                seen.add(key)
-                reasons.append(f"{s.group} stages (tp{s.tp}, micro-batch {pp.micro_batch_size}) are launch-bound: the "
-                               f"host issues a layer's kernels in {s.layer_dispatch_s * 1e3:.2f} ms, the device runs "
-                               f"them in {s.layer_device_s * 1e3:.2f} ms")
+    for s, mbs in best.prediction.launch_bound_stages():
+        reasons.append(f"{s.group} stages (tp{s.tp}, micro-batch {mbs}) are launch-bound: the host issues a "
+                       f"layer's kernels in {s.layer_dispatch_s * 1e3:.2f} ms, the device runs them in "
+                       f"{s.layer_device_s * 1e3:.2f} ms")
     # 5. upper bound
     ub = getattr(results, "upper_bound_tokens_per_s", None)
     if ub:

@@ -133,6 +133,18 @@ class Prediction:
         """(pipeline, stage, prediction) of every stage that does not fit."""
         return [(pi, si, s) for pi, p in enumerate(self.pipelines) for si, s in enumerate(p.stages) if not s.fits]
 
+    def launch_bound_stages(self) -> list[tuple[StagePrediction, int]]:
+        """(stage, micro-batch size) of the launch-bound stages, one per (group, tp, micro-batch
+        size): where the host's kernel dispatch, not the device, paces the layers."""
+        out, seen = [], set()
+        for p in self.pipelines:
+            for s in p.stages:
+                key = (s.group, s.tp, p.micro_batch_size)
+                if s.launch_bound and key not in seen:
+                    seen.add(key)
+                    out.append((s, p.micro_batch_size))
+        return out
+
     def timeline(self) -> dict:
         """Chrome / Perfetto trace: ``{"traceEvents": [...]}`` (needs ``timeline=True``)."""
         return {"traceEvents": list(self.events or []), "displayTimeUnit": "ms"}

@@ -77,17 +77,12 @@ def run(args) -> int:
             out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
                       f"needs {_gib(s.peak_memory_bytes)} of {_gib(s.memory_capacity_bytes)}: "
                       f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
-    shown = set()
-    for p in pred.pipelines:
-        for s in p.stages:
-            key = (s.group, s.tp, p.micro_batch_size)
-            if s.launch_bound and key not in shown:
-                shown.add(key)
-                out.print(f"[bold]launch-bound[/bold] {s.group} (tp {s.tp}, micro-batch {p.micro_batch_size}): the host "
-                          f"issues a layer's kernels in {_ms(s.layer_dispatch_s)}, the device runs them in "
-                          f"{_ms(s.layer_device_s)}; a larger micro-batch"
-                          + (", less tensor parallelism" if s.tp > 1 else "")
-                          + " or fewer launches (fused kernels, CUDA graphs) would use the device better")
+    shown = pred.launch_bound_stages()
+    for s, mbs in shown:
+        out.print(f"[bold]launch-bound[/bold] {s.group} (tp {s.tp}, micro-batch {mbs}): the host issues a layer's "
+                  f"kernels in {_ms(s.layer_dispatch_s)}, the device runs them in {_ms(s.layer_device_s)}; "
+                  f"a larger micro-batch" + (", less tensor parallelism" if s.tp > 1 else "")
+                  + " or fewer launches (fused kernels, CUDA graphs) would use the device better")
     if shown:
         out.print("  [dim](host dispatch times are those of the machines the operator data was measured on, unless "
                   "`hetero profile` on your device or a calibration on your runs measured them)[/dim]")
