@@ -35,6 +35,17 @@ class RankInfo:
     chunks: tuple[int, ...] = ()
     """Interleaved schedule: every virtual stage index this rank runs (else just ``(stage,)``)."""
 
+    @property
+    def virtual_stages(self) -> tuple[int, ...]:
+        """The stages of the plan's list this rank runs, in pipeline order (its model chunks when
+        interleaved; a layout without ``chunks`` means its one stage)."""
+        return self.chunks or (self.stage,)
+
+    def chunk_layers(self, plan) -> tuple[tuple[int, int], ...]:
+        """Layer ranges of the stages this rank runs in ``plan`` (see :attr:`virtual_stages`)."""
+        stages = plan.pipelines[self.pipeline].stages
+        return tuple(tuple(stages[k].layers) for k in self.virtual_stages)
+
     def to_dict(self) -> dict:
         return {"rank": self.rank, "group": self.group, "vendor": self.vendor, "node": self.node,
                 "local_rank": self.local_rank, "pipeline": self.pipeline, "replica": self.replica,

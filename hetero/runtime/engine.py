@@ -35,15 +35,11 @@ class RunContext:
         self.num_stages = len(self.pipeline.stages)
         """Virtual stages (the stage list; more than the physical stages when interleaved)."""
         self.num_physical = len(self.plan.physical_stages(self.pipeline))
-        self.vstages = self.me.chunks or (self.me.stage,)
+        self.vstages = self.me.virtual_stages
         """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
         self.first = self.vstages[0] == 0
         self.last = self.vstages[-1] == self.num_stages - 1
         self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
-
-    def pipeline_of(self, info):
-        """The plan pipeline a rank (``RankInfo``) belongs to."""
-        return self.plan.pipelines[info.pipeline]
 
     def tp_groups(self) -> list[list[int]]:
         seen = set()
@@ -74,8 +70,7 @@ class NativeEngine:
         if ctx.plan.zero_stage and me.rank == 0:
             print(f"note: zero_stage {ctx.plan.zero_stage} shards optimizer state only with --engine deepspeed; "
                   f"the native engine keeps it unsharded on every replica", file=sys.stderr, flush=True)
-        chunks = tuple(tuple(ctx.pipeline.stages[k].layers) for k in ctx.vstages)
-        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed, chunks)
+        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed, me.chunk_layers(ctx.plan))
         self.module.set_recompute(ctx.plan.recompute)
         self.mesh = None
         if me.tp_size > 1:

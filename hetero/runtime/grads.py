@@ -46,11 +46,9 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
         lambda chunks, first, last: tuple(stage_param_shapes(model_spec, chunks[0], first, last, chunks)))
     holders: dict[str, list[int]] = {}
     for r in layout.ranks:
-        p = plan.pipelines[r.pipeline]
-        n = len(p.stages)
-        vstages = r.chunks or (r.stage,)  # an interleaved rank holds several virtual stages
-        chunks = tuple(tuple(p.stages[k].layers) for k in vstages)
-        for name in shapes(chunks, vstages[0] == 0, vstages[-1] == n - 1):
+        n = len(plan.pipelines[r.pipeline].stages)
+        vstages = r.virtual_stages  # an interleaved rank holds several
+        for name in shapes(r.chunk_layers(plan), vstages[0] == 0, vstages[-1] == n - 1):
             holders.setdefault(name, []).append(r.rank)
     return {k: tuple(sorted(v)) for k, v in holders.items()}
 

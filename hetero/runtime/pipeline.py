@@ -108,10 +108,10 @@ class Timings:
 class StageExecutor:
     """Runs one step's schedule on one rank of one stage (its model chunks, when interleaved)."""
 
-    def __init__(self, module, comm, peers: Peers | list[Peers], *, first: bool, last: bool,
+    def __init__(self, module, comm, peers: list[Peers], *, first: bool, last: bool,
                  act_shape: tuple[int, ...], slowdown: float = 1.0, autocast_dtype: torch.dtype | None = None):
         self.module, self.comm = module, comm
-        self.peers = list(peers) if isinstance(peers, (list, tuple)) else [peers]  # one per chunk
+        self.peers = list(peers)  # one per model chunk
         self.first, self.last = first, last  # before chunk 0 / after the last chunk
         self.act_shape = act_shape
         self.slowdown = slowdown

@@ -171,7 +171,7 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
                       "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
                       "vendor": info.vendor, "tp_rank": info.tp_rank, "tp_size": info.tp_size})
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
-            ranks[-1]["chunk_layers"] = [list(ctx.pipeline_of(info).stages[k].layers) for k in info.chunks]
+            ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
     scaling = {}
     if any(r.loss_scale is not None for r in res):  # fp16 with the native engine
         scaling = {"loss_scales": [r.loss_scale for r in res], "skipped_steps": [r.step for r in res if r.skipped]}
