@@ -151,8 +151,7 @@ class StageCostModel:
     def _ops_time(self, group: str, ops) -> float:
         """Seconds of ``ops`` in order on one device stream: host dispatch overlaps the device,
         the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""
-        host, device = self._ops_split(group, ops)
-        return host if host > device else device
+        return max(self._ops_split(group, ops))
 
     def layer_stream(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
         """(host dispatch, device work) seconds of one layer's kernels, forward plus backward, for one

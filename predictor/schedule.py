@@ -96,14 +96,19 @@ def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> li
     simulates for ``stages`` (virtual) stages and ``m`` micro-batches, deadlock fallback included:
     what the runtime executes, so the predicted and the executed schedule are the same."""
     v = interleave if schedule == "interleaved" and interleave > 1 and stages % interleave == 0 else 1
-    kind = schedule if v > 1 or schedule != "interleaved" else "gpipe"
-    p = stages // v
-    seqs = _orders(kind, p, m, v)
+    return _resolved(schedule if v > 1 or schedule != "interleaved" else "gpipe", stages, m, v)[0]
+
+
+def _resolved(schedule: str, V: int, m: int, v: int):
+    """(per-device orders, one dependency-respecting order of all ops) of the schedule, or of its
+    GPipe fallback when the schedule's order would deadlock."""
+    p = V // v
+    seqs = _orders(schedule, p, m, v)
     try:
-        _topo(seqs, stages, m)
+        return seqs, _topo(seqs, V, m)
     except Deadlock:
-        seqs = _orders("gpipe", stages, m, 1) if v == 1 else _gpipe_virtual(p, m, v)
-    return seqs
+        seqs = _orders("gpipe", V, m, 1) if v == 1 else _gpipe_virtual(p, m, v)
+        return seqs, _topo(seqs, V, m)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,7 +116,7 @@ def _compile(schedule: str, V: int, m: int, v: int):
     """Ops in a dependency-respecting order (the DAG does not depend on the durations), as tuples
     (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage)."""
     p = V // v
-    order = _topo(device_orders(schedule, V, m, v), V, m)
+    order = _resolved(schedule, V, m, v)[1]
     nocomm = V - 1  # index of the appended 0.0
     prog = []
     for d, kind, j, vs in order:
