@@ -231,33 +231,34 @@ def measure(grid: list[tuple[str, dict]], device_name: str, torch_device: str = 
                 for _ in range(3):  # warm-up: allocations, BLAS heuristics
                     fn()
                 ms = isolated_call_ms(fn, lambda: asynchronous.Event(enable_timing=True), asynchronous.synchronize)
-                out.append(Record(op, device_name, dict(dims), ms, dtype_name))
-                del fn
-                if progress:
-                    progress(_label(op, dims))
-                continue
-            timer = benchmark.Timer(stmt="stmt()", globals={"stmt": fn},
-                                    num_threads=torch.get_num_threads(), label=op)
-            one = math.inf
-            for _ in range(3):                    # warm-up (allocations, kernel selection, caches);
-                t0 = time.perf_counter()          # the fastest call sizes the blocks
-                timer.timeit(1)
-                one = min(one, max(time.perf_counter() - t0, 1e-7))
-                if one > 0.05:
-                    break
-            number = max(1, int(block_s / one))
-            reps = 3 if (quick or one * number > 0.05) else 5
-            times = []
-            for _ in range(reps):
-                times.extend(timer.timeit(number).times)
-            # the fastest block: other processes on the machine only ever add time (preemption,
-            # shared cores and caches), so the minimum is the least load-biased estimate
-            best = min(times)
-            out.append(Record(op, device_name, dict(dims), best * 1e3, dtype_name))
-            del fn, timer
+            else:
+                ms = _fastest_block_ms(torch, benchmark, fn, op, block_s, quick)
+            out.append(Record(op, device_name, dict(dims), ms, dtype_name))
+            del fn
             if progress:
                 progress(_label(op, dims))
     return out
+
+
+def _fastest_block_ms(torch, benchmark, fn, label: str, block_s: float, quick: bool) -> float:
+    """Milliseconds per call of ``fn`` on a CPU: warm-up calls, then the fastest of several blocks
+    of ``number`` calls (``number`` sized so a block lasts at least ``block_s``)."""
+    timer = benchmark.Timer(stmt="stmt()", globals={"stmt": fn}, num_threads=torch.get_num_threads(), label=label)
+    one = math.inf
+    for _ in range(3):                    # warm-up (allocations, kernel selection, caches);
+        t0 = time.perf_counter()          # the fastest call sizes the blocks
+        timer.timeit(1)
+        one = min(one, max(time.perf_counter() - t0, 1e-7))
+        if one > 0.05:
+            break
+    number = max(1, int(block_s / one))
+    reps = 3 if (quick or one * number > 0.05) else 5
+    times = []
+    for _ in range(reps):
+        times.extend(timer.timeit(number).times)
+    # the fastest block: other processes on the machine only ever add time (preemption,
+    # shared cores and caches), so the minimum is the least load-biased estimate
+    return min(times) * 1e3
 
 
 def _label(op: str, dims: Mapping) -> str:
