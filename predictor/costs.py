@@ -153,18 +153,24 @@ class StageCostModel:
         the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""
         return max(self._ops_split(group, ops))
 
-    def layer_stream(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
-        """(host dispatch, device work) seconds of one layer's kernels, forward plus backward, for one
-        micro-batch (no communication). Host >= device means the layer is launch-bound: the device
-        waits for the host to issue kernels, and only bigger kernels or fewer launches help."""
+    def _layer_splits(self, group: str, tp: int, mbs: int, recompute: str) -> tuple[tuple[float, float], ...]:
+        """((host, device) of one layer's forward kernels, the same of its backward kernels), one
+        micro-batch; memoised (both the layer times and the launch-bound verdict read it)."""
         key = ("ls", group, tp, mbs, recompute)
         hit = self._cache.get(key)
         if hit is None:
             s = self.model.seq_length
-            hf, df = self._ops_split(group, O.layer_forward_ops(self.model, mbs, s, tp))
-            hb, db = self._ops_split(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute))
-            hit = self._cache[key] = (hf + hb, df + db)
+            hit = self._cache[key] = (
+                self._ops_split(group, O.layer_forward_ops(self.model, mbs, s, tp)),
+                self._ops_split(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute)))
         return hit
+
+    def layer_stream(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
+        """(host dispatch, device work) seconds of one layer's kernels, forward plus backward, for one
+        micro-batch (no communication). Host >= device means the layer is launch-bound: the device
+        waits for the host to issue kernels, and only bigger kernels or fewer launches help."""
+        (hf, df), (hb, db) = self._layer_splits(group, tp, mbs, recompute)
+        return hf + hb, df + db
 
     def _layer_ratio(self, group: str, mbs: int, which: str = "layer_ratio") -> tuple[float, float]:
         """Operator sum -> measured layer (or edge: ``which="edge_ratio"``) time, for op models that
@@ -191,11 +197,9 @@ class StageCostModel:
         key = ("lc", group, tp, mbs, recompute)
         hit = self._cache.get(key)
         if hit is None:
-            s = self.model.seq_length
-            f = self._ops_time(group, O.layer_forward_ops(self.model, mbs, s, tp))
-            b = self._ops_time(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute))
+            fwd, bwd = self._layer_splits(group, tp, mbs, recompute)
             rf, rb = self._layer_ratio(group, mbs)
-            hit = self._cache[key] = (f * rf, b * rb)
+            hit = self._cache[key] = (max(fwd) * rf, max(bwd) * rb)
         return hit
 
     def layer_times(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
