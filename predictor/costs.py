@@ -139,12 +139,15 @@ class StageCostModel:
         dtype = self.dtype
         cache = self._op_cache
         factors = self._factors[group]
+        matrix = factors.matrix
         costs = []
         for o in ops:
-            key = (group, o.op, o.dims)
+            key = (group, o.op, o.dims, o.dtype)
             hit = cache.get(key)
             if hit is None:
-                hit = cache[key] = op_cost(opm, o.op, o.dims_dict(), dtype, dev)
+                hit = cache[key] = op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, dev)
+            if matrix != 1.0 and o.op in O.GEMM_OPS:   # device share scaled, host share kept
+                hit = (hit[1] + (hit[0] - hit[1]) * matrix, hit[1])
             costs.append(hit)
         return stream_split(costs, factors.compute, factors.op_floor_s)
 

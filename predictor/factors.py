@@ -28,6 +28,10 @@ class CalibrationFactors:
     network: float = 1.0
     """Multiplies the time of traffic over the inter-node network (one factor per cluster: the
     largest over its device types)."""
+    matrix: float = 1.0
+    """Multiplies the device work of matrix kernels (linear, bmm) on top of ``compute``: matrix
+    units (tensor cores) and the memory system reach different fractions of their peaks, and the
+    operator model's GEMM efficiency was learned on other units (fp32 CUDA cores)."""
     op_model: str | None = None
     """Operator model the factors were fitted with: ``learned`` or ``roofline`` (None: the default)."""
     source: str = "calibration"

@@ -15,6 +15,9 @@ Conventions
 - RMSNorm is costed as ``ln``; SiLU as ``gelu`` (same elementwise class); RoPE as 2 ``mul`` + 1 ``add``
   on q and k; the embedding lookup as a gather (an ``add``-class pass over b*s*h).
 - Biases (gpt) are fused into their GEMM epilogues and not costed separately.
+- The loss is Megatron's vocabulary-parallel cross entropy on fp32 logits, kernel by kernel
+  (:func:`cross_entropy_forward_ops`): with a 50k vocabulary it moves more bytes than the LM head
+  GEMM does FLOPs' worth of time, so one fused softmax would make the last stage look light.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ class Op:
     """(B, M, N, K) for linear/bmm, (B, H) for vector ops."""
     flops: float
     nbytes: float
+    dtype: str | None = None
+    """Element type the kernel runs in when it is not the model's (the fp32 loss kernels)."""
 
     @property
     def is_gemm(self) -> bool:
@@ -185,21 +190,51 @@ def embedding_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str 
     return ops
 
 
+def _fp32_pass(name: str, op: str, rows: int, cols: int, bytes_per_element: float) -> Op:
+    """A memory-bound fp32 kernel over ``rows`` x ``cols`` elements that moves ``bytes_per_element``
+    bytes per element, as the operator model's one-input ``op`` over the columns that move the same
+    bytes (a row reduction reads 4 bytes per element: half the columns of a read + write pass)."""
+    width = max(1, round(cols * bytes_per_element / 8))
+    return Op(name, op, (rows, width), *kernel_work(op, {"B": rows, "H": width}, 4), dtype="fp32")
+
+
+def cross_entropy_forward_ops(b: int, s: int, Vt: int, e: int) -> list[Op]:
+    """Megatron's vocabulary-parallel cross entropy, forward, on b*s rows of ``Vt`` logits:
+    ``vocab_parallel_cross_entropy(logits.float(), labels)`` runs the cast to fp32, a row max, the
+    subtraction of the max, exp in place, a row sum and the division in place (the fp32 softmax it
+    keeps for backward): about 38 bytes per logit, against 4 for one fused fp16 softmax pass."""
+    n = b * s
+    ops = [_fp32_pass("loss.cast", "relu", n, Vt, e + 4)] if e < 4 else []
+    return ops + [_fp32_pass("loss.max", "relu", n, Vt, 4),
+                  _fp32_pass("loss.sub_max", "relu", n, Vt, 8),
+                  _fp32_pass("loss.exp", "tanh", n, Vt, 8),
+                  _fp32_pass("loss.sum", "relu", n, Vt, 4),
+                  _fp32_pass("loss.normalise", "relu", n, Vt, 8)]
+
+
+def cross_entropy_backward_ops(b: int, s: int, Vt: int, e: int) -> list[Op]:
+    """Backward of :func:`cross_entropy_forward_ops`: the saved softmax times the loss gradient in
+    place, then the cast of the logits gradient back to the model dtype."""
+    n = b * s
+    return ([_fp32_pass("loss.grad", "relu", n, Vt, 8)]
+            + ([_fp32_pass("loss.grad_cast", "relu", n, Vt, 4 + e)] if e < 4 else []))
+
+
 def head_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
-    """Last stage: final norm, LM head GEMM (vocabulary-parallel) and the cross-entropy softmax."""
+    """Last stage: final norm, LM head GEMM (vocabulary-parallel) and the cross entropy."""
     e = DTYPE_BYTES[dtype or model.dtype]
     h, V = model.hidden_size, model.vocab_size
     Vt = -(-V // t)
     return [vec("final_norm", "ln", b * s, h, e),
-            gemm("lm_head", "linear", b, s, Vt, h, e),
-            vec("cross_entropy", "softmax", b * s, Vt, e)]
+            gemm("lm_head", "linear", b, s, Vt, h, e)] + cross_entropy_forward_ops(b, s, Vt, e)
 
 
 def head_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
     """Backward of :func:`head_forward_ops`, in reverse order."""
     e = DTYPE_BYTES[dtype or model.dtype]
-    ops = []
-    for o in reversed(head_forward_ops(model, b, s, t, dtype)):
+    h, V = model.hidden_size, model.vocab_size
+    ops = cross_entropy_backward_ops(b, s, -(-V // t), e)
+    for o in reversed(head_forward_ops(model, b, s, t, dtype)[:2]):
         ops += backward_of(o, e)
     return ops
 

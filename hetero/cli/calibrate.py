@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 
+SHORT = {"communication": "comm", "layer_overhead_s": "layer s", "iteration_overhead_s": "iter s",
+         "op_floor_s": "kernel s"}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="fit the predictor to measured runs",
         description="Fit per-device-type calibration factors (compute, communication, overheads, kernel floor, "
-                    "network) to measured iteration times of homogeneous Megatron-style runs (run log CSV, "
+                    "network, matrix-kernel speed) to measured iteration times of homogeneous Megatron-style runs (run log CSV, "
                     "SCHEMAS.md), print them with the in-sample error table and write them as JSON.")
     p.add_argument("--cluster", required=True, help="cluster file the runs were measured on")
     p.add_argument("--runs", required=True, help="run log CSV")
@@ -19,7 +23,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import dataclasses
 
-    from hetero.predictor.calibration import ALL, calibrate, read_runs
+    from hetero.predictor.calibration import ALL, CV_FOLDS, calibrate, read_runs
     from hetero.specs.cluster import load_cluster
 
     from ._common import console, print_json
@@ -40,17 +44,21 @@ def run(args) -> int:
     out = console()
     ft = Table(title=f"Calibration factors ({len(runs)} runs, cluster '{cluster.name}')")
     ft.add_column("device")
-    for k in ALL:
-        ft.add_column(k, justify="right")
+    for k in ALL:   # short headers: the table must fit a terminal; the JSON has the full names
+        ft.add_column(SHORT.get(k, k), justify="right")
     ft.add_column("op model")
     ft.add_column("MAPE before", justify="right")
     ft.add_column("MAPE after", justify="right")
+    ft.add_column("MAPE held-out", justify="right")
     for name in cal.factors:
         theta = cal.theta(name)
         fit = cal.meta["fit"][name]
         ft.add_row(name, *(f"{v:.4g}" for v in theta), fit.get("op_model", ""), f"{fit['mape_uncalibrated']:.1%}",
-                   f"{fit['mape']:.1%}")
+                   f"{fit['mape']:.1%}", "-" if fit.get("held_out_mape") is None else f"{fit['held_out_mape']:.1%}")
     out.print(ft)
+    out.print("layer s / iter s: overhead per layer and micro-batch / per iteration; kernel s: host dispatch per kernel.")
+    out.print(f"MAPE held-out: each run predicted by a fit on the other runs ({CV_FOLDS}-fold, refitted on the "
+              "predictor linearised at the full fit); what to expect on runs like these that were not measured.")
     rows = sorted(cal.runs, key=lambda d: -abs(d["calibrated_ms"] / d["measured_ms"] - 1))
     et = Table(title="In-sample error per run" + (f" (worst {args.max_rows} of {len(rows)})"
                                                   if len(rows) > args.max_rows else ""))
