@@ -71,8 +71,8 @@ def step_ms(opm, model, batch: int, seq: int, device, overlap: bool = True) -> t
 
     def total(ops):
         if not overlap:
-            return sum(opm.predict(o.op, o.dims_dict(), model.dtype, device) for o in ops)
-        return stream_time(op_cost(opm, o.op, o.dims_dict(), model.dtype, device) for o in ops)
+            return sum(opm.predict(o.op, o.dims_dict(), o.dtype or model.dtype, device) for o in ops)
+        return stream_time(op_cost(opm, o.op, o.dims_dict(), o.dtype or model.dtype, device) for o in ops)
 
     L = model.num_layers
     fwd = L * total(O.layer_forward_ops(model, batch, seq, 1)) + \
