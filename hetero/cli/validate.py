@@ -47,12 +47,12 @@ def run(args) -> int:
         try:
             data, source = read_mapping(path, "input")
             kind = file_kind(data)
-            if kind == "cluster":
-                loaded["cluster"].append((path, load_cluster(path)))
+            if kind == "cluster":   # the mapping already read, named by its file in errors
+                loaded["cluster"].append((path, load_cluster(data, source=source)))
             elif kind == "model":
-                loaded["model"].append((path, load_model(path)))
+                loaded["model"].append((path, load_model(data, source=source)))
             elif kind == "plan":
-                loaded["plan"].append((path, load_plan(path)))
+                loaded["plan"].append((path, load_plan(data, source=source)))
             elif kind == "catalog":
                 problems = Problems(source=source)
                 resolve_devices(data.get("devices") or {}, {}, "devices", problems)

@@ -124,9 +124,9 @@ class Cluster:
         write_yaml_atomic(path, self.to_dict())
 
 
-def load_cluster(path_or_dict) -> Cluster:
+def load_cluster(path_or_dict, source: str | None = None) -> Cluster:
     """Load and validate a cluster file (a path or a dict); raises SpecError with every problem."""
-    data, source = read_mapping(path_or_dict, "cluster")
+    data, source = read_mapping(path_or_dict, "cluster", source)
     problems = Problems(source=source)
     parsed = load_dataclass(_ClusterFile, data, "", problems)
     if is_missing(parsed):

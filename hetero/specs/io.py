@@ -10,10 +10,11 @@ import yaml
 from .errors import Problem, SpecError
 
 
-def read_mapping(path_or_dict, what: str) -> tuple[dict, str]:
-    """Return ``(data, source)`` for a path or an already-parsed dict; bad files raise SpecError."""
+def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[dict, str]:
+    """Return ``(data, source)`` for a path or an already-parsed dict (named ``source`` in error
+    messages when given, e.g. the file it was read from); bad files raise SpecError."""
     if isinstance(path_or_dict, dict):
-        return path_or_dict, f"<{what} dict>"
+        return path_or_dict, source or f"<{what} dict>"
     path = Path(path_or_dict)
     source = str(path)
     try:

@@ -136,9 +136,9 @@ class ModelSpec:
         write_yaml_atomic(path, self.to_dict())
 
 
-def load_model(path_or_dict) -> ModelSpec:
+def load_model(path_or_dict, source: str | None = None) -> ModelSpec:
     """Load and validate a model file (a path or a dict); defaults are filled in."""
-    data, source = read_mapping(path_or_dict, "model")
+    data, source = read_mapping(path_or_dict, "model", source)
     problems = Problems(source=source)
     model = load_dataclass(ModelSpec, data, "", problems)
     problems.raise_if_any()

@@ -127,9 +127,10 @@ class Plan:
         return " + ".join(parts)
 
 
-def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | None = None) -> Plan:
+def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | None = None,
+              source: str | None = None) -> Plan:
     """Load a plan; with ``cluster`` and ``model`` also check it against them (all rules)."""
-    data, source = read_mapping(path_or_dict, "plan")
+    data, source = read_mapping(path_or_dict, "plan", source)
     problems = Problems(source=source)
     plan = load_dataclass(Plan, data, "", problems)
     problems.raise_if_any()
