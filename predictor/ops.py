@@ -28,6 +28,10 @@ from hetero.specs.model import ModelSpec
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 GEMM_OPS = ("linear", "bmm")
+NORM_OPS = ("ln", "softmax")
+ELEMENTWISE_OPS = ("add", "mul", "div", "pow", "tanh", "relu", "gelu")
+VECTOR_OPS = NORM_OPS + ELEMENTWISE_OPS
+"""The operator vocabulary, in the order the learned model's one-hot encodes it (never reorder)."""
 # Tensors read per output element and FLOPs per element of vector ops (the one definition: the
 # learned op model's features, the profile model and the roofline use these).
 VEC_INPUTS = {"ln": 1, "softmax": 1, "add": 2, "mul": 2, "div": 2, "pow": 1, "tanh": 1, "relu": 1, "gelu": 1}

@@ -41,13 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .ops import DTYPE_BYTES, GEMM_OPS, kernel_work
+from .ops import DTYPE_BYTES, GEMM_OPS, VECTOR_OPS, kernel_work
 
 COLUMNS = ("op", "device", "B", "M", "N", "K", "H", "latency_ms", "dtype")
 DIMS = ("B", "M", "N", "K", "H")
-VECTOR_OPS = ("ln", "softmax", "gelu", "add", "mul", "div", "pow", "tanh", "relu")
-"""Profiled vector ops, in the order ``hetero profile`` measures them."""
 OPS = GEMM_OPS + VECTOR_OPS
+"""Profiled operators, in the order ``hetero profile`` measures them (the vocabulary of ``ops``)."""
 
 # Fixed reference rates: only a normaliser for the stored inefficiency, not a claim about the device.
 REF_FLOPS = 1e12

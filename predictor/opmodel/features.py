@@ -13,11 +13,9 @@ import math
 
 import numpy as np
 
-from ..ops import DTYPE_BYTES, GEMM_OPS, VEC_FLOPS, VEC_INPUTS, gemm_work, vector_work
+from ..ops import (DTYPE_BYTES, ELEMENTWISE_OPS, GEMM_OPS, NORM_OPS, VEC_FLOPS, VEC_INPUTS, VECTOR_OPS, gemm_work,
+                   vector_work)
 
-NORM_OPS = ("ln", "softmax")
-ELEMENTWISE_OPS = ("add", "mul", "div", "pow", "tanh", "relu", "gelu")
-VECTOR_OPS = NORM_OPS + ELEMENTWISE_OPS
 OPS = GEMM_OPS + VECTOR_OPS
 FAMILY = {**{o: "gemm" for o in GEMM_OPS}, **{o: "vector" for o in VECTOR_OPS}}
 OP_INDEX = {o: i for i, o in enumerate(VECTOR_OPS)}
