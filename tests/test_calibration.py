@@ -239,3 +239,13 @@ def test_loss_kernels_follow_megatron_cross_entropy():
     m32 = load_model({**spec, "dtype": "fp32"})   # fp32 logits need no casts
     assert [o.name for o in O.head_forward_ops(m32, b, s, tp) if o.name.startswith("loss.")] == \
         ["loss.max", "loss.sub_max", "loss.exp", "loss.sum", "loss.normalise"]
+
+
+def test_held_out_error_needs_enough_runs(cluster, synthetic):
+    """Fewer than two runs per fold: no held-out error (None, shown as '-'), and the operator-model
+    choice falls back to the in-sample error instead of failing."""
+    runs, _ = synthetic
+    cal = calibrate(cluster, runs[:6], standard=False, op_models=True)
+    fit = cal.meta["fit"]["A100-SXM4-80GB"]
+    assert fit["held_out_mape"] is None
+    assert fit["op_model"] in ("predictor default", "roofline") and fit["mape"] < 0.05
