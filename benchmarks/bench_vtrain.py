@@ -63,7 +63,7 @@ def cross_validate(cluster, runs, k: int = 5, seed: int = 0, fit=None) -> dict:
     for fold in folds_of(len(runs), k, seed):
         held = set(fold)
         train = [r for i, r in enumerate(runs) if i not in held]
-        cal = calibrate(cluster, train, fit=fit or ALL, standard=False)
+        cal = calibrate(cluster, train, fit=fit or ALL, standard=False, held_out=False)  # scored on the fold itself
         fitted.append({**dict(zip(ALL, cal.theta(runs[0].device))),
                        "op_model": cal.meta["fit"][runs[0].device].get("op_model")})
         for i, t in zip(fold, evaluate(cluster, [runs[i] for i in fold], cal)):

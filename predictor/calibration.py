@@ -288,9 +288,10 @@ def _fit_linearised(J, T0, theta0, measured, prior: float, free):
 
 
 def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_WEIGHT,
-                fit: Iterable[str] = ALL, op_model: str | None = None) -> tuple[tuple, dict]:
+                fit: Iterable[str] = ALL, op_model: str | None = None, held_out: bool = True) -> tuple[tuple, dict]:
     """Fit one device type's parameters (``ALL``, or the subset ``fit``; the rest stay at identity)
-    on its runs: Gauss-Newton on the real predictor. Returns (theta, info)."""
+    on its runs: Gauss-Newton on the real predictor. Returns (theta, info). ``held_out``: also
+    estimate the held-out error (:func:`_held_out_times`; one more Jacobian), else its fields are None."""
     import numpy as np
 
     fit = set(fit)
@@ -309,8 +310,11 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_
         theta = new
         if moved < 1e-3:
             break
-    final, J = prob.jacobian(theta, free)
-    held = _held_out_times(J, final, theta, measured, prior, free)
+    if held_out:
+        final, J = prob.jacobian(theta, free)
+        held = _held_out_times(J, final, theta, measured, prior, free)
+    else:
+        final, held = np.array(prob.times(theta)), None
     return tuple(float(v) for v in theta), {
         "rounds": n, "mape": float(np.mean(np.abs(final / measured - 1))),
         "rmsle": float(np.sqrt(np.mean(np.log(final / measured) ** 2))),
@@ -366,7 +370,7 @@ def _op_model_candidates(cluster, device: str, op_models) -> list[str]:
 
 
 def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] = ALL,
-              standard: bool = True, op_models: bool = False) -> Calibration:
+              standard: bool = True, op_models: bool = False, held_out: bool = True) -> Calibration:
     """Fit per-device-type factors to a run log (a CSV path, or a list of :class:`Run`).
 
     ``cluster`` is a :class:`~hetero.specs.cluster.Cluster` or a cluster file / dict. ``fit`` names
@@ -378,7 +382,9 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
     error 8.8% vs 9.3% over the 200 single-node runs) but extrapolates worse to larger ones (fitted
     on the single-node runs, multi-node MAPE 20.3% vs 17.5%): one factor cannot carry the gain in
     efficiency from small to large GEMMs that the learned model knows, and predicting larger runs
-    than were measured is what a calibration is for.
+    than were measured is what a calibration is for. ``held_out``: estimate each device's held-out
+    error for ``meta["fit"]`` (one more Jacobian per fit; always done when operator models compete,
+    since it is what decides between them).
     """
     import numpy as np
 
@@ -401,8 +407,10 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
     fits, table = {}, []
     for device, rs in by_device.items():
         theta, info = None, None
-        for kind in _op_model_candidates(cluster, device, op_models):
-            th, inf = fit_factors(cluster, rs, prior=prior, fit=fit, op_model=None if kind == "default" else kind)
+        kinds = _op_model_candidates(cluster, device, op_models)
+        for kind in kinds:
+            th, inf = fit_factors(cluster, rs, prior=prior, fit=fit, op_model=None if kind == "default" else kind,
+                                  held_out=held_out or len(kinds) > 1)
             if info is None or _score(inf) < _score(info):
                 theta, info = th, inf
                 info["chosen"] = kind
@@ -412,7 +420,7 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
         cal.factors[device] = CalibrationFactors(**dict(zip(PARAMS, theta[:4])), source=src)
         cal.extra[device] = dict(zip(EXTRA, theta[4:]))
         if standard and set(fit) & set(EXTRA):
-            std, std_info = fit_factors(cluster, rs, prior=prior, fit=set(fit) & set(PARAMS))
+            std, std_info = fit_factors(cluster, rs, prior=prior, fit=set(fit) & set(PARAMS), held_out=False)
             cal.standard[device] = CalibrationFactors(**dict(zip(PARAMS, std[:4])), source=src)
         else:
             std_info = info

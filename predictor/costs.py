@@ -133,7 +133,8 @@ class StageCostModel:
     def _ops_split(self, group: str, ops) -> tuple[float, float]:
         """(host dispatch, device work) seconds of ``ops`` on one device stream, with the
         calibration's compute factor and per-kernel dispatch floor
-        (:func:`~hetero.predictor.optime.stream_split`)."""
+        (:func:`~hetero.predictor.optime.stream_split`); the op cache holds each kernel's cost with
+        the group's matrix factor already applied (a group's factors never change)."""
         dev = self._dev[group]
         opm = self._opm[group]
         dtype = self.dtype
@@ -145,9 +146,10 @@ class StageCostModel:
             key = (group, o.op, o.dims, o.dtype)
             hit = cache.get(key)
             if hit is None:
-                hit = cache[key] = op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, dev)
-            if matrix != 1.0 and o.op in O.GEMM_OPS:   # device share scaled, host share kept
-                hit = (hit[1] + (hit[0] - hit[1]) * matrix, hit[1])
+                hit = op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, dev)
+                if matrix != 1.0 and o.op in O.GEMM_OPS:   # device share scaled, host share kept
+                    hit = (hit[1] + (hit[0] - hit[1]) * matrix, hit[1])
+                cache[key] = hit
             costs.append(hit)
         return stream_split(costs, factors.compute, factors.op_floor_s)
 

@@ -224,21 +224,28 @@ def cross_entropy_backward_ops(b: int, s: int, Vt: int, e: int) -> list[Op]:
             + ([_fp32_pass("loss.grad_cast", "relu", n, Vt, 4 + e)] if e < 4 else []))
 
 
+def _head_ops(model: ModelSpec, b: int, s: int, t: int, e: int) -> list[Op]:
+    """The last stage's final norm and LM head GEMM (vocabulary-parallel), before the loss."""
+    return [vec("final_norm", "ln", b * s, model.hidden_size, e),
+            gemm("lm_head", "linear", b, s, _vocab_shard(model, t), model.hidden_size, e)]
+
+
+def _vocab_shard(model: ModelSpec, t: int) -> int:
+    """Logits per row on one of ``t`` tensor-parallel ranks."""
+    return -(-model.vocab_size // t)
+
+
 def head_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
     """Last stage: final norm, LM head GEMM (vocabulary-parallel) and the cross entropy."""
     e = DTYPE_BYTES[dtype or model.dtype]
-    h, V = model.hidden_size, model.vocab_size
-    Vt = -(-V // t)
-    return [vec("final_norm", "ln", b * s, h, e),
-            gemm("lm_head", "linear", b, s, Vt, h, e)] + cross_entropy_forward_ops(b, s, Vt, e)
+    return _head_ops(model, b, s, t, e) + cross_entropy_forward_ops(b, s, _vocab_shard(model, t), e)
 
 
 def head_backward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | None = None) -> list[Op]:
     """Backward of :func:`head_forward_ops`, in reverse order."""
     e = DTYPE_BYTES[dtype or model.dtype]
-    h, V = model.hidden_size, model.vocab_size
-    ops = cross_entropy_backward_ops(b, s, -(-V // t), e)
-    for o in reversed(head_forward_ops(model, b, s, t, dtype)[:2]):
+    ops = cross_entropy_backward_ops(b, s, _vocab_shard(model, t), e)
+    for o in reversed(_head_ops(model, b, s, t, e)):
         ops += backward_of(o, e)
     return ops
 
