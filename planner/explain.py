@@ -81,7 +81,10 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     if ub:
         reasons.append(f"{best.prediction.tokens_per_s / ub * 100:.1f}% of the upper bound "
                        f"{_fmt_rate(ub)} tokens/s (sum of each group's best plan alone: "
-                       + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")")
+                       + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")"
+                       + ("; above it: a pipeline across groups gives each group the part it runs fastest (e.g. "
+                          "the head and loss on the faster one) and each device syncs the gradients of fewer layers"
+                          if best.prediction.tokens_per_s > ub * 1.0005 else ""))
     return reasons
 
 

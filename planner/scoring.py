@@ -80,6 +80,13 @@ def _neighbours(plan: Plan):
         yield dataclasses.replace(plan, pipelines=pipes)
 
 
+def _structure(plan: Plan) -> tuple:
+    """What the hill climb cannot change: the pipelines' stage groups, TP degrees and replicas, the
+    micro-batch size and recomputation (it moves layers and micro-batches; ZeRO stages come as twins)."""
+    return (plan.micro_batch_size, plan.recompute, plan.schedule,
+            tuple((p.replicas, p.micro_batch_size, tuple((st.group, st.tp) for st in p.stages)) for p in plan.pipelines))
+
+
 def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options, scorer: _Scorer, progress
                      ) -> list[tuple[float, Plan, object, Candidate]]:
     """``(score, plan, prediction, candidate)`` for the predicted and refined plans, best first.
@@ -118,11 +125,17 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
                 zpred = scorer(zplan)
                 scored.append((_score(zpred), zplan, zpred, c))
     scored.sort(key=lambda x: -x[0])
-    # hill climb on the top few
-    for idx in range(min(opts.refine_top, len(scored))):
-        s, plan, pred, c = scored[idx]
-        if s < 0:
-            continue
+    # hill climb on the best plan of each of the top few structures: the list above holds twins
+    # (even-split, higher ZeRO) that would climb to the same place and crowd out a structure whose
+    # first split was one layer off (a mixed pipeline ranked third behind two copies of one plan)
+    starts, seen = [], set()
+    for entry in scored:
+        if entry[0] >= 0 and _structure(entry[1]) not in seen:
+            seen.add(_structure(entry[1]))
+            starts.append(entry)
+        if len(starts) == opts.refine_top:
+            break
+    for idx, (s, plan, pred, c) in enumerate(starts):
         for _ in range(opts.refine_rounds * 8):
             best = (s, plan, pred)
             for nb in _neighbours(plan):
@@ -133,6 +146,6 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
                 break
             s, plan, pred = best
         scored.append((s, plan, pred, c))
-        progress("refine", idx + 1, opts.refine_top)
+        progress("refine", idx + 1, len(starts))
     scored.sort(key=lambda x: -x[0])
     return scored

@@ -2,8 +2,9 @@
 # Regenerates the planned example plans listed in configs/examples.yaml with `hetero plan`.
 # (The hand-written local CPU plans there are not regenerated.)
 set -euo pipefail
-PY=${1:-python}
 cd "$(dirname "$0")/.."
+# $1: a python with hetero installed (default: the project's .venv from `make`, else python)
+PY=${1:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 plan() {  # cluster model global-batch output
   $PY -m hetero plan --cluster "configs/clusters/$1.yaml" --model "configs/models/$2.yaml" \
       --global-batch-size "$3" --top-k 3 -o "configs/plans/$4.yaml" > /dev/null
