@@ -16,8 +16,9 @@ iteration time is positively homogeneous and piecewise linear in theta: ``T(thet
 theta`` with ``J`` constant on the region where the critical path does not change. We therefore fit
 by Gauss-Newton on the exact model: evaluate ``J`` per run by finite differences of real
 ``predict`` calls at the current theta, solve the (tiny, bounded) least-squares problem in
-log space, ``min sum_r (log(J_r . theta) - log T_r)^2 + prior``, and repeat until theta stops
-moving (2-4 rounds). The weak prior (``PRIOR_WEIGHT``) pulls each factor towards the identity
+log space, ``min sum_r (log(J_r . theta) - log T_r)^2 + prior``, step towards its solution only as
+far as the real objective goes down (backtracking: a full step can cross into pieces where the
+linearisation no longer holds), and repeat until theta stops moving. The weak prior (``PRIOR_WEIGHT``) pulls each factor towards the identity
 (log compute, log communication, overheads / their scale), so a parameter the runs cannot
 identify (e.g. communication when no run communicates) stays at its catalog value instead of
 drifting.
@@ -247,11 +248,12 @@ class _Problem:
         return [predict_calibrated(c, m, p, cal, check=False, placement=RUN_PLACEMENT).iteration_time_s
                 for c, m, p in self.setups]
 
-    def jacobian(self, theta, free):
-        """Per run, d T / d theta by forward differences (T is piecewise linear: exact on a piece)."""
+    def jacobian(self, theta, free, base=None):
+        """Per run, d T / d theta by forward differences (T is piecewise linear: exact on a piece);
+        ``base``: the times at ``theta`` when already known."""
         import numpy as np
 
-        base = np.array(self.times(theta))
+        base = np.array(self.times(theta)) if base is None else np.asarray(base)
         J = np.zeros((len(base), len(ALL)))
         for i in np.flatnonzero(free):
             h = FD_STEPS[i] * (max(theta[i], 0.1) if PRIOR_SCALE[i] is None else 1.0)
@@ -259,6 +261,21 @@ class _Problem:
             t[i] += h
             J[:, i] = (np.array(self.times(t)) - base) / h
         return base, J
+
+
+def _residuals(times, theta, log_measured, prior: float, idx):
+    """What the fit minimises the squares of: log(predicted / measured) per run, then the weak
+    prior's pull of each free parameter towards identity."""
+    import numpy as np
+
+    t = np.maximum(np.asarray(times, dtype=float), 1e-12)
+    pri = [math.log(theta[i]) if PRIOR_SCALE[i] is None else theta[i] / PRIOR_SCALE[i] for i in idx]
+    return np.concatenate([np.log(t) - log_measured, prior * np.array(pri)])
+
+
+STEP_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625)
+"""Backtracking of one Gauss-Newton step: the linearised optimum, then ever shorter steps towards
+it, until the real predictor's objective goes down."""
 
 
 def _fit_linearised(J, T0, theta0, measured, prior: float, free):
@@ -278,16 +295,14 @@ def _fit_linearised(J, T0, theta0, measured, prior: float, free):
 
     def resid(x):
         th = full(x)
-        t = np.maximum(offset + J @ th, 1e-12)
-        pri = [math.log(th[i]) if PRIOR_SCALE[i] is None else th[i] / PRIOR_SCALE[i] for i in idx]
-        return np.concatenate([np.log(t) - y, prior * np.array(pri)])
+        return _residuals(offset + J @ th, th, y, prior, idx)
 
     x0 = np.clip(np.asarray(theta0, dtype=float)[idx], lo + 1e-12, hi - 1e-12)
     res = least_squares(resid, x0, bounds=(lo, hi), x_scale=np.array(THETA_SCALE)[idx], method="trf")
     return full(res.x)
 
 
-def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_WEIGHT,
+def fit_factors(cluster, runs: list[Run], rounds: int = 10, prior: float = PRIOR_WEIGHT,
                 fit: Iterable[str] = ALL, op_model: str | None = None, held_out: bool = True) -> tuple[tuple, dict]:
     """Fit one device type's parameters (``ALL``, or the subset ``fit``; the rest stay at identity)
     on its runs: Gauss-Newton on the real predictor. Returns (theta, info). ``held_out``: also
@@ -302,19 +317,38 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 5, prior: float = PRIOR_
     prob = _Problem(cluster, runs, op_model)
     measured = np.array(prob.measured)
     theta = np.where(free, START_THETA, IDENTITY_THETA).astype(float)
+    idx, y = np.flatnonzero(free), np.log(measured)
+
+    def objective(times, th):
+        return float(np.sum(_residuals(times, th, y, prior, idx) ** 2))
+
+    # damped Gauss-Newton: a full step can overshoot where the predictor's pieces change (max over
+    # stages, host vs device bound), and factors that trade off (compute x matrix on GEMMs) let it
+    # oscillate; each accepted step must lower the real objective, so the fit never ends worse
+    # than it started a round
+    times = np.array(prob.times(theta))
+    best = objective(times, theta)
     n = 0
     for n in range(1, rounds + 1):
-        T0, J = prob.jacobian(theta, free)
-        new = _fit_linearised(J, T0, theta, measured, prior, free)
-        moved = np.max(np.abs(new - theta) / np.array(THETA_SCALE))
-        theta = new
+        T0, J = prob.jacobian(theta, free, base=times)
+        step = _fit_linearised(J, T0, theta, measured, prior, free) - theta
+        for frac in STEP_FRACTIONS:
+            cand = theta + frac * step
+            cand_times = np.array(prob.times(cand))
+            value = objective(cand_times, cand)
+            if value < best:
+                break
+        else:
+            break                                   # no step lowers it: a (local) optimum
+        moved = np.max(np.abs(cand - theta) / np.array(THETA_SCALE))
+        theta, times, best = cand, cand_times, value
         if moved < 1e-3:
             break
     if held_out:
-        final, J = prob.jacobian(theta, free)
+        final, J = prob.jacobian(theta, free, base=times)
         held = _held_out_times(J, final, theta, measured, prior, free)
     else:
-        final, held = np.array(prob.times(theta)), None
+        final, held = times, None
     return tuple(float(v) for v in theta), {
         "rounds": n, "mape": float(np.mean(np.abs(final / measured - 1))),
         "rmsle": float(np.sqrt(np.mean(np.log(final / measured) ** 2))),
