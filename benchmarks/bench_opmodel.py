@@ -4,7 +4,8 @@
 For each of the five NeuSight GPUs: fit on the other four (at most --train-rows rows per
 (op, device), fixed seed), predict EVERY row of the held-out GPU, and compare
   learned    OpModel: (floor + roofline) x exp(gradient-boosted trees on dimensionless features);
-             the floor of a GPU not trained on is the geometric mean of the training GPUs' floors
+             the floor of a GPU not trained on is an aggregate of the training GPUs' floors (the
+             design, chosen by the nested selection below, says which)
   roofline   max(flops/peak, bytes/bw) x one per-op factor fitted on the training GPUs
   linreg     per-op least squares of log latency on log(flops/peak), log(bytes/bw), log(roofline)
   probed     the learned model of the same fold pinned to the held-out GPU by the 20 probe
@@ -22,7 +23,8 @@ features) is scored by an inner LODO over the other four GPUs only (cheap fits: 
 rows per (op, device), --select-iter 80 rounds; <= 500 test rows per op) and the lowest mean inner
 overall MAPE wins; the outer fit uses the winner. Full-size inner fits (--select-rows 4000
 --select-iter 200, about 10 min) choose the same design for every outer GPU.
-floor_median: as floor, but an unseen GPU gets the median of the training GPUs' floors.
+floor_median / floor_min: as floor, but an unseen GPU gets the median / minimum of the training
+GPUs' floors.
 Device specs are the catalog's DeviceType (configs/devices.yaml), at training and prediction time.
 Writes benchmarks/results/opmodel_lodo.json. Needs $HETERO_SHARED_DATA or ../shared/data.
 """

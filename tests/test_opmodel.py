@@ -173,11 +173,11 @@ def test_records_and_exclude():
 # over the four other GPUs, benchmarks/results/opmodel_lodo.json "selection"); the test does not
 # rerun that selection. The full-size numbers are in benchmarks/results/opmodel_lodo.json.
 LODO_TARGET = (0.15, 0.10)
-LODO_DESIGNS = {"NVIDIA A100-PCIE-40GB": "floor", "Tesla P100-PCIE-16GB": "floor_median", "Tesla P4": "floor",
-                "Tesla T4": "floor", "Tesla V100-PCIE-32GB": "floor_median"}
-LODO_DOCUMENTED = {"NVIDIA A100-PCIE-40GB": (0.151, 0.165), "Tesla P100-PCIE-16GB": (0.268, 0.271),
-                   "Tesla P4": (0.122, 0.087), "Tesla T4": (0.121, 0.080),
-                   "Tesla V100-PCIE-32GB": (0.191, 0.179)}
+LODO_DESIGNS = dict.fromkeys(("NVIDIA A100-PCIE-40GB", "Tesla P100-PCIE-16GB", "Tesla P4", "Tesla T4",
+                              "Tesla V100-PCIE-32GB"), "floor_min")
+LODO_DOCUMENTED = {"NVIDIA A100-PCIE-40GB": (0.079, 0.053), "Tesla P100-PCIE-16GB": (0.275, 0.272),
+                   "Tesla P4": (0.092, 0.082), "Tesla T4": (0.087, 0.064),
+                   "Tesla V100-PCIE-32GB": (0.195, 0.189)}
 LODO_MARGIN = 0.02
 
 
@@ -187,7 +187,8 @@ def test_lodo_accuracy():
     target (MAPE <= 15%, medAPE <= 10%) where it did when documented, is no worse than documented
     (+ LODO_MARGIN) elsewhere, and the learned model beats both baselines everywhere. The probed
     protocol (the same fold's model pinned to the held-out GPU by its 20 probe records, which are
-    kept out of the test rows) meets the target on every GPU and beats the specs-only model.
+    kept out of the test rows) meets the target on every GPU, and beats the specs-only model by
+    5 points wherever that misses.
 
     Fit on <= 400 rows per (op, device) of four GPUs with 80 boosting rounds (the shipped model
     and the benchmark use 4000 rows and 200 rounds), evaluate <= 200 rows per op of the fifth.
@@ -212,16 +213,19 @@ def test_lodo_accuracy():
         assert mape <= doc_mape + LODO_MARGIN and med <= doc_med + LODO_MARGIN, (dev, summary)
         probed = r["probed"]["overall"]
         assert probed["mape"] <= LODO_TARGET[0] and probed["medape"] <= LODO_TARGET[1], (dev, probed)
-        assert probed["mape"] <= mape + 0.01, (dev, probed, mape)
+        if not (mape <= LODO_TARGET[0] and med <= LODO_TARGET[1]):
+            # where the specs-only prior misses, the probes must be what closes the gap (where the
+            # prior floor is already that GPU's own, one tiny-shape probe per op is no better)
+            assert probed["mape"] < mape - 0.05, (dev, probed, mape)
 
 
 def test_floor_design(v100, tmp_path):
     """The shipped model adds a per-op launch floor; a trained GPU uses its own measured floors, an
-    unseen one the median over the training GPUs; the floors survive a save/load round trip."""
+    unseen one the minimum over the training GPUs; the floors survive a save/load round trip."""
     from hetero.specs.device import load_catalog
 
     m = default_model()
-    assert m.design == "floor_median" and set(m.floors["global"]) == set(__import__(
+    assert m.design == "floor_min" and set(m.floors["global"]) == set(__import__(
         "hetero.predictor.opmodel.features", fromlist=["OPS"]).OPS)
     cat = load_catalog()
     assert m._floor_index(cat["V100-PCIE-32GB"]) > 0          # trained on: own floors
@@ -231,7 +235,10 @@ def test_floor_design(v100, tmp_path):
     t = m_no.predict("add", tiny, "fp32", cat["V100-PCIE-32GB"])
     assert t == pytest.approx(m_no.floors["global"]["add"], rel=0.3)
     own = {e["name"]: e["floors"]["add"] for e in m_no.floors["devices"]}
-    assert m_no.floors["global"]["add"] == pytest.approx(float(np.median(list(own.values()))))
+    assert m_no.floors["global"]["add"] == pytest.approx(min(own.values()))
+    note = m_no.accuracy_note(cat["V100-PCIE-32GB"])   # the provenance says which floor it assumed
+    assert f"quickest ({m_no.floors['global']['add'] * 1e6:.0f} us per elementwise call)" in note, note
+    assert "launch floor" not in m.accuracy_note(cat["V100-PCIE-32GB"])
     path = tmp_path / "m.json"
     m.save(path)
     m2 = OpModel.load(path)

@@ -1,6 +1,6 @@
 """The learned operator-latency model.
 
-Design "floor" (default, format v2):
+Design "floor" (format v2; "floor_min", the default, differs only in the floor of an unseen device):
 
     latency = (floor[op, device] + roofline(op, dims, dtype, device)) * exp(g(features))
 
@@ -10,7 +10,9 @@ log(roofline / floor). floor[op, device] is the launch floor: on a training devi
 bandwidth, compute units, L2 and clock), the 1% quantile of the op's measured latency there (a
 host/driver constant: 25-42 us for one elementwise op on the NeuSight machines, not explained by
 any GPU spec); on any other device, an aggregate of the training devices' floors: the geometric
-mean (design "floor") or the median ("floor_median"). A floor is mostly host dispatch, which a
+mean (design "floor"), the median ("floor_median") or the minimum ("floor_min": assume the host
+dispatches as fast as the fastest host seen; on the NeuSight machines three of five GPUs share a
+26 us floor, the other two sit at 32 and 42 us). A floor is mostly host dispatch, which a
 training step overlaps with earlier kernels: :meth:`OpModel.host_overhead` says how much, and the
 cost model composes a layer with it (``hetero.predictor.optime.stream_time``). Normalising by each training device's own
 floor keeps the trees from learning the floor as a function of device-identifying spec ratios
@@ -18,7 +20,8 @@ floor keeps the trees from learning the floor as a function of device-identifyin
 (format v1, the previous model) is latency = roofline * exp(g); "floor_power" is "floor" plus
 log2(peak/tdp) and log2(tdp) as GEMM features. The design is chosen by one rule: the lowest mean
 leave-one-device-out MAPE over the training devices (scripts/fit_opmodel.py --design auto; nested
-in benchmarks/bench_opmodel.py); on all five NeuSight GPUs that is "floor_median", the default.
+in benchmarks/bench_opmodel.py); on all five NeuSight GPUs, and in every nested fold, that is
+"floor_min", the default.
 Features are dimensionless (see ``features.py``), so a device enters only through spec ratios and
 the model can be applied to devices it never saw.
 
@@ -45,9 +48,11 @@ from .trees import PackedTrees, compile_scalar, export_hgb, validate
 FORMAT = "hetero-opmodel"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
-DESIGNS = ("ratio", "floor", "floor_power", "floor_median")
-FLOOR_DESIGNS = ("floor", "floor_power", "floor_median")
-DEFAULT_DESIGN = "floor_median"  # the design selected on all five NeuSight GPUs (scripts/fit_opmodel.py)
+DESIGNS = ("ratio", "floor", "floor_power", "floor_median", "floor_min")
+FLOOR_DESIGNS = ("floor", "floor_power", "floor_median", "floor_min")
+FLOOR_AGGREGATE = {"floor": "gmean", "floor_power": "gmean", "floor_median": "median", "floor_min": "min"}
+"""How a device not trained on gets its launch floor from the training devices' floors."""
+DEFAULT_DESIGN = "floor_min"  # the design selected on all five NeuSight GPUs (scripts/fit_opmodel.py)
 TARGETS = {
     "ratio": "log(measured / roofline), roofline = max(flops/peak, bytes/bandwidth)",
     "floor": "log(measured / (floor[op, device] + roofline)); floor = 1% quantile of the op's latency on a "
@@ -55,6 +60,7 @@ TARGETS = {
 }
 TARGETS["floor_power"] = TARGETS["floor"] + "; GEMM features add log2(peak/tdp) and log2(tdp)"
 TARGETS["floor_median"] = TARGETS["floor"].replace("geometric mean", "median")
+TARGETS["floor_min"] = TARGETS["floor"].replace("geometric mean", "minimum")
 FLOOR_QUANTILE = 0.01
 KERNEL_MIN_S = 2e-6
 """Device time of the smallest kernel (a tiny elementwise kernel runs for about 2 us on these GPUs).
@@ -102,7 +108,7 @@ class OpModel:
                 & np.isin(rec.op, F.OPS) & (rec.latency_ms > 0))
         rec = rec.subset(keep)
         self.design = design
-        self.floors = _estimate_floors(rec, devices, design == "floor_median") if design in FLOOR_DESIGNS else {"global": {}, "devices": []}
+        self.floors = _estimate_floors(rec, devices, FLOOR_AGGREGATE[design]) if design in FLOOR_DESIGNS else {"global": {}, "devices": []}
         self._prepare_floors()
         rng = np.random.default_rng(seed)
         params = {**HGB_PARAMS, **(hgb_params or {})}
@@ -193,6 +199,10 @@ class OpModel:
         sel = self.meta.get("design_selection", {}).get("inner_mean_mape", {})
         err = sel.get(self.design)
         tail = f"; leave-one-GPU-out operator MAPE {err:.0%} on the training GPUs" if err else ""
+        add = self.floors.get("global", {}).get("add")
+        if add and self.design in FLOOR_DESIGNS:
+            how = {"gmean": "geometric mean", "median": "median", "min": "quickest"}[FLOOR_AGGREGATE[self.design]]
+            tail += f"; launch floor assumed: the training hosts' {how} ({add * 1e6:.0f} us per elementwise call)"
         return f"a GPU it was not fitted on: from its specs{tail} (`hetero profile` on it narrows this)"
 
     def host_overhead(self, op: str, dtype: str, device) -> float:
@@ -342,9 +352,10 @@ def _device_key(device) -> tuple:
             float(device.l2_cache or 0), float(device.clock or 0))
 
 
-def _estimate_floors(rec: Records, devices: Mapping, median: bool = False) -> dict:
+def _estimate_floors(rec: Records, devices: Mapping, aggregate: str = "gmean") -> dict:
     """Per (op, device) launch floor: the ``FLOOR_QUANTILE`` quantile of the measured latency
-    (seconds); global per-op floor: geometric mean over the devices that have the op."""
+    (seconds); global per-op floor (for devices not trained on): the ``aggregate`` ("gmean",
+    "median" or "min") over the devices that have the op."""
     per_dev = []
     for name in sorted(set(rec.device.tolist())):
         m = rec.device == name
@@ -355,7 +366,8 @@ def _estimate_floors(rec: Records, devices: Mapping, median: bool = False) -> di
     for op in F.OPS:
         vals = [e["floors"][op] for e in per_dev if op in e["floors"]]
         if vals:
-            glob[op] = float(np.median(vals) if median else np.exp(np.mean(np.log(vals))))
+            glob[op] = float({"gmean": lambda v: np.exp(np.mean(np.log(v))), "median": np.median,
+                              "min": np.min}[aggregate](vals))
     return {"global": glob, "devices": per_dev}
 
 
