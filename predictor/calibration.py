@@ -18,10 +18,10 @@ by Gauss-Newton on the exact model: evaluate ``J`` per run by finite differences
 ``predict`` calls at the current theta, solve the (tiny, bounded) least-squares problem in
 log space, ``min sum_r (log(J_r . theta) - log T_r)^2 + prior``, step towards its solution only as
 far as the real objective goes down (backtracking: a full step can cross into pieces where the
-linearisation no longer holds), and repeat until theta stops moving. The weak prior (``PRIOR_WEIGHT``) pulls each factor towards the identity
-(log compute, log communication, overheads / their scale), so a parameter the runs cannot
-identify (e.g. communication when no run communicates) stays at its catalog value instead of
-drifting.
+linearisation no longer holds), and repeat until theta stops moving. The weak prior
+(``PRIOR_WEIGHT``) pulls each factor towards the identity (log compute, log communication,
+overheads / their scale), so a parameter the runs cannot identify (e.g. communication when no run
+communicates) stays at its catalog value instead of drifting.
 """
 from __future__ import annotations
 

@@ -352,6 +352,9 @@ def _device_key(device) -> tuple:
             float(device.l2_cache or 0), float(device.clock or 0))
 
 
+_AGGREGATES = {"gmean": lambda v: np.exp(np.mean(np.log(v))), "median": np.median, "min": np.min}
+
+
 def _estimate_floors(rec: Records, devices: Mapping, aggregate: str = "gmean") -> dict:
     """Per (op, device) launch floor: the ``FLOOR_QUANTILE`` quantile of the measured latency
     (seconds); global per-op floor (for devices not trained on): the ``aggregate`` ("gmean",
@@ -366,8 +369,7 @@ def _estimate_floors(rec: Records, devices: Mapping, aggregate: str = "gmean") -
     for op in F.OPS:
         vals = [e["floors"][op] for e in per_dev if op in e["floors"]]
         if vals:
-            glob[op] = float({"gmean": lambda v: np.exp(np.mean(np.log(v))), "median": np.median,
-                              "min": np.min}[aggregate](vals))
+            glob[op] = float(_AGGREGATES[aggregate](vals))
     return {"global": glob, "devices": per_dev}
 
 
