@@ -41,6 +41,11 @@ class RankInfo:
         interleaved; a layout without ``chunks`` means its one stage)."""
         return self.chunks or (self.stage,)
 
+    def holds_ends(self, plan) -> tuple[bool, bool]:
+        """(runs the pipeline's first stage: the embedding, runs its last: final norm, head, loss)."""
+        vs = self.virtual_stages
+        return vs[0] == 0, vs[-1] == len(plan.pipelines[self.pipeline].stages) - 1
+
     def chunk_layers(self, plan) -> tuple[tuple[int, int], ...]:
         """Layer ranges of the stages this rank runs in ``plan`` (see :attr:`virtual_stages`)."""
         stages = plan.pipelines[self.pipeline].stages

@@ -328,10 +328,11 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 10, prior: float = PRIOR
     # than it started a round
     times = np.array(prob.times(theta))
     best = objective(times, theta)
+    J = None  # the Jacobian at the current theta, while it is current
     n = 0
     for n in range(1, rounds + 1):
-        T0, J = prob.jacobian(theta, free, base=times)
-        step = _fit_linearised(J, T0, theta, measured, prior, free) - theta
+        _, J = prob.jacobian(theta, free, base=times)
+        step = _fit_linearised(J, times, theta, measured, prior, free) - theta
         for frac in STEP_FRACTIONS:
             cand = theta + frac * step
             cand_times = np.array(prob.times(cand))
@@ -341,20 +342,27 @@ def fit_factors(cluster, runs: list[Run], rounds: int = 10, prior: float = PRIOR
         else:
             break                                   # no step lowers it: a (local) optimum
         moved = np.max(np.abs(cand - theta) / np.array(THETA_SCALE))
-        theta, times, best = cand, cand_times, value
+        theta, times, best, J = cand, cand_times, value, None
         if moved < 1e-3:
             break
+    held = None
     if held_out:
-        final, J = prob.jacobian(theta, free, base=times)
-        held = _held_out_times(J, final, theta, measured, prior, free)
-    else:
-        final, held = times, None
+        if J is None:
+            _, J = prob.jacobian(theta, free, base=times)
+        held = _held_out_times(J, times, theta, measured, prior, free)
+    mape, rmsle = _errors(times, measured)
+    held_mape, held_rmsle = (None, None) if held is None else _errors(held, measured)
     return tuple(float(v) for v in theta), {
-        "rounds": n, "mape": float(np.mean(np.abs(final / measured - 1))),
-        "rmsle": float(np.sqrt(np.mean(np.log(final / measured) ** 2))),
-        "held_out_mape": None if held is None else float(np.mean(np.abs(held / measured - 1))),
-        "held_out_rmsle": None if held is None else float(np.sqrt(np.mean(np.log(held / measured) ** 2))),
-        "predicted_s": final.tolist(), "op_model": op_model}
+        "rounds": n, "mape": mape, "rmsle": rmsle, "held_out_mape": held_mape, "held_out_rmsle": held_rmsle,
+        "predicted_s": times.tolist(), "op_model": op_model}
+
+
+def _errors(predicted, measured) -> tuple[float, float]:
+    """(MAPE, RMS log error) of predicted against measured times."""
+    import numpy as np
+
+    ratio = np.asarray(predicted) / np.asarray(measured)
+    return float(np.mean(np.abs(ratio - 1))), float(np.sqrt(np.mean(np.log(ratio) ** 2)))
 
 
 CV_FOLDS = 5
@@ -459,12 +467,11 @@ def calibrate(cluster, runs, *, prior: float = PRIOR_WEIGHT, fit: Iterable[str] 
         else:
             std_info = info
         base = np.array(_Problem(cluster, rs).times(IDENTITY_THETA))
-        measured = np.array([r.iteration_time_s for r in rs])
         fits[device] = {"runs": len(rs), "rounds": info["rounds"], "mape": info["mape"],
                         "held_out_mape": info["held_out_mape"],
                         "op_model": "predictor default" if info["chosen"] == "default" else info["chosen"],
                         "mape_standard_factors": std_info["mape"],
-                        "mape_uncalibrated": float(np.mean(np.abs(base / measured - 1)))}
+                        "mape_uncalibrated": _errors(base, [r.iteration_time_s for r in rs])[0]}
         for r, b, p in zip(rs, base, info["predicted_s"]):
             table.append({"row": r.row, "device": r.device, "run": r.describe(), "num_devices": r.num_devices,
                           "measured_ms": r.iteration_time_ms, "uncalibrated_ms": float(b) * 1e3,

@@ -37,8 +37,7 @@ class RunContext:
         self.num_physical = len(self.plan.physical_stages(self.pipeline))
         self.vstages = self.me.virtual_stages
         """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
-        self.first = self.vstages[0] == 0
-        self.last = self.vstages[-1] == self.num_stages - 1
+        self.first, self.last = self.me.holds_ends(self.plan)
         self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
 
     def tp_groups(self) -> list[list[int]]:

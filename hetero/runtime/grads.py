@@ -45,10 +45,8 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
     shapes = functools.lru_cache(maxsize=None)(
         lambda chunks, first, last: tuple(stage_param_shapes(model_spec, chunks[0], first, last, chunks)))
     holders: dict[str, list[int]] = {}
-    for r in layout.ranks:
-        n = len(plan.pipelines[r.pipeline].stages)
-        vstages = r.virtual_stages  # an interleaved rank holds several
-        for name in shapes(r.chunk_layers(plan), vstages[0] == 0, vstages[-1] == n - 1):
+    for r in layout.ranks:   # an interleaved rank holds several chunks
+        for name in shapes(r.chunk_layers(plan), *r.holds_ends(plan)):
             holders.setdefault(name, []).append(r.rank)
     return {k: tuple(sorted(v)) for k, v in holders.items()}
 
