@@ -208,6 +208,12 @@ def infeasible_message(cluster, model, B, opts, cost_model, calibration) -> str:
     worst.sort()
     best_case = worst[0]
     over, name, tp, S, per, need, cap = best_case
+    if over <= 0:
+        # memory is not what fails: say so instead of reporting a negative shortfall
+        lines.append(f"memory is not the limit (group '{name}' at tp{tp} x {S} stages needs {need / gb:.1f} "
+                     f"of {cap / gb:.1f} GB per device), but no shape found could share a global batch "
+                     f"of {B} between its pipelines")
+        return "; ".join(lines) + "; fix: try a global batch size with more divisors (e.g. a multiple of 8)"
     lines.append(f"no plan fits: even the most memory-frugal shape of group '{name}' "
                  f"(tp{tp} x {S} stages of {per} layers, micro-batch 1, full recompute, "
                  f"zero_stage {max(opts.zero_stages)}) needs {need / gb:.1f} GB on its first stage, "

@@ -29,6 +29,8 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
     total = sum(sizes.values())
     out: dict[tuple[str, ...], list[Block]] = {}
     units = _units(B, mbs)
+    # A shape whose replicas take more samples per micro-batch step than the whole global batch can
+    # never be fed (``blk.units > B``): it is not kept, or it would crowd out the shapes that can.
 
     def key(block: Block, share: float) -> float:
         # samples/s of this block on its share of the batch (share by device count)
@@ -43,10 +45,10 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
             for r in replica_options({g: tp}, sizes, units, L):
                 s = sizes[g] // (r * tp)
                 blk = ev.evaluate((Segment(g, tp, s),), r, mbs, rc, opts.zero_stages)
-                if blk is not None:
+                if blk is not None and blk.units <= B:
                     cands.append(blk)
         cands.sort(key=lambda b: -key(b, share))
-        kept = _keep(cands, opts.keep_per_block)
+        kept = _keep(cands, opts.keep_per_block, B)
         if kept:
             out[(g,)] = kept
         tps: list[int] = []
@@ -76,7 +78,7 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
                         for order in tried:
                             segs = tuple(Segment(g, tp_of[g], sizes[g] // (r * tp_of[g])) for g in order)
                             blk = ev.evaluate(segs, r, mbs, rc, opts.zero_stages)
-                            if blk is not None:
+                            if blk is not None and blk.units <= B:
                                 cands.append(blk)
                 cands.sort(key=lambda b: -key(b, share))
                 extra = []
@@ -87,14 +89,16 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
                         if alt is not None:
                             extra.append(alt)
                 cands = sorted(cands + extra, key=lambda b: -key(b, share))
-                kept = _keep(cands, opts.keep_per_block)
+                kept = _keep(cands, opts.keep_per_block, B)
                 if kept:
                     out[tuple(sorted(subset))] = kept
     return out
 
 
-def _keep(cands: list[Block], n: int) -> list[Block]:
-    """The best ``n`` shapes, plus the best of every tp signature (for the TP-or-PP explanation)."""
+def _keep(cands: list[Block], n: int, B: int) -> list[Block]:
+    """The best ``n`` shapes, plus the best of every tp signature (for the TP-or-PP explanation),
+    plus the best shape that can take the whole global batch alone (``B % units == 0``): without it
+    a batch such as a prime number could be shared by no kept shape, though one exists."""
     kept, seen = [], set()
     for b in cands:
         sig = tuple((s.group, s.tp) for s in b.segments)
@@ -102,6 +106,10 @@ def _keep(cands: list[Block], n: int) -> list[Block]:
             if b not in kept:
                 kept.append(b)
             seen.add(sig)
+    if not any(B % b.units == 0 for b in kept):
+        exact = next((b for b in cands if B % b.units == 0), None)
+        if exact is not None:
+            kept.append(exact)
     return kept
 
 

@@ -192,6 +192,29 @@ def test_1024_devices_of_four_types_plan_llama2_70b_in_under_30_s():
     assert results[0].prediction.fits_memory and results.upper_bound_tokens_per_s > 0
 
 
+@pytest.mark.parametrize("batch", [1, 2, 509])
+def test_small_and_prime_global_batches_still_get_the_plan_a_hand_finds(batch):
+    """A shape with more replicas than samples can never be fed, and a prime batch can only go to a
+    one-replica shape: the planner once ranked the former first and dropped the latter, so it said
+    "no plan fits" for 32 A100s and llama2-7b at batch 1 / 2 / 509 (a hand plan trains at 16k tok/s)."""
+    cluster = hetero.load_cluster(CLUSTERS / "a100-homogeneous.yaml")
+    model = hetero.load_model(MODELS / "llama2-7b.yaml")
+    results = hetero.search(cluster, model, global_batch_size=batch)
+    n = cluster.groups[0].num_devices
+    hand = hetero.load_plan({"global_batch_size": batch, "micro_batch_size": 1, "pipelines": [
+        {"micro_batches": batch, "stages": [{"group": "a100", "layers": [8 * i, 8 * i + 8], "tp": 8}
+                                             for i in range(n // 8)]}]}, cluster, model)
+    assert results[0].prediction.tokens_per_s >= hetero.predict(cluster, model, hand).tokens_per_s * (1 - 1e-9)
+
+
+def test_a_single_sample_goes_to_the_fastest_group():
+    cluster = hetero.load_cluster(CLUSTERS / "mixed-vendor.yaml")
+    results = hetero.search(cluster, hetero.load_model(MODELS / "llama2-7b.yaml"), global_batch_size=1)
+    by_group = results.upper_bound_by_group
+    assert min(by_group.values()) > 0, by_group  # every group alone can take one sample
+    assert results[0].prediction.tokens_per_s >= max(by_group.values()) * (1 - 1e-9)
+
+
 # ----------------------------------------------------------------------------- messages, CLI
 def test_infeasible_problem_says_which_constraint_fails_and_the_fix():
     cluster = hetero.load_cluster(CLUSTERS / "a100-v100.yaml")
