@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from hetero.specs.model import ModelSpec
 
 from .ops import DTYPE_BYTES
+from .schedule import interleave_group
 
 MiB = 2**20
 FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * MiB, "intel": 512 * MiB,
@@ -159,16 +160,18 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
     """Micro-batches whose activations a stage holds at its peak, in units of the stage's whole
     layer range.
 
-    1F1B: stage i of p holds min(p - i, m). GPipe: all m. Interleaved (Megatron, v chunks per
-    device): device i runs (p - i - 1) * 2 + (v - 1) * p warm-up chunk-forwards, plus the one
-    in flight, each holding 1/v of the device's layers: min(that + 1, m v) / v.
+    1F1B: stage i of p holds min(p - i, m). GPipe: all m. Interleaved (v chunks per device):
+    device i runs (p - i - 1) * 2 + (v - 1) * G warm-up chunk-forwards, G the largest micro-batch
+    group of the order (:func:`~hetero.predictor.schedule.interleave_group`: p when p divides m),
+    plus the one in flight, each holding 1/v of the device's layers: min(that + 1, m v) / v.
+    Each is the peak count of the order :mod:`hetero.predictor.schedule` simulates (tested).
     """
     p, m, i = num_stages, micro_batches, stage
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved" and interleave > 1:
         v = interleave
-        chunks = min((p - i - 1) * 2 + (v - 1) * p + 1, m * v)
+        chunks = min((p - i - 1) * 2 + (v - 1) * interleave_group(p, m) + 1, m * v)
         return chunks / v
     return float(min(p - i, m))
 

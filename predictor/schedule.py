@@ -12,9 +12,10 @@ Orders:
   one backward, then drains the backwards (PipeDream-Flush / Megatron);
 - ``interleaved``: Megatron's interleaved 1F1B with v model chunks per device: stages are given
   as the p v virtual stages; virtual stage k runs on device k mod p; micro-batches go in groups
-  of p through chunk 0, then chunk 1, ...; device i warms up with (p - i - 1) 2 + (v - 1) p
-  chunk-forwards. If m is not a multiple of p and that order would deadlock, the pipeline falls
-  back to the GPipe order (all forwards first), which always completes.
+  of p through chunk 0, then chunk 1, ..., a remainder of m mod p joining the last group; device
+  i warms up with (p - i - 1) 2 + (v - 1) G chunk-forwards, G the largest group
+  (:func:`interleave_group`). Should an order ever deadlock, the pipeline falls back to the GPipe
+  order (all forwards first), which always completes (tests check no interleaved order does).
 
 The dependency graph of a schedule does not depend on the durations, so it is put in a
 topological order once per (schedule, stages, micro-batches) and every later simulation is one
@@ -31,20 +32,37 @@ class Deadlock(RuntimeError):
     pass
 
 
+def interleave_group(p: int, m: int) -> int:
+    """Micro-batches in the largest group of the interleaved order (p devices, m micro-batches).
+
+    Micro-batches go through the chunks in groups of p (Megatron's order). A group smaller than p
+    stalls device 0: the chunk-(c+1) forward of the group's first micro-batch waits for it to come
+    back from the last device, and the group has fewer than p forwards to fill the wait (with
+    Megatron's trailing group of m mod p, p = 4, v = 2, m = 6 took longer than m = 7, and longer
+    than plain 1F1B). So the remainder joins the last full group, which is then p + m mod p (m
+    itself when m < 2p), and the warm-up, (p - i - 1) 2 + (v - 1) G chunk-forwards on device i,
+    covers that group: the bubble is then (p - 1) / v of a micro-batch's time for every m >= p,
+    at the cost of (v - 1) (m mod p) more chunk activations held in the warm-up.
+    """
+    return m if m < p else p + m % p
+
+
 def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     """Per device, the ordered ops (kind 'F'/'B', micro-batch, virtual stage)."""
     if schedule == "interleaved" and v > 1:
         seqs = []
         total = m * v
         fwd_list, bwd_list = [], []
-        for g in range(0, m, p):
-            size = min(p, m - g)
+        G = interleave_group(p, m)
+        starts = list(range(0, m - G + 1, p)) if m >= p else [0]
+        for k, g in enumerate(starts):
+            size = (starts[k + 1] if k + 1 < len(starts) else m) - g
             for c in range(v):
                 for j in range(size):
                     fwd_list.append((g + j, c))
                     bwd_list.append((g + j, v - 1 - c))
         for i in range(p):
-            warm = min((p - i - 1) * 2 + (v - 1) * p, total)
+            warm = min((p - i - 1) * 2 + (v - 1) * G, total)
             seq: list[tuple[str, int, int]] = []
             fi = bi = 0
             for _ in range(warm):
@@ -215,4 +233,4 @@ def pipeline_time(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> 
     return _time(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)
 
 
-__all__ = ["simulate", "pipeline_time", "device_orders", "Deadlock"]
+__all__ = ["simulate", "pipeline_time", "device_orders", "interleave_group", "Deadlock"]
