@@ -31,7 +31,11 @@ stage i of p; GPipe: m; interleaved: see :func:`in_flight_microbatches`).
 
 First stage: token ids (int64). Last stage: final-norm and head inputs, the logits in the model
 dtype and the fp32 log-softmax the cross-entropy keeps, plus the fp32 logits gradient that exists
-while backward starts (a transient counted at the peak).
+while backward starts (a transient counted at the peak). While a layer's backward runs, the layer
+recomputation rebuilds (full: all but its input; selective: the attention core) and the gradient
+of the attention scores are alive too (:func:`backward_transient_bytes`); the peak takes the
+larger of the two transients (with full recomputation of a small-vocabulary model the rebuilt
+layer is most of the peak: measured in benchmarks/bench_memory.py).
 
 A fixed framework overhead per device (:data:`FRAMEWORK_OVERHEAD`) covers the CUDA/HIP/CANN
 context, cuBLAS/NCCL workspaces and allocator slack; 0 for CPU processes (measured as live
@@ -140,18 +144,35 @@ def loss_transient_bytes(model: ModelSpec, b: int, s: int, tp: int) -> float:
     return 4.0 * b * s * -(-model.vocab_size // tp)
 
 
+def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recompute: str,
+                             dtype: str | None = None) -> float:
+    """Bytes alive on top of the kept activations while one layer's backward runs, one micro-batch:
+    what recomputation rebuilds of that layer (full: all it would have kept but its input, which is
+    kept already; selective: the attention core), plus the gradient of the attention scores
+    (e a s^2 b / t, as large as the softmax output it is computed from)."""
+    e = DTYPE_BYTES[dtype or model.dtype]
+    rebuilt = activation_bytes_per_layer(model, b, s, tp, "none", dtype) - \
+        activation_bytes_per_layer(model, b, s, tp, recompute, dtype)
+    return rebuilt + e * model.num_attention_heads * s * s * b / tp
+
+
 def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
                  zero_stage: int, dp: int, in_flight: float, first: bool, last: bool) -> MemoryBreakdown:
     """Peak memory of one device of a stage of ``num_layers`` layers: model states (ZeRO-sharded
-    over ``dp``), ``in_flight`` micro-batches of activations, the loss transient on the last stage
-    and the framework overhead of the vendor ``family``."""
+    over ``dp``), ``in_flight`` micro-batches of activations, the larger of the loss transient (last
+    stage) and a layer's backward transient, and the framework overhead of the vendor ``family``."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
     w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp)
     act = in_flight * (num_layers * activation_bytes_per_layer(model, mbs, s, tp, recompute)
                        + edge_activation_bytes(model, mbs, s, tp, first, last))
+    # Two transients that do not coincide; the peak carries the larger. The loss transient is
+    # alive at the start of the last stage's backward. A layer's backward transient comes after the
+    # head's backward has freed that micro-batch's head activations (on the last stage).
+    layer_peak = backward_transient_bytes(model, mbs, s, tp, recompute) if num_layers else 0.0
     if last:
-        act += loss_transient_bytes(model, mbs, s, tp)
+        layer_peak -= edge_activation_bytes(model, mbs, s, tp, False, True)
+    act += max(loss_transient_bytes(model, mbs, s, tp) if last else 0.0, layer_peak)
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
 
 
@@ -178,4 +199,4 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
 
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
-           "in_flight_microbatches", "loss_transient_bytes"]
+           "in_flight_microbatches", "loss_transient_bytes", "backward_transient_bytes"]
