@@ -63,9 +63,8 @@ def enumerate_blocks(cluster, model, ev: BlockEvaluator, B: int, rc: str, mbs: i
             for subset in itertools.combinations(names, k):
                 share = sum(sizes[g] for g in subset) / total
                 # A group's best tp alone need not be its best inside a spanning pipeline (there
-                # pipeline depth comes from the other groups too): pairs also try the smallest tp.
-                per_tp = [list(dict.fromkeys(best_tp[g][:2] + tp_options(cluster, model, g)[:1])) if k <= 2
-                          else best_tp[g][:1] for g in subset]
+                # pipeline depth and memory come from the other groups too): pairs try every tp.
+                per_tp = [tp_options(cluster, model, g) if k <= 2 else best_tp[g][:1] for g in subset]
                 cands = []
                 orders = group_orders(cluster, subset)
                 # A pair is tried both ways round: which group holds the LM head (last stage) or the

@@ -173,6 +173,23 @@ def test_no_one_move_neighbour_of_a_listed_plan_beats_the_best(cluster_name, mod
                 assert pred.tokens_per_s <= best * (1 + 1e-9), (r.one_line, describe(nb))
 
 
+def test_a_mixed_pipeline_may_use_a_tp_neither_group_prefers_alone():
+    """h100-a100 / llama3-8b: 4 x (A100 tp4, layers 0-14 | H100 tp2, layers 15-31) trains at 61.8k
+    tokens/s, but H100 tp2 is neither of the H100 group's two best degrees alone (its memory only
+    fits next to the A100 stage), and the planner, which tried those two plus tp1 in a spanning
+    pipeline, returned a 61.1k data-parallel plan. Pairs now try every tp."""
+    cluster = hetero.load_cluster(CLUSTERS / "h100-a100.yaml")
+    model = hetero.load_model(MODELS / "llama3-8b.yaml")
+    hand = hetero.load_plan({"global_batch_size": 512, "micro_batch_size": 1, "zero_stage": 1, "pipelines": [
+        {"replicas": 4, "micro_batches": 128, "stages": [{"group": "a100", "tp": 4, "layers": [0, 15]},
+                                                        {"group": "h100", "tp": 2, "layers": [15, 32]}]}]},
+        cluster, model)
+    expected = hetero.predict(cluster, model, hand)
+    assert expected.fits_memory
+    best = hetero.search(cluster, model, global_batch_size=512, top_k=1)[0].prediction
+    assert best.tokens_per_s >= expected.tokens_per_s * (1 - 1e-9)
+
+
 def test_two_vendor_plan_reaches_95_percent_of_the_upper_bound():
     cluster = small_cluster(a="A100-SXM4-80GB", b="MI250X-GCD", na=8, nb=8, cross="25 GB/s")
     cluster = hetero.load_cluster({**cluster.to_dict(), "groups": [
