@@ -192,13 +192,13 @@ class Calibration:
 
 def load_calibration(path) -> Calibration:
     """Load a calibration JSON written by :meth:`Calibration.save` (validated; no pickle)."""
+    from hetero.specs.io import InputFileError, read_user_text
+
     path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CalibrationError(f"{path}: calibration file not found") from None
-    except OSError as e:
-        raise CalibrationError(f"{path}: cannot read calibration file: {e.strerror}") from None
+        text = read_user_text(path, "calibration")
+    except InputFileError as e:
+        raise CalibrationError(f"{path}: {e.message} (fix: {e.fix})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -11,6 +11,7 @@ devices, layers split evenly, ``global_batch / (dp x micro_batch)`` micro-batche
 from __future__ import annotations
 
 import csv
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,15 +83,15 @@ class Run:
 
 def read_runs(path) -> list[Run]:
     """Read and validate a run-log CSV; errors name the file, the row and the column."""
+    from hetero.specs.io import InputFileError, read_user_text
+
     path = Path(path)
     source = str(path)
     try:
-        fh = open(path, newline="")
-    except FileNotFoundError:
-        raise CalibrationError(f"{source}: run log not found") from None
-    except OSError as e:
-        raise CalibrationError(f"{source}: cannot read run log: {e.strerror}") from None
-    with fh:
+        text = read_user_text(path, "run log")
+    except InputFileError as e:
+        raise CalibrationError(f"{source}: {e.message} (fix: {e.fix})") from None
+    with io.StringIO(text, newline="") as fh:
         reader = csv.DictReader(fh)
         header = [h.strip() for h in (reader.fieldnames or [])]
         missing = [c for c in REQUIRED if c not in header]

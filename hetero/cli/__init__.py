@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from hetero.errors import HeteroError
     from hetero.specs.errors import SpecError
+    from hetero.specs.io import InputFileError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     except HeteroError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except InputFileError as e:
+        print(f"error: {e.message} (fix: {e.fix})", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader went away (`hetero devices | head`): stop quietly, as Unix tools do.
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        # reading or writing a file the checks above could not foresee (disk full, a vanished dir)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e} (fix: check the path, its permissions and free space)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -42,3 +42,15 @@ def load_inputs(args, need_plan: bool = True):
     if problems:
         raise SpecError(problems)
     return cluster, model, plan
+
+
+def warn_if_calibration_unused(calibration, cluster, source: str) -> None:
+    """A calibration that covers none of the cluster's device types changes nothing: say so on
+    stderr, so an uncalibrated prediction is not taken for a calibrated one."""
+    used = [g.device for g in cluster.groups
+            if calibration.factors_for(g.device, cluster.device_type(g.name)) is not None]
+    if not used:
+        fitted = ", ".join(sorted(calibration.factors)) or "no device type"
+        devices = ", ".join(sorted({g.device for g in cluster.groups}))
+        console(stderr=True).print(f"[yellow]warning[/yellow]: {source} has factors for {fitted}, none of this "
+                                   f"cluster's devices ({devices}): the prediction is uncalibrated")

@@ -28,7 +28,10 @@ def run(args) -> int:
 
     from ._common import console, print_json
 
+    from hetero.specs.io import check_output_path
+
     cluster = load_cluster(args.cluster)
+    check_output_path(args.output, "-o")
     runs = read_runs(args.runs)
     cal = calibrate(cluster, runs)
     cal.meta["runs_file"] = args.runs

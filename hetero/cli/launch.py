@@ -61,6 +61,36 @@ def parse_failure(text: str | None) -> tuple[int, int] | None:
     return out
 
 
+def _check_numbers(args) -> None:
+    """Reject out-of-range options here, in dry runs too, rather than in every worker's traceback."""
+    import math
+    import os
+
+    from hetero.errors import HeteroError
+
+    def need(ok: bool, flag: str, value, fix: str) -> None:
+        if not ok:
+            raise HeteroError(f"{flag} {value}: out of range (fix: {fix})")
+
+    need(math.isfinite(args.timeout) and args.timeout > 0, "--timeout", args.timeout, "give seconds > 0, e.g. 60")
+    need(math.isfinite(args.lr) and args.lr > 0, "--lr", args.lr, "give a positive learning rate, e.g. 1e-3")
+    need(math.isfinite(args.weight_decay) and args.weight_decay >= 0, "--weight-decay", args.weight_decay,
+         "give a number >= 0")
+    need(math.isfinite(args.clip) and args.clip >= 0, "--clip", args.clip, "give a norm >= 0 (0: no clipping)")
+    need(args.threads >= 1, "--threads", args.threads, "give at least 1 thread per worker")
+    if args.master_port is not None:
+        need(1 <= args.master_port <= 65535, "--master-port", args.master_port, "give a TCP port in 1..65535")
+    if args.data:
+        need(os.path.isfile(args.data), "--data", args.data, "give a token or text file")
+    if args.load:
+        need(os.path.isdir(args.load), "--load", args.load, "give a checkpoint directory written by --save")
+    for flag, value in (("--summary", args.summary), ("--trace", args.trace)):
+        if value:
+            from hetero.specs.io import check_output_path
+
+            check_output_path(value, flag)
+
+
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.runtime.launcher import dry_run_text, prepare
@@ -95,6 +125,7 @@ def run(args) -> int:
                          threads=args.threads, quiet=args.quiet, extra=extra)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
+    _check_numbers(args)
     if options.inject_failure:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
@@ -103,6 +134,9 @@ def run(args) -> int:
         raise HeteroError(f"--data {args.data}: no such file")
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir)
+    if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
+        raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
+                          f"(fix: give 0..{len(launch.nodes) - 1})")
     out = console()
     if args.dry_run:
         print(dry_run_text(launch))

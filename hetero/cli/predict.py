@@ -30,18 +30,24 @@ def _ms(x: float) -> str:
 def run(args) -> int:
     from hetero.predictor import predict
 
-    from ._common import console, load_inputs, print_json
+    from ._common import console, load_inputs, print_json, warn_if_calibration_unused
 
     cluster, model, plan = load_inputs(args)
+    if args.timeline:
+        from hetero.specs.io import check_output_path
+
+        check_output_path(args.timeline, "--timeline")
     calibration = None
     if args.calibration:   # a missing or bad file raises CalibrationError (a HeteroError) naming it
         from hetero.predictor.calibration import load_calibration
 
         calibration = load_calibration(args.calibration)
+        warn_if_calibration_unused(calibration, cluster, args.calibration)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
     if args.timeline:
-        with open(args.timeline, "w") as f:
-            json.dump(pred.timeline(), f)
+        from hetero.specs.io import write_text_atomic
+
+        write_text_atomic(args.timeline, json.dumps(pred.timeline()))
     if args.json:
         print_json(pred.to_dict())
         return 0

@@ -44,6 +44,11 @@ def run(args) -> int:
         raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
     if args.threads is not None and args.threads < 1:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
+    if args.output:  # before minutes of measuring, not after
+        from hetero.specs.io import check_output_path
+
+        check_output_path(args.output, "-o")
+        check_output_path(P.meta_path(args.output), "-o (its .meta.json)")
     try:
         name, torch_device = M.detect_device(args.device)
     except RuntimeError as e:

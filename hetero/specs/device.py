@@ -63,15 +63,21 @@ class DeviceType:
         if not self.peak_flops:
             problems.add(join_path(path, "peak_flops"), "needs at least one dtype", "e.g. {fp32: 19.5 TFLOPS}")
         for table in ("peak_flops", "peak_flops_vector"):
-            for dtype in getattr(self, table):
+            for dtype, value in getattr(self, table).items():
+                where = join_path(join_path(path, table), dtype)
                 if dtype not in DTYPES:
-                    problems.add(join_path(join_path(path, table), dtype), f"unknown dtype '{dtype}'",
-                                 did_you_mean(dtype, DTYPES))
+                    problems.add(where, f"unknown dtype '{dtype}'", did_you_mean(dtype, DTYPES))
+                elif not value >= 1e6:  # also catches a unit left out: '19.5' instead of '19.5 TFLOPS'
+                    problems.add(where, f"must be at least 1 MFLOP/s, got {value:g} FLOP/s",
+                                 "give the peak with its unit, e.g. 19.5 TFLOPS")
         if self.slowdown < 1.0:
             problems.add(join_path(path, "slowdown"), f"must be >= 1, got {self.slowdown}",
                          "a slowdown of k makes the device k times slower")
         if self.compute_units is not None and self.compute_units <= 0:
-            problems.add(join_path(path, "compute_units"), "must be positive", "")
+            problems.add(join_path(path, "compute_units"), "must be positive",
+                         "give the SM / CU / AI-core count from the datasheet, or leave it out")
+        if self.clock is not None and self.clock <= 0:
+            problems.add(join_path(path, "clock"), "must be positive", "e.g. 1.41 GHz, or leave it out")
 
     @property
     def is_emulated(self) -> bool:

@@ -2,12 +2,72 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 import yaml
 
 from .errors import Problem, SpecError
+
+
+MAX_INPUT_BYTES = 256 * 2**20
+"""Input files (specs, run logs, calibrations) larger than this are refused, not read into memory."""
+
+
+class InputFileError(ValueError):
+    """An input file that cannot be read as text; ``message`` and ``fix`` name the problem."""
+
+    def __init__(self, message: str, fix: str):
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+
+def read_user_text(path, what: str) -> str:
+    """The text of a user's input file, UTF-8 (a byte-order mark is dropped), at most
+    :data:`MAX_INPUT_BYTES`; anything else raises :class:`InputFileError` saying what and the fix."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise InputFileError(f"{what} path is a directory", f"give the path of the {what} file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
+    except FileNotFoundError:
+        raise InputFileError(f"{what} file not found", "check the path") from None
+    except OSError as e:
+        raise InputFileError(f"cannot read {what} file: {e.strerror}", "check the path and its permissions") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise InputFileError(f"{what} file is larger than {MAX_INPUT_BYTES // 2**20} MiB",
+                             f"give the {what} file itself (not a device or a data dump)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputFileError(f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})",
+                             "save the file as UTF-8") from None
+
+
+def check_output_path(path, what: str) -> Path:
+    """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
+    non-regular file is there, or no writable directory would hold it. Returns the path to write
+    (a symbolic link's target, so the link itself is kept)."""
+    path = Path(os.path.realpath(path)) if str(path) else Path("")
+    if not str(path) or path == Path("/"):
+        raise InputFileError(f"{what}: no output file named", "give a file path")
+    if path.exists():
+        if path.is_dir():
+            raise InputFileError(f"{what} {path} is a directory", "give a file path inside it")
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise InputFileError(f"{what} {path} is not a regular file", "write to a regular file")
+        if not os.access(path, os.W_OK):
+            raise InputFileError(f"{what} {path} is not writable", "choose another path or fix its permissions")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
+                             "choose a writable directory") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise InputFileError(f"{what} {path}: cannot create files in {path.parent}", "choose a writable directory")
+    return path
 
 
 def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[dict, str]:
@@ -18,11 +78,9 @@ def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[di
     path = Path(path_or_dict)
     source = str(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError([Problem("", f"{what} file not found", "check the path", source)]) from None
-    except OSError as e:
-        raise SpecError([Problem("", f"cannot read {what} file: {e.strerror}", "check the path", source)]) from None
+        text = read_user_text(path, what)
+    except InputFileError as e:
+        raise SpecError([Problem("", e.message, e.fix, source)]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -46,12 +104,21 @@ def write_yaml_atomic(path, data: dict, header: str = "") -> None:
 
 
 def write_text_atomic(path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``text`` to ``path`` via a temporary file in its directory, so a reader never sees half
+    of it. A symbolic link is written through (the link stays), a device or directory is refused,
+    and the file gets the mode a plain ``open`` would give it (an existing file keeps its own)."""
+    path = check_output_path(path, "output")
+    if path.exists():
+        mode = stat.S_IMODE(path.stat().st_mode)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -15,6 +15,10 @@ from .model import ModelSpec
 from .schema import is_missing, load_dataclass, to_plain
 
 
+MAX_GLOBAL_BATCH = 65536
+"""Samples per optimizer step accepted in a plan (or asked of the planner): schedules are simulated
+per micro-batch, and a count of tokens given by mistake would otherwise run for hours."""
+
 @dataclass(frozen=True)
 class Stage:
     """A contiguous range of transformer blocks on ``tp`` devices of one group."""
@@ -75,7 +79,12 @@ class Plan:
 
     def _check(self, path: str, problems: Problems) -> None:
         if self.global_batch_size < 1:
-            problems.add("global_batch_size", f"must be >= 1, got {self.global_batch_size}", "")
+            problems.add("global_batch_size", f"must be >= 1, got {self.global_batch_size}",
+                         "the number of samples (sequences) per optimizer step")
+        elif self.global_batch_size > MAX_GLOBAL_BATCH:
+            problems.add("global_batch_size", f"{self.global_batch_size:,} samples per step is more than "
+                                              f"{MAX_GLOBAL_BATCH:,} (the schedule is simulated micro-batch by "
+                                              f"micro-batch)", "give it in samples (sequences), not tokens")
         if self.micro_batch_size < 1:
             problems.add("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}", "")
         if self.interleave < 1:

@@ -10,6 +10,7 @@ its path. Cross-field rules live in an optional ``_check(self, path, problems)``
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -78,14 +79,17 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
         problems.add(path, f"expected an integer, got {value!r}", "write a whole number")
         return _MISSING
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        problems.add(path, f"expected a number, got {value!r}", "write a number")
+        if number is not None and math.isfinite(number):
+            return number
+        problems.add(path, f"expected a finite number, got {value!r}", "write a number")
         return _MISSING
     if tp is str:
         if isinstance(value, str):

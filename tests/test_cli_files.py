@@ -1,0 +1,103 @@
+"""Input and output files at the CLI's edges: encodings, sizes, links, devices, modes, early checks.
+Every failure is exit 1 with the file and the fix named, no traceback, nothing half-written."""
+import copy
+import json
+import os
+
+import yaml
+
+from conftest import CONFIGS, run_cli
+from test_cli_foundation import assert_bad_input
+from test_specs import CLUSTER
+
+PREDICT = ["--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model", str(CONFIGS / "models" / "tiny.yaml"),
+           "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml")]
+
+
+def test_non_utf8_inputs_are_named_not_a_traceback(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_bytes(b"name: \xff\xfe bad\n")
+    assert_bad_input(run_cli("validate", str(bad)), "c.yaml", "not UTF-8", "byte 0xff at offset 6", "save the file as UTF-8")
+    runs = tmp_path / "runs.csv"
+    runs.write_bytes(b"device,num_devices\n\xff\n")
+    cal = tmp_path / "cal.json"
+    assert_bad_input(run_cli("calibrate", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--runs", str(runs),
+                             "-o", str(cal)), "runs.csv", "not UTF-8")
+    assert not cal.exists()
+    cal.write_bytes(b"\x80{}")
+    assert_bad_input(run_cli("predict", *PREDICT, "--calibration", str(cal)), "cal.json", "not UTF-8")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    from hetero.predictor.runlog import read_runs
+
+    header = ("device,devices_per_node,num_devices,global_batch_size,micro_batch_size,hidden_size,"
+              "num_attention_heads,num_layers,seq_length,vocab_size,dtype,recompute,tp,dp,pp,iteration_time_ms\n")
+    row = "A100-SXM4-80GB,8,8,32,4,2048,16,16,1024,51200,fp16,full,4,2,1,356.2\n"
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (header + row).encode())
+    assert [r.iteration_time_ms for r in read_runs(path)] == [356.2]
+
+
+def test_outputs_go_through_links_keep_the_umask_and_refuse_directories(tmp_path):
+    target = tmp_path / "target.yaml"
+    target.write_text("old\n")
+    link = tmp_path / "link.yaml"
+    link.symlink_to(target)
+    args = ["plan", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model",
+            str(CONFIGS / "models" / "tiny.yaml"), "--global-batch-size", "16", "--no-progress"]
+    proc = run_cli(*args, "-o", str(link))
+    assert proc.returncode == 0, proc.stderr
+    assert link.is_symlink() and "global_batch_size: 16" in target.read_text()
+    fresh = tmp_path / "new" / "plan.yaml"
+    assert run_cli(*args, "-o", str(fresh)).returncode == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert_bad_input(run_cli(*args, "-o", str(tmp_path)), "is a directory")
+
+
+def test_timeline_path_is_checked_before_predicting(tmp_path):
+    assert_bad_input(run_cli("predict", *PREDICT, "--timeline", str(tmp_path)), "--timeline", "is a directory")
+    assert_bad_input(run_cli("predict", *PREDICT, "--timeline", "/dev/null"), "not a regular file")
+    out = tmp_path / "a" / "b" / "t.json"
+    assert run_cli("predict", *PREDICT, "--timeline", str(out)).returncode == 0
+    assert json.loads(out.read_text())["traceEvents"]
+
+
+def test_device_numbers_must_be_finite_and_plausible(tmp_path):
+    for mutate, fragment in ((lambda d: d.update(slowdown=".nan"), "devices.cpu-slow.slowdown"),
+                             (lambda d: d.update(slowdown=float("nan")), "finite number"),
+                             (lambda d: d.update(peak_flops={"fp32": 0}), "peak_flops.fp32"),
+                             (lambda d: d.update(peak_flops={"fp32": 19.5}), "with its unit")):
+        data = copy.deepcopy(CLUSTER)
+        mutate(data["devices"]["cpu-slow"])
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(data))
+        assert_bad_input(run_cli("validate", str(path)), fragment)
+
+
+def test_a_global_batch_given_in_tokens_is_refused_at_once():
+    proc = run_cli("plan", "--cluster", str(CONFIGS / "clusters" / "a100-v100.yaml"), "--model",
+                   str(CONFIGS / "models" / "gpt3-1.3b.yaml"), "--global-batch-size", str(4 * 2**20), timeout=30)
+    assert_bad_input(proc, "4,194,304 samples", "in samples (sequences), not tokens")
+
+
+def test_launch_checks_its_numbers_in_a_dry_run(tmp_path):
+    for extra, fragment in ((["--master-port", "99999"], "1..65535"), (["--timeout", "0"], "--timeout"),
+                            (["--lr", "nan"], "--lr"), (["--threads", "0"], "--threads"),
+                            (["--node-rank", "5"], "node slots"), (["--data", str(tmp_path)], "--data"),
+                            (["--load", str(tmp_path / "none")], "--load"),
+                            (["--summary", str(tmp_path)], "--summary")):
+        assert_bad_input(run_cli("launch", *PREDICT, "--dry-run", *extra), fragment)
+
+
+def test_a_calibration_for_other_devices_is_flagged(tmp_path):
+    from hetero.predictor.calibration import Calibration
+    from hetero.predictor.factors import CalibrationFactors
+
+    path = tmp_path / "cal.json"
+    Calibration(factors={"A100-SXM4-80GB": CalibrationFactors()}).save(path)
+    proc = run_cli("predict", *PREDICT, "--calibration", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "none of this cluster's devices" in proc.stderr and "uncalibrated" in proc.stderr
