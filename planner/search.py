@@ -121,13 +121,11 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
 
     opts = Options(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()})
     B = int(global_batch_size)
-    from hetero.specs.plan import MAX_GLOBAL_BATCH
+    from hetero.specs.plan import global_batch_problem
 
-    if B < 1:
-        raise PlannerError(f"global_batch_size must be >= 1, got {B}")
-    if B > MAX_GLOBAL_BATCH:
-        raise PlannerError(f"global batch of {B:,} samples is more than {MAX_GLOBAL_BATCH:,} (schedules are "
-                           f"simulated micro-batch by micro-batch) (fix: give it in samples (sequences), not tokens)")
+    bad_batch = global_batch_problem(B)
+    if bad_batch:
+        raise PlannerError(f"global_batch_size: {bad_batch[0]} (fix: {bad_batch[1]})")
     with _progress(progress) as report:
         scorer = _Scorer(cluster, model, calibration, predict_fn)
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)

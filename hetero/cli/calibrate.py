@@ -25,10 +25,9 @@ def run(args) -> int:
 
     from hetero.predictor.calibration import ALL, CV_FOLDS, calibrate, read_runs
     from hetero.specs.cluster import load_cluster
+    from hetero.specs.io import check_output_path
 
     from ._common import console, print_json
-
-    from hetero.specs.io import check_output_path
 
     cluster = load_cluster(args.cluster)
     check_output_path(args.output, "-o")

@@ -130,8 +130,6 @@ def run(args) -> int:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
-    if options.data and not os.path.exists(options.data):
-        raise HeteroError(f"--data {args.data}: no such file")
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir)
     if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):

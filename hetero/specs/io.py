@@ -50,9 +50,9 @@ def check_output_path(path, what: str) -> Path:
     """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
     non-regular file is there, or no writable directory would hold it. Returns the path to write
     (a symbolic link's target, so the link itself is kept)."""
-    path = Path(os.path.realpath(path)) if str(path) else Path("")
-    if not str(path) or path == Path("/"):
+    if not str(path):
         raise InputFileError(f"{what}: no output file named", "give a file path")
+    path = Path(os.path.realpath(path))
     if path.exists():
         if path.is_dir():
             raise InputFileError(f"{what} {path} is a directory", "give a file path inside it")

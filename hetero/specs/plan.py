@@ -19,6 +19,17 @@ MAX_GLOBAL_BATCH = 65536
 """Samples per optimizer step accepted in a plan (or asked of the planner): schedules are simulated
 per micro-batch, and a count of tokens given by mistake would otherwise run for hours."""
 
+
+def global_batch_problem(global_batch_size: int) -> tuple[str, str] | None:
+    """``(message, fix)`` when a global batch size is out of range (plan files and the planner)."""
+    if global_batch_size < 1:
+        return f"must be >= 1, got {global_batch_size}", "the number of samples (sequences) per optimizer step"
+    if global_batch_size > MAX_GLOBAL_BATCH:
+        return (f"{global_batch_size:,} samples per step is more than {MAX_GLOBAL_BATCH:,} (the schedule is "
+                f"simulated micro-batch by micro-batch)", "give it in samples (sequences), not tokens")
+    return None
+
+
 @dataclass(frozen=True)
 class Stage:
     """A contiguous range of transformer blocks on ``tp`` devices of one group."""
@@ -78,13 +89,9 @@ class Plan:
     order; stage i runs on the same devices as stage i + len(stages)/interleave."""
 
     def _check(self, path: str, problems: Problems) -> None:
-        if self.global_batch_size < 1:
-            problems.add("global_batch_size", f"must be >= 1, got {self.global_batch_size}",
-                         "the number of samples (sequences) per optimizer step")
-        elif self.global_batch_size > MAX_GLOBAL_BATCH:
-            problems.add("global_batch_size", f"{self.global_batch_size:,} samples per step is more than "
-                                              f"{MAX_GLOBAL_BATCH:,} (the schedule is simulated micro-batch by "
-                                              f"micro-batch)", "give it in samples (sequences), not tokens")
+        bad_batch = global_batch_problem(self.global_batch_size)
+        if bad_batch:
+            problems.add("global_batch_size", *bad_batch)
         if self.micro_batch_size < 1:
             problems.add("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}", "")
         if self.interleave < 1:
