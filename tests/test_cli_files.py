@@ -101,3 +101,34 @@ def test_a_calibration_for_other_devices_is_flagged(tmp_path):
     proc = run_cli("predict", *PREDICT, "--calibration", str(path))
     assert proc.returncode == 0, proc.stderr
     assert "none of this cluster's devices" in proc.stderr and "uncalibrated" in proc.stderr
+
+
+def test_a_file_of_another_kind_is_named_as_such():
+    model, cluster = str(CONFIGS / "models" / "tiny.yaml"), str(CONFIGS / "clusters" / "local-cpu.yaml")
+    assert_bad_input(run_cli("validate", "--cluster", model, PREDICT[5]), "tiny.yaml", "looks like a model file",
+                     "not a cluster file", "one with 'groups'")
+    assert_bad_input(run_cli("validate", "--model", cluster, PREDICT[5]), "looks like a cluster file", "not a model file")
+    proc = run_cli("predict", "--cluster", model, "--model", PREDICT[5], "--plan", str(CONFIGS / "devices.yaml"))
+    assert_bad_input(proc, "tiny.yaml: this looks like a model file", "not a cluster file",
+                     "local-cpu-tiny.yaml: this looks like a plan file", "not a model file",
+                     "devices.yaml: this looks like a device catalog file", "not a plan file")
+    assert len(proc.stderr.splitlines()) == 3   # one line a file, not every field the loader does not know
+
+
+def test_top_k_below_1_is_a_usage_error():
+    for k in ("0", "-2"):
+        proc = run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--top-k", k)
+        assert proc.returncode == 2 and "--top-k: must be >= 1" in proc.stderr, proc.stderr
+
+
+def test_profile_names_a_known_device_type(tmp_path):
+    out = tmp_path / "p.csv"
+    assert_bad_input(run_cli("profile", "--device", "A100-SXM4-80G", "--quick", "-o", str(out)),
+                     "--device 'A100-SXM4-80G'", "did you mean 'A100-SXM4-80GB'", "--cluster FILE")
+    assert_bad_input(run_cli("profile", "--device", "foo", "--quick", "-o", str(out)), "known names: A100-PCIE-40GB")
+    assert not out.exists()
+    # a cluster's own type is valid with --cluster (a 'base: cpu' one profiles this CPU)
+    proc = run_cli("profile", "--device", "cpu-emu-b", "--cluster", PREDICT[1], "--quick", "--no-cache",
+                   "--no-blocks", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().splitlines()[1].split(",")[1] == "cpu-emu-b"

@@ -14,6 +14,19 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, width=width)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts that must be >= 1: anything else is a usage error (exit 2)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def print_json(data) -> None:
     json.dump(data, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -5,6 +5,8 @@ import sys
 
 
 def add_parser(sub) -> None:
+    from ._common import positive_int
+
     p = sub.add_parser("plan", help="search the best hybrid-parallel plan",
                        description="Search pipelines, stage splits, tp, micro-batching, recompute and ZeRO for "
                                    "the highest predicted throughput that fits in memory; show the top plans "
@@ -12,7 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster file")
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--global-batch-size", type=int, required=True, metavar="N", help="samples per iteration")
-    p.add_argument("--top-k", type=int, default=5, metavar="K", help="plans to show (default 5)")
+    p.add_argument("--top-k", type=positive_int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the best plan here (YAML)")
     p.add_argument("--calibration", help="calibration file from `hetero calibrate`")
     p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
@@ -58,7 +60,7 @@ def run(args) -> int:
         calibration = load_calibration(args.calibration)
         warn_if_calibration_unused(calibration, cluster, args.calibration)
     show_progress = not args.no_progress and sys.stderr.isatty()
-    results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=max(1, args.top_k),
+    results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,
                      calibration=calibration, progress=show_progress)
     best = results[0]
     if args.output:

@@ -16,8 +16,11 @@ def add_parser(sub) -> None:
                     "div, pow, tanh, relu) over a grid of shapes on this machine's device and write profile "
                     "records (SCHEMAS.md). The result is cached per device and used by the predictor.")
     p.add_argument("--device", metavar="NAME",
-                   help="device type written in the records (default: the local accelerator's catalog name, "
-                        "or 'cpu'); a cpu-family name profiles the CPU")
+                   help="device type written in the records: a catalog name (`hetero devices`) or, with "
+                        "--cluster, one of that cluster's own types (default: the local accelerator's catalog "
+                        "name, or 'cpu'); a cpu-family type profiles the CPU")
+    p.add_argument("--cluster", metavar="FILE", help="cluster file whose own device types (under 'devices:') "
+                                                     "--device may name")
     p.add_argument("-o", "--output", metavar="FILE", help="also write the records to FILE (CSV)")
     p.add_argument("--quick", action="store_true", help="a small grid in a few seconds (smoke tests)")
     p.add_argument("--dtype", default=None, metavar="LIST",
@@ -44,15 +47,20 @@ def run(args) -> int:
         raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
     if args.threads is not None and args.threads < 1:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
+    requested = requested_type(args)
     if args.output:  # before minutes of measuring, not after
         from hetero.specs.io import check_output_path
 
         check_output_path(args.output, "-o")
         check_output_path(P.meta_path(args.output), "-o (its .meta.json)")
     try:
-        name, torch_device = M.detect_device(args.device)
+        name, torch_device = ((args.device, "cpu") if requested is not None and requested.family == "cpu"
+                              else M.detect_device(args.device))
     except RuntimeError as e:
         raise HeteroError(str(e)) from None
+    if requested is not None and requested.family != "cpu" and torch_device == "cpu":
+        raise HeteroError(f"--device {args.device}: a {requested.family} device type and no accelerator was found "
+                          f"here (fix: profile it on a machine that has one)")
     threads = args.threads or (1 if torch_device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -68,12 +76,6 @@ def run(args) -> int:
     if torch_device != "cpu":  # 20 probe shapes pin the learned model to this accelerator
         grid += M.probe_grid(grid)
     err = console(stderr=True)
-    if args.device and args.device != "cpu" and torch_device == "cpu":
-        from hetero.specs.device import load_catalog
-
-        if args.device not in load_catalog():
-            err.print(f"note: '{args.device}' is not in the device catalog and no accelerator is here: profiling "
-                      f"this machine's CPU under that name (meant for a cluster's own 'base: cpu' device types)")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     probes = M.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
@@ -109,3 +111,27 @@ def run(args) -> int:
     if not written:
         out.print(P.records_to_csv(records), end="")
     return 0
+
+
+def requested_type(args):
+    """The device type ``--device`` names (None when not given): a catalog entry or, with ``--cluster``,
+    one of that cluster's groups' types. Records name a device type whose specs are known (SCHEMAS.md),
+    so any other name is an error listing the valid ones."""
+    if not args.device:
+        return None
+    from hetero.errors import HeteroError
+    from hetero.specs.device import load_catalog
+    from hetero.specs.errors import did_you_mean
+
+    known = dict(load_catalog())
+    if args.cluster:
+        from hetero.specs.cluster import load_cluster
+
+        cluster = load_cluster(args.cluster)
+        known.update({g.device: cluster.device_type(g.name) for g in cluster.groups})
+    if args.device not in known:
+        where = f"the catalog or cluster {args.cluster}" if args.cluster else "the catalog"
+        raise HeteroError(f"--device {args.device!r}: not a device type of {where} (fix: "
+                          f"{did_you_mean(args.device, known)}; `hetero devices` lists the catalog; for a type of "
+                          f"your own define it under a cluster file's 'devices:' and add --cluster FILE)")
+    return known[args.device]

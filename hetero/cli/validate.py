@@ -15,23 +15,12 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def file_kind(data: dict) -> str:
-    if "pipelines" in data or "global_batch_size" in data:
-        return "plan"
-    if "groups" in data:
-        return "cluster"
-    if "num_layers" in data or "architecture" in data or "hidden_size" in data:
-        return "model"
-    if "devices" in data:
-        return "catalog"
-    return "unknown"
-
-
 def run(args) -> int:
     from hetero.specs.cluster import load_cluster
     from hetero.specs.device import resolve_devices
     from hetero.specs.errors import Problem, Problems, SpecError
     from hetero.specs.io import read_mapping
+    from hetero.specs.kinds import file_kind
     from hetero.specs.model import load_model
     from hetero.specs.plan import check_plan, load_plan
 
@@ -43,10 +32,11 @@ def run(args) -> int:
     for name in (args.cluster, args.model):
         if name and name not in args.files:
             args.files.append(name)
+    given_as = {args.model: "model", args.cluster: "cluster"}   # --cluster / --model say the kind
     for path in args.files:
         try:
             data, source = read_mapping(path, "input")
-            kind = file_kind(data)
+            kind = given_as.get(path) or file_kind(data)
             if kind == "cluster":   # the mapping already read, named by its file in errors
                 loaded["cluster"].append((path, load_cluster(data, source=source)))
             elif kind == "model":

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from .errors import Problem, SpecError
+from .kinds import MARKERS, wrong_kind
 
 
 MAX_INPUT_BYTES = 256 * 2**20
@@ -72,9 +73,10 @@ def check_output_path(path, what: str) -> Path:
 
 def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[dict, str]:
     """Return ``(data, source)`` for a path or an already-parsed dict (named ``source`` in error
-    messages when given, e.g. the file it was read from); bad files raise SpecError."""
+    messages when given, e.g. the file it was read from); bad files raise SpecError, and so does a
+    file of another kind when ``what`` names one (a model file read as a cluster)."""
     if isinstance(path_or_dict, dict):
-        return path_or_dict, source or f"<{what} dict>"
+        return _check_kind(path_or_dict, what, source or f"<{what} dict>")
     path = Path(path_or_dict)
     source = str(path)
     try:
@@ -91,6 +93,13 @@ def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[di
     if not isinstance(data, dict):
         raise SpecError([Problem("", f"expected a YAML mapping at the top of the {what} file, got "
                                      f"{type(data).__name__}", f"see SCHEMAS.md for the {what} format", source)])
+    return _check_kind(data, what, source)
+
+
+def _check_kind(data: dict, what: str, source: str) -> tuple[dict, str]:
+    problem = wrong_kind(data, what, source) if what in MARKERS else None
+    if problem:
+        raise SpecError([problem])
     return data, source
 
 

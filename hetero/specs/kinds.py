@@ -1,0 +1,37 @@
+"""The kind of a spec file (cluster, model, plan, device catalog), told by its fields.
+
+A file given where another kind belongs (a model file as ``--cluster``) is named as such in one
+line, instead of as a list of every field the expected kind does not know.
+"""
+from __future__ import annotations
+
+from .errors import Problem
+
+MARKERS = {
+    "plan": ("pipelines", "global_batch_size"),
+    "cluster": ("groups",),
+    "model": ("num_layers", "architecture", "hidden_size"),
+    "catalog": ("devices",),
+}
+"""Fields that mark a kind, in the order kinds are told apart (a cluster may have ``devices`` too)."""
+
+LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog": "a device catalog"}
+
+
+def file_kind(data: dict) -> str:
+    """``plan``, ``cluster``, ``model``, ``catalog`` or ``unknown`` for a parsed spec mapping."""
+    for kind, fields in MARKERS.items():
+        if any(f in data for f in fields):
+            return kind
+    return "unknown"
+
+
+def wrong_kind(data: dict, expected: str, source: str) -> Problem | None:
+    """A problem when ``data`` has none of ``expected``'s fields but those of another kind, else None."""
+    kind = file_kind(data)
+    if kind in (expected, "unknown") or any(f in data for f in MARKERS[expected]):
+        return None
+    seen = ", ".join(f"'{f}'" for f in MARKERS[kind] if f in data)
+    wanted = " or ".join(f"'{f}'" for f in MARKERS[expected])
+    return Problem("", f"this looks like {LABEL[kind]} file (it has {seen}), not {LABEL[expected]} file",
+                   f"give {LABEL[expected]} file here, one with {wanted}", source)
