@@ -226,6 +226,13 @@ def test_plan_loads_and_round_trips(tmp_path):
     # enumerations
     (lambda d: d.update(schedule="1f1f"), ["schedule", "did you mean '1f1b'"]),
     (lambda d: d.update(zero_stage=3), ["zero_stage"]),
+    # integers are integers: not strings, not booleans (true is 1 in Python), not fractions
+    (lambda d: d.update(zero_stage="1"), ["zero_stage", "expected an integer, got '1'", "write 1 without quotes"]),
+    (lambda d: d.update(zero_stage=True), ["zero_stage", "expected an integer, got True"]),
+    (lambda d: d.update(micro_batch_size="2"), ["micro_batch_size", "write 2 without quotes"]),
+    (lambda d: d["pipelines"][0].update(replicas=True), ["pipelines[0].replicas", "expected an integer"]),
+    (lambda d: d["pipelines"][0].update(micro_batches=8.5), ["pipelines[0].micro_batches", "expected an integer"]),
+    (lambda d: d["pipelines"][0]["stages"][0].update(tp="4"), ["pipelines[0].stages[0].tp", "without quotes"]),
     (lambda d: d.update(recompute="partial"), ["recompute"]),
     (lambda d: d["pipelines"][0].update(replica=2), ["pipelines[0].replica", "did you mean 'replicas'"]),
 ])
@@ -233,6 +240,26 @@ def test_plan_errors(mutate, fragments):
     data = copy.deepcopy(PLAN)
     mutate(data)
     expect_error(lambda: load_all(data), *fragments)
+
+
+@pytest.mark.parametrize("layers,fragment", [
+    ([[-1, 14], [14, 24]], "pipelines[0].stages[0].layers: [-1, 14]: the start must be >= 0"),
+    ([[0, 30], [14, 24]], "pipelines[0].stages[0].layers: [0, 30] runs to layer 30 but the model has only 24"),
+    ([[0, 14], [14, 14]], "pipelines[0].stages[1].layers: [14, 14] is empty or reversed"),
+])
+def test_plan_stage_ranges_are_judged_on_their_own(layers, fragment):
+    data = copy.deepcopy(PLAN)
+    for stage, span in zip(data["pipelines"][0]["stages"], layers):
+        stage["layers"] = span
+    error = expect_error(lambda: load_all(data), fragment)
+    assert len(error.problems) == 1, problems_of(error)   # not also an overlap or a gap
+    if layers[0][0] < 0:   # a start below 0 needs no model: the plan alone is refused
+        expect_error(lambda: hetero.load_plan(data), "the start must be >= 0")
+
+
+def test_plan_integer_fields_keep_whole_numbers():
+    plan = hetero.load_plan({**PLAN, "zero_stage": 2.0, "micro_batch_size": 2.0})
+    assert plan.zero_stage == 2 and type(plan.zero_stage) is int and type(plan.micro_batch_size) is int
 
 
 def test_plan_tp_blocks_must_pack_into_nodes():

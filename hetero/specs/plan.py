@@ -40,9 +40,27 @@ class Stage:
     tp: int = 1
     """Tensor-parallel degree inside one node."""
 
+    def _check(self, path: str, problems: Problems) -> None:
+        bad = layer_range_problem(*self.layers)
+        if bad:
+            problems.add(join_path(path, "layers"), *bad)
+
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
+
+
+def layer_range_problem(start: int, end: int, num_layers: int | None = None) -> tuple[str, str] | None:
+    """``(message, fix)`` when a stage's ``[start, end)`` is not a range of the model's blocks on its own
+    (without a model: only its start and order are checked)."""
+    if start < 0:
+        return f"[{start}, {end}]: the start must be >= 0", "transformer blocks are counted from 0"
+    if end <= start:
+        return f"[{start}, {end}] is empty or reversed", "layers are [start, end) with end > start"
+    if num_layers is not None and end > num_layers:
+        return (f"[{start}, {end}] runs to layer {end} but the model has only {num_layers} layers",
+                f"end this stage at {num_layers} or before")
+    return None
 
 
 @dataclass(frozen=True)
@@ -194,12 +212,18 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
 
 
 def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> None:
+    """Each stage a range of the model's blocks, and together [0, num_layers) without gap or overlap
+    (gaps and overlaps are judged only once every range is valid on its own)."""
+    bad = [(si, layer_range_problem(*s.layers, num_layers)) for si, s in enumerate(stages)]
+    for si, problem in bad:
+        if problem:
+            problems.add(join_path(join_path(path, si), "layers"), *problem)
+    if any(problem for _, problem in bad):
+        return
     expected = 0
     for si, s in enumerate(stages):
         start, end = s.layers
         lpath = join_path(join_path(path, si), "layers")
-        if end <= start:
-            problems.add(lpath, f"[{start}, {end}] is empty or reversed", "layers are [start, end) with end > start")
         if start > expected:
             problems.add(lpath, f"starts at {start} but the previous stage ends at {expected}: "
                                 f"layers {expected}..{start - 1} are in no stage", f"start this stage at {expected}")
@@ -207,14 +231,10 @@ def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> N
             problems.add(lpath, f"starts at {start} but layers up to {expected - 1} are already in an earlier stage "
                                 f"(overlap)", f"start this stage at {expected}")
         expected = max(expected, end)
-    if stages and expected != num_layers:
+    if stages and expected < num_layers:
         last = join_path(join_path(path, len(stages) - 1), "layers")
-        if expected < num_layers:
-            problems.add(last, f"stages end at layer {expected} but the model has {num_layers} layers: "
-                               f"layers {expected}..{num_layers - 1} are in no stage", f"end the last stage at {num_layers}")
-        else:
-            problems.add(last, f"stages run to layer {expected} but the model has only {num_layers} layers",
-                         f"end the last stage at {num_layers}")
+        problems.add(last, f"stages end at layer {expected} but the model has {num_layers} layers: "
+                           f"layers {expected}..{num_layers - 1} are in no stage", f"end the last stage at {num_layers}")
 
 
 def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems) -> None:

@@ -56,12 +56,12 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
             return _MISSING
     if origin is Literal:
         choices = get_args(tp)
+        if all(isinstance(c, int) for c in choices):   # zero_stage: 0 | 1 | 2, an integer like any other
+            value = _convert(value, int, None, path, problems)
+            if value is _MISSING:
+                return _MISSING
         if value in choices:
             return value
-        # YAML reads 1f1b fine, but `zero_stage: "1"` as a string: accept the obvious spelling.
-        for c in choices:
-            if str(c) == str(value):
-                return c
         problems.add(path, f"{value!r} is not one of {', '.join(repr(c) for c in choices)}",
                      did_you_mean(value, choices) if isinstance(value, str) else
                      f"choose one of {', '.join(str(c) for c in choices)}")
@@ -76,7 +76,9 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        problems.add(path, f"expected an integer, got {value!r}", "write a whole number")
+        quoted = isinstance(value, str) and value.strip().lstrip("+-").isdigit()
+        problems.add(path, f"expected an integer, got {value!r}" + (" (a string)" if quoted else ""),
+                     f"write {value.strip()} without quotes" if quoted else "write a whole number")
         return _MISSING
     if tp is float:
         number = None
