@@ -214,10 +214,18 @@ def run_setup(cluster, run: Run):
 
 
 def group_for(cluster, run: Run):
-    """The group of ``cluster`` that holds ``run``'s device type (an error naming the run when none does)."""
-    for g in cluster.groups:
-        if g.device == run.device:
+    """The first group of ``cluster`` that holds ``run``'s device type and has ``num_devices`` of them
+    (an error naming the run, its row and the column when none does)."""
+    holding = [g for g in cluster.groups if g.device == run.device]
+    for g in holding:
+        if g.num_devices >= run.num_devices:
             return g
+    if holding:
+        have = " / ".join(f"group '{g.name}' has {g.num_devices} ({g.nodes} nodes x {g.devices_per_node})"
+                          for g in holding)
+        raise CalibrationError(f"{run.where}, column 'num_devices': the run uses {run.num_devices} {run.device} "
+                               f"devices but {have} in cluster '{cluster.name}' (fix: give the cluster the runs were "
+                               f"measured on, or drop the row)")
     names = sorted({g.device for g in cluster.groups})
     raise CalibrationError(f"{run.where}, column 'device': no group of cluster '{cluster.name}' holds "
                            f"'{run.device}' (its device types: {', '.join(names)})")

@@ -168,6 +168,9 @@ def test_cli_calibrate(tmp_path, synthetic):
     (lambda rows: rows[1].update(iteration_time_ms="fast"), ["row 3", "'iteration_time_ms'", "not a number"]),
     (lambda rows: rows[0].update(tp="two"), ["row 2", "'tp'", "not a number"]),
     (lambda rows: rows[0].update(device="B200"), ["row 2", "'device'", "B200"]),
+    # 64 devices of a group of 32 (tp x dp x pp and the batch agree, the cluster does not)
+    (lambda rows: rows[1].update(num_devices=64, tp=1, pp=1, dp=64, global_batch_size=64 * rows[1]["micro_batch_size"]),
+     ["row 3", "'num_devices'", "uses 64 A100-SXM4-80GB devices", "group 'a100' has 32 (4 nodes x 8)"]),
 ])
 def test_cli_bad_csv(tmp_path, synthetic, edit, fragments):
     runs, _ = synthetic
