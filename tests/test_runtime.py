@@ -415,6 +415,53 @@ def test_launch_ends_when_no_rank_ever_starts(tmp_path, monkeypatch):
     assert not _leftover(tmp_path / "run"), "the node launcher was left running"
 
 
+def _launch_in(tmp: Path, model: dict, plan: dict, *extra: str, cluster: dict = CLUSTER):
+    """``hetero launch`` with ``TMPDIR=tmp`` (where default run directories go); the process and the
+    names left in ``tmp`` (torch's own caches aside)."""
+    tmp.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp.parent, "c.yaml", cluster),
+           "--model", _write(tmp.parent, "m.yaml", model), "--plan", _write(tmp.parent, "p.yaml", plan),
+           "--steps", "1", "--timeout", "20", "--quiet", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT,
+                          env={**os.environ, "TMPDIR": str(tmp)})
+    assert not _leftover(tmp), "worker or launcher processes left behind"
+    return proc, sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor"))
+
+
+@pytest.mark.timeout(120)
+def test_default_run_directories_are_removed_at_exit(tmp_path):
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])
+    tmp = tmp_path / "tmp"
+    proc, left = _launch_in(tmp, GPT, plan, "--summary", str(tmp_path / "s.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert left == [] and json.loads((tmp_path / "s.json").read_text())["steps"] == 1   # nor torchelastic_*
+    proc, left = _launch_in(tmp, GPT, plan, "--inject-failure", "1:1")
+    assert proc.returncode == 1 and "injected failure" in proc.stderr and left == [], (proc.stderr[-3000:], left)
+    proc, left = _launch_in(tmp, GPT, plan, "--node-rank", "3")
+    assert proc.returncode == 1 and left == [], (proc.stderr, left)
+    # kept where asked for (--run-dir) or where the output needs it (a dry run's commands read its run file)
+    proc, left = _launch_in(tmp, GPT, plan, "--dry-run")
+    assert proc.returncode == 0 and len(left) == 1 and (tmp / left[0] / "run.json").is_file()
+    assert str(tmp / left[0] / "run.json") in proc.stdout
+    proc, _ = _launch_in(tmp, GPT, plan, "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0 and (tmp_path / "run" / "rank0.done").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the launch would run")
+def test_a_cuda_cluster_on_a_host_without_cuda_fails_before_any_worker_starts(tmp_path):
+    """Only ``base: cpu`` device types are emulated: a group of A100s needs CUDA here, and says so
+    before starting workers that would each die on their first CUDA call."""
+    cluster = {"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 1,
+                                           "devices_per_node": 2}]}
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}])
+    t0 = time.time()
+    proc, left = _launch_in(tmp_path / "tmp", GPT, plan, cluster=cluster)
+    assert proc.returncode == 1, proc.stderr
+    assert "group 'a100' needs 2 nvidia device(s)" in proc.stderr and "'base: cpu'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "[hetero worker]" not in proc.stderr
+    assert time.time() - t0 < 30 and left == []
+
+
 def test_dynamic_loss_scale_rule():
     from hetero.runtime.loss_scale import DynamicLossScale
 

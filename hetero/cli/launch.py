@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--run-dir", help="where workers leave status files (default: a temporary directory)")
+    p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
+                                     "directory, removed when the run ends; a dry run keeps it for its commands)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -132,14 +133,18 @@ def run(args) -> int:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir)
-    if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
-        raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
-                          f"(fix: give 0..{len(launch.nodes) - 1})")
     out = console()
-    if args.dry_run:
-        print(dry_run_text(launch))
-        return 0
-    run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
+    try:
+        if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
+            raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
+                              f"(fix: give 0..{len(launch.nodes) - 1})")
+        if args.dry_run:
+            print(dry_run_text(launch))
+            launch.owns_run_dir = False  # kept: the commands printed read its run file
+            return 0
+        run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
+    finally:
+        launch.remove_run_dir()
     if options.summary and not options.quiet:
         out.print(f"summary: {options.summary}")
     return 0

@@ -33,13 +33,13 @@ def launch(cluster, model, plan, *, steps: int = 5, seed: int = 0, engine: str =
     cluster = cluster if hasattr(cluster, "groups") else hetero.load_cluster(cluster)
     model = model if hasattr(model, "num_layers") else hetero.load_model(model)
     plan = plan if hasattr(plan, "pipelines") else hetero.load_plan(plan)
-    run_dir = tempfile.mkdtemp(prefix="hetero-run-")
-    summary = options.pop("summary", None) or os.path.join(run_dir, "summary.json")
-    opts = RunOptions(steps=steps, seed=seed, engine=engine, timeout_s=timeout_s, quiet=quiet, summary=summary,
-                      **options)
-    run(prepare(cluster, model, plan, opts, run_dir=run_dir))
-    with open(summary) as f:
-        return json.load(f)
+    with tempfile.TemporaryDirectory(prefix="hetero-run-") as run_dir:   # removed, summary read, on exit
+        summary = options.pop("summary", None) or os.path.join(run_dir, "summary.json")
+        opts = RunOptions(steps=steps, seed=seed, engine=engine, timeout_s=timeout_s, quiet=quiet, summary=summary,
+                          **options)
+        run(prepare(cluster, model, plan, opts, run_dir=run_dir))
+        with open(summary) as f:
+            return json.load(f)
 
 
 def reference_losses(*args, **kwargs):

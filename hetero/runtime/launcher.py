@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -56,6 +57,8 @@ class NodeCommand:
     env: dict[str, str]
     """Variables this node's launcher sets (on top of the caller's environment)."""
     torchrun_args: list[str]
+    family: str = "cpu"
+    """Vendor family of the group's device type (whose backend its workers use)."""
 
     def argv(self, local: bool) -> list[str]:
         head = [sys.executable, "-m", "torch.distributed.run"] if local else ["torchrun"]
@@ -77,6 +80,14 @@ class Launch:
     master_addr: str
     master_port: int
     local: bool
+    owns_run_dir: bool = False
+    """The run directory was made for this launch (no ``run_dir`` given): :meth:`remove_run_dir` removes it."""
+
+    def remove_run_dir(self) -> None:
+        """Remove the run directory when this launch made it: it holds only the run file and the workers'
+        pid / ready / done / error files (summaries, traces and checkpoints go where the options say)."""
+        if self.owns_run_dir:
+            shutil.rmtree(self.spec.options.run_dir, ignore_errors=True)
 
 
 def _is_local(host: str | None) -> bool:
@@ -112,6 +123,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     if addr is None:
         raise HeteroError("the cluster spans several nodes without 'hosts': give --master-addr")
     port = master_port or (free_port() if local else 29500)
+    owns_run_dir = not run_dir
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetero-run-")
     os.makedirs(run_dir, exist_ok=True)
     options.run_dir = os.path.abspath(run_dir)
@@ -132,13 +144,15 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         env["OMP_NUM_THREADS"] = str(max(1, options.threads))
         args = [f"--nnodes={len(layout.nodes)}", f"--node-rank={slot}", f"--nproc-per-node={node.num_ranks}",
                 "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}",
-                "--max-restarts=0", "--monitor-interval=0.2", "-m", WORKER_MODULE, "--spec", spec_path,
+                "--max-restarts=0", "--monitor-interval=0.2",
+                f"--log-dir={os.path.join(options.run_dir, 'torchelastic')}",  # else a torchelastic_* dir in /tmp
+                "-m", WORKER_MODULE, "--spec", spec_path,
                 *options.extra]
         commands.append(NodeCommand(slot=slot, group=node.group, node=node.node, host=node.host,
                                     first_rank=node.first_rank, num_ranks=node.num_ranks, env=env,
-                                    torchrun_args=args))
+                                    torchrun_args=args, family=family))
     return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
-                  master_port=port, local=local)
+                  master_port=port, local=local, owns_run_dir=owns_run_dir)
 
 
 def _loopback_ifname() -> str:
@@ -291,6 +305,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
         hosts = sorted({n.host or "?" for n in launch.nodes})
         raise HeteroError(f"this run spans hosts {', '.join(hosts)}: run `hetero launch ... --node-rank R` on each "
                           f"(see --dry-run for every node's command)")
+    check_devices_here(launch, slots)
     if launch.master_addr not in ("127.0.0.1", "::1", "localhost"):
         print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback)")
     job = _Job(launch, slots)
@@ -335,6 +350,27 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
                 raise LaunchError(_failure_message(job, layout, job.errors(), {}, dead))
     finally:
         job.teardown()
+
+
+def check_devices_here(launch: Launch, slots: list[int]) -> None:
+    """Before anything starts: every node slot run here whose group holds CUDA / ROCm / Ascend devices
+    finds that vendor's software and enough devices on this machine. (Only ``base: cpu`` device types
+    are emulated on CPU; without this check each worker would start, import torch and die.)"""
+    from hetero.backends import get_backend
+
+    for s in slots:
+        node = launch.nodes[s]
+        if node.family not in VISIBLE_DEVICES:
+            continue
+        backend = get_backend(node.family)
+        ok, detail = backend.detect()
+        count = backend.device_count() if ok else 0
+        if count < node.num_ranks:
+            have = detail if not ok else f"only {count} {backend.name} device(s) are visible"
+            raise HeteroError(f"group '{node.group}' needs {node.num_ranks} {node.family} device(s) on this machine "
+                              f"(node slot {s}), but {have} (fix: launch on hosts that have "
+                              f"them; to emulate the cluster on CPU, give the group a device type with 'base: cpu' "
+                              f"and a vendor tag of its own, as configs/clusters/local-cpu.yaml does)")
 
 
 def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: dict, dead=None) -> str:
