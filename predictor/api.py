@@ -1,9 +1,21 @@
 """``predict(cluster, model, plan)``: iteration time, throughput, MFU and memory of a plan.
 
-Iteration time = max over pipelines of the simulated schedule time of one replica
-+ data-parallel gradient sync (slowest device, not overlapped; NIC sharing per the placement)
-+ optimizer step (slowest device; memory-bound Adam)
-+ the calibration's per-iteration overhead (largest over the groups used).
+One step as the hetero runtime runs it (hetero/runtime/engine.py), per device (a physical stage of
+a pipeline; the replicas of a pipeline run alike):
+1. the simulated pipeline schedule of one replica (:mod:`.schedule`); the device is done when its
+   own last op has ended and its last sends have arrived (it waits for them), not when its
+   pipeline is;
+2. the data-parallel gradient sync, not overlapped with backward: the device's buckets (parameters
+   with one holder set, in an order all ranks share) one after another, each an all-reduce that
+   starts when the last of its holders -- replicas, and stages of other pipelines holding the same
+   layers -- gets to it (:meth:`.placement.SyncPlan.spans`; costs and NIC sharing per the placement);
+3. the all-reduce of the squared gradient norm over every rank: no optimizer starts before the
+   last device has synced;
+4. the optimizer step (memory-bound Adam), all devices from that moment, the slowest last;
+5. the calibration's per-iteration overhead (largest over the groups used).
+
+Iteration time = (end of the last device's sync) + (slowest optimizer step) + overhead; the trace of
+``timeline=True`` is drawn from the same numbers and ends at the iteration time.
 """
 from __future__ import annotations
 
@@ -14,7 +26,7 @@ from hetero.specs.plan import check_plan
 from .costs import StageCostModel
 from .memory import in_flight_microbatches
 from .ops import model_flops_per_token
-from .schedule import pipeline_time, simulate
+from .schedule import pipeline_ends, simulate
 
 
 @dataclass
@@ -42,6 +54,13 @@ class StagePrediction:
     """Host time to issue one layer's kernels (forward + backward, one micro-batch)."""
     layer_device_s: float = 0.0
     """Device time of those kernels; below ``layer_dispatch_s`` the stage is launch-bound."""
+    schedule_end_s: float = 0.0
+    """When this stage's device is done with the pipeline schedule (its last op ended, its last
+    sends arrived), from the start of the iteration (virtual stages: their device's)."""
+    dp_sync_start_s: float = 0.0
+    """When its first gradient all-reduce starts (no earlier than that bucket's last holder)."""
+    dp_sync_end_s: float = 0.0
+    """When its gradient sync ends; then it waits for the gradient-norm all-reduce over every rank."""
 
     @property
     def launch_bound(self) -> bool:
@@ -67,7 +86,9 @@ class StagePrediction:
             out.update(memory=self.memory_breakdown.to_dict() if self.memory_breakdown else {}, in_flight_microbatches=self.in_flight_microbatches,
                        dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
                        p2p_time_s=self.p2p_time_s, layer_dispatch_s=self.layer_dispatch_s,
-                       layer_device_s=self.layer_device_s, launch_bound=self.launch_bound)
+                       layer_device_s=self.layer_device_s, launch_bound=self.launch_bound,
+                       schedule_end_s=self.schedule_end_s, dp_sync_start_s=self.dp_sync_start_s,
+                       dp_sync_end_s=self.dp_sync_end_s)
         return out
 
 
@@ -104,7 +125,11 @@ class Prediction:
     upper_bound_tokens_per_s: float | None = None
     # --- extras ---
     dp_sync_time_s: float = 0.0
+    """From the end of the slowest pipeline's schedule to the optimizer steps: the gradient sync on
+    the critical path (waits for the last holders included), so that iteration = slowest pipeline
+    + this + ``optimizer_time_s`` + ``overhead_time_s``."""
     optimizer_time_s: float = 0.0
+    """The slowest device's optimizer step (all start together, after the gradient-norm all-reduce)."""
     overhead_time_s: float = 0.0
     bottleneck: tuple[int, int] = (0, 0)
     """(pipeline, stage) of the stage that limits the slowest pipeline (most busy time)."""
@@ -181,8 +206,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         check_plan(plan, cluster, model)
     cm = cost_model or cost_model_for(cluster, model, calibration)
     recompute, zs = plan.recompute, plan.zero_stage
-    dp_times = cm.dp_sync_times(plan, placement)
+    sync = cm.dp_sync_plan(plan, placement)
     links = cm.p2p_links(plan, placement)
+    ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
+    owners: list[tuple[StagePrediction, int]] = []  # each stage and the number of its device in ready
     events: list | None = [] if timeline else None
     pipes: list[PipelinePrediction] = []
     slowest, slowest_t = 0, -1.0
@@ -206,7 +233,11 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                     same, streams = links[(pi, k)]
                     p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same and s.group == nxt.group, streams))
         m = p.micro_batches
-        ptime = pipeline_time(plan.schedule, fwd, bwd, p2p, m, v)
+        ptime, dev_ready = pipeline_ends(plan.schedule, fwd, bwd, p2p, m, v)
+        if len(dev_ready) != phys:  # an unchecked plan whose interleaving cannot apply
+            dev_ready = [max(dev_ready[i::phys]) for i in range(phys)]
+        base = len(ready)
+        ready.extend(dev_ready)
         # memory and optimizer per physical stage (a device holds all its chunks)
         dev_layers = [0] * phys
         for k, s in enumerate(stages):
@@ -226,17 +257,21 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             stage_preds.append(StagePrediction(
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
                 peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
-                memory_breakdown=br, in_flight_microbatches=inflight, dp_sync_time_s=dp_times.get((pi, i), 0.0),
+                memory_breakdown=br, in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
                 optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0,
                 layer_dispatch_s=dispatch, layer_device_s=device))
+            owners.append((stage_preds[-1], base + i))
         pipes.append(PipelinePrediction(replicas=p.replicas, micro_batches=m, stages=stage_preds,
                                         micro_batch_size=mbs, pipeline_time_s=ptime))
         if ptime > slowest_t:
             slowest, slowest_t = pi, ptime
-    dp = max(dp_times.values(), default=0.0)
+    starts, ends = sync.spans(ready)
+    synced = max(ends)
+    for sp, i in owners:
+        sp.schedule_end_s, sp.dp_sync_start_s, sp.dp_sync_end_s = ready[i], starts[i], ends[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
-    it = slowest_t + dp + opt_max + overhead
+    it = synced + opt_max + overhead
     samples = plan.global_batch_size
     tokens = samples * model.seq_length
     peak = 0.0
@@ -251,15 +286,17 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     pred = Prediction(iteration_time_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
                       samples_per_s=samples / it if it > 0 else 0.0, mfu=mfu,
                       fits_memory=all(s.fits for p in pipes for s in p.stages), pipelines=pipes,
-                      dp_sync_time_s=dp, optimizer_time_s=opt_max, overhead_time_s=overhead,
+                      dp_sync_time_s=synced - slowest_t, optimizer_time_s=opt_max, overhead_time_s=overhead,
                       bottleneck=bott, provenance=cm.provenance())
     if timeline:
-        pred.events = _trace(plan, pipes, cm, dp_times, overhead)
+        pred.events = _trace(plan, pipes, synced, opt_max, overhead)
     return pred
 
 
-def _trace(plan, pipes, cm, dp_times, overhead) -> list[dict]:
-    """Chrome trace events: pid = pipeline, tid = 2 x stage (compute) and 2 x stage + 1 (comm)."""
+def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[dict]:
+    """Chrome trace events: pid = pipeline, tid = 2 x stage (compute) and 2 x stage + 1 (comm);
+    pid = number of pipelines: the step's calibrated overhead. ``synced``: when the last device's
+    gradient sync ends (the optimizers start)."""
     out: list[dict] = []
     us = 1e6
     for pi, (p, pp) in enumerate(zip(plan.pipelines, pipes)):
@@ -289,15 +326,24 @@ def _trace(plan, pipes, cm, dp_times, overhead) -> list[dict]:
                 out.append({"ph": "X", "name": f"recv {'act' if kind == 'F' else 'grad'} {j}", "cat": "p2p",
                             "pid": pi, "tid": 2 * d + 1, "ts": (ready - c) * us, "dur": c * us,
                             "args": {"from_stage": src % phys}})
-        t0 = pp.pipeline_time_s
         for i in range(phys):
             sp = pp.stages[i]
-            dpt = dp_times.get((pi, i), 0.0)
-            if dpt > 0:
-                out.append({"ph": "X", "name": "dp grad sync", "cat": "dp", "pid": pi, "tid": 2 * i + 1,
-                            "ts": t0 * us, "dur": dpt * us})
+            spans = (("wait for DP peers", sp.schedule_end_s, sp.dp_sync_start_s),
+                     ("dp grad sync", sp.dp_sync_start_s, sp.dp_sync_end_s),
+                     ("grad-norm all-reduce", sp.dp_sync_end_s, synced))
+            for name, a, b in spans:
+                if b > a:
+                    out.append({"ph": "X", "name": name, "cat": "dp", "pid": pi, "tid": 2 * i + 1,
+                                "ts": a * us, "dur": (b - a) * us,
+                                "args": {"transfer_s": sp.dp_sync_time_s} if name == "dp grad sync" else {}})
             out.append({"ph": "X", "name": "optimizer", "cat": "optimizer", "pid": pi, "tid": 2 * i,
-                        "ts": (t0 + dpt) * us, "dur": sp.optimizer_time_s * us})
+                        "ts": synced * us, "dur": sp.optimizer_time_s * us})
+    if overhead > 0:
+        step = len(pipes)
+        out.append({"ph": "M", "name": "process_name", "pid": step, "tid": 0, "args": {"name": "step"}})
+        out.append({"ph": "X", "name": "iteration overhead", "cat": "overhead", "pid": step, "tid": 0,
+                    "ts": (synced + opt_max) * us, "dur": overhead * us,
+                    "args": {"note": "the calibration's per-iteration overhead"}})
     return out
 
 

@@ -23,8 +23,10 @@ placed in that node share it); when replicas span groups the
 reduction is hierarchical: inside each group, then between the group leaders over
 ``network.cross_group`` (host-staged when vendors differ), then broadcast back (the in-group
 all-reduce accounts for reduce + broadcast). A device syncs its layers one after another (bucketed),
-devices in parallel: the sync time is the slowest device's. It is not overlapped with backward
-(Megatron's default without --overlap-grad-reduce). ZeRO-1/2 replace the all-reduce by a
+devices in parallel. It is not overlapped with backward (the hetero runtime, and Megatron's default
+without --overlap-grad-reduce): a device starts when its own schedule is done, and each bucket's
+all-reduce starts when the last of its holders gets to it (:meth:`.placement.SyncPlan.spans`, used by
+``predict()``). ZeRO-1/2 replace the all-reduce by a
 reduce-scatter of gradients plus an all-gather of updated parameters (same ring volume).
 Embedding and head gradients are synced like a layer among first / last stages; with tied
 embeddings the last stages' copy of the word embedding is summed with the first stages' (Megatron's
@@ -341,16 +343,16 @@ class StageCostModel:
                 tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
                       for p in plan.pipelines))
 
-    def _placed(self, plan, placement: str) -> tuple[dict, dict]:
-        """(DP sync times, p2p links) of ``plan`` under ``placement``, from one placement of its
-        blocks on nodes; memoised on the plan's structure."""
+    def _placed(self, plan, placement: str) -> tuple[dict, "_placement.SyncPlan", dict]:
+        """(DP sync times, DP sync plan, p2p links) of ``plan`` under ``placement``, from one
+        placement of its blocks on nodes; memoised on the plan's structure."""
         struct = self._struct(plan, placement)
         hit = self._dp_cache.get(struct)
         if hit is None:
             if len(self._dp_cache) > 100_000:
                 self._dp_cache.clear()
             where = _placement.block_nodes(self._groups, plan, placement)
-            hit = self._dp_cache[struct] = (_placement.dp_sync_times(self, plan, placement, where),
+            hit = self._dp_cache[struct] = (*_placement.dp_sync(self, plan, placement, where),
                                             _placement.p2p_links(plan, where))
         return hit
 
@@ -360,10 +362,15 @@ class StageCostModel:
         network and share a NIC); memoised on the plan's structure."""
         return self._placed(plan, placement)[0]
 
+    def dp_sync_plan(self, plan, placement: str = "packed") -> "_placement.SyncPlan":
+        """The gradient all-reduces of a step, in the order every rank runs them, and who holds
+        each (memoised; see :class:`.placement.SyncPlan`)."""
+        return self._placed(plan, placement)[1]
+
     def p2p_links(self, plan, placement: str = "packed") -> dict[tuple[int, int], tuple[bool, int]]:
         """Per (pipeline, virtual stage with a successor): (same_node, streams) of its p2p
         transfers under ``placement`` (memoised; see :func:`.placement.p2p_links`)."""
-        return self._placed(plan, placement)[1]
+        return self._placed(plan, placement)[2]
 
 __all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]
 

@@ -17,6 +17,8 @@ edge. Both are pure functions of the plan's structure (the caller memoises them)
 """
 from __future__ import annotations
 
+import functools
+
 PLACEMENTS = ("packed", "megatron")
 
 
@@ -93,18 +95,26 @@ __all__ = ["PLACEMENTS", "block_nodes", "p2p_links"]
 
 def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None) -> dict[tuple[int, int], float]:
     """Per (pipeline, physical stage): seconds its devices spend on the data-parallel gradient sync,
-    with the placement's NIC sharing (see :meth:`hetero.predictor.costs.StageCostModel.dp_sync_times`).
+    with the placement's NIC sharing (see :func:`dp_sync`)."""
+    return dp_sync(cm, plan, placement, where)[0]
+
+
+def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> tuple[dict, "SyncPlan"]:
+    """(per (pipeline, physical stage) the seconds its devices spend on the data-parallel gradient
+    sync, with the placement's NIC sharing (see
+    :meth:`hetero.predictor.costs.StageCostModel.dp_sync_times`); the sync's buckets in the order
+    every rank runs them, :class:`SyncPlan`).
 
     Every layer (embedding, head) is summed over all its holders. Inside a group, the holders of a
     layer form one ring per tp rank: on NVLink when they all sit in one node, else over the network,
     where a node's NIC carries one ring per tp rank of the holders it hosts (``rings x 2 (n-1)/n x
-    bytes / tp``). All stages sync at once after the flush, so rings of different stages that leave
-    the same node share its NIC: a device's sync lasts at least the NIC time of the busiest node
-    its rings cross. Holders in several groups: in-group reduction, then the group leaders over
-    ``network.cross_group`` (host-staged across vendors). Tied embeddings (gpt): the last stage holds a
-    copy of the word embedding, summed together with the first stages' (Megatron's embedding
-    all-reduce between the first and last stage). ``where``: :func:`block_nodes` of the plan, when
-    the caller has it already.
+    bytes / tp``). Stages sync at about the same time (after their schedules), so rings of
+    different stages that leave the same node are taken to share its NIC: a device's sync lasts at
+    least the NIC time of the busiest node its rings cross. Holders in several groups: in-group
+    reduction, then the group leaders over ``network.cross_group`` (host-staged across vendors).
+    Tied embeddings (gpt): the last stage holds a copy of the word embedding, summed together with
+    the first stages' (Megatron's embedding all-reduce between the first and last stage).
+    ``where``: :func:`block_nodes` of the plan, when the caller has it already.
     """
     from . import comm
 
@@ -120,6 +130,7 @@ def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None
     node_load: dict[tuple[str, int], float] = {}
     own: dict[tuple[int, int], float] = {}
     crossed: dict[tuple[int, int], set] = {}
+    held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
 
     def ring(holders, nbytes, mult):
         """holders: list of (pi, k, group, tp, replicas); adds mult x the ring time to each holder."""
@@ -163,7 +174,9 @@ def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None
                 cross += 2 * comm.staging_time(b)
             cross *= max(fac[g].communication for g in gs)
         t = (inner + cross) * mult
-        for sk in {(pi, k) for pi, k, *_ in holders}:
+        stages_held = frozenset((pi, k) for pi, k, *_ in holders)
+        held[stages_held] = held.get(stages_held, 0.0) + t
+        for sk in stages_held:
             own[sk] = own.get(sk, 0.0) + t
             crossed.setdefault(sk, set()).update(touched)
 
@@ -199,7 +212,111 @@ def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None
             for gn in crossed.get((pi, k), ()):
                 t = max(t, node_load[gn])
             out[(pi, k)] = t
-    return out
+    return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held))
 
 
-__all__ += ["dp_sync_times"]
+def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) -> list[tuple[frozenset, float]]:
+    """The gradient all-reduces of a step in the order every rank runs them, as (holder stages,
+    seconds), from ``held`` (holder stages -> seconds; the runtime puts all parameters with one
+    holder set in one bucket, :mod:`hetero.runtime.grads`).
+
+    ``packed`` (the hetero runtime): each rank runs its buckets sorted by their holder sets, as
+    sorted tuples of rank numbers (:func:`hetero.layout.build_layout` numbers ranks group by
+    group in cluster order, node by node, blocks in plan order), so two ranks meet their common
+    buckets in the same order. ``megatron``: every stage's data-parallel all-reduce first, then the
+    all-reduce of the word embedding between the first and last stages (Megatron-LM's
+    finalize_model_grads). A bucket held by one stage alone that takes no time is left out.
+    """
+    tps = {(pi, k): s.tp for pi, p in enumerate(plan.pipelines) for k, s in enumerate(plan.physical_stages(p))}
+    offset: dict = {}   # where the next block of a node (megatron: of anywhere) is numbered
+    if placement == "megatron":  # pp-major, then the data-parallel rank: one running number
+        blocks = sorted(where, key=lambda b: (b[0], b[2], b[1]))
+        node = dict.fromkeys(where, 0)
+        offset[0] = 0
+    else:  # node by node in cluster order, blocks in plan order inside a node
+        blocks, node = sorted(where), where
+        size: dict = {}
+        for (pi, _, k), gn in where.items():
+            size[gn] = size.get(gn, 0) + tps[(pi, k)]
+        gindex = {name: i for i, name in enumerate(groups)}
+        n = 0
+        for gn in sorted(size, key=lambda gn: (gindex[gn[0]], gn[1])):
+            offset[gn], n = n, n + size[gn]
+    lo: dict = {}   # per stage: its lowest rank, and one past its highest (stages hold disjoint ranks)
+    hi: dict = {}
+    for b in blocks:
+        gn, sk = node[b], (b[0], b[2])
+        x = offset[gn]
+        offset[gn] = end = x + tps[sk]
+        if x < lo.get(sk, end):
+            lo[sk] = x
+        if end > hi.get(sk, 0):
+            hi[sk] = end
+
+    megatron = placement == "megatron"
+    # per holder set: (the embedding's all-reduce under Megatron's order, one past its highest rank)
+    info = {hs: (megatron and len({pi for pi, _ in hs}) < len(hs), max(hi[sk] for sk in hs)) for hs in held}
+
+    def compare(a, b) -> int:
+        """Of two holder sets' sorted rank tuples, which comes first: they agree below the lowest
+        rank x that only one holds, where that one has x and the other a higher rank (so comes
+        later) or nothing more (a prefix, so comes first)."""
+        (ea, ha), (eb, hb) = info[a[0]], info[b[0]]
+        if ea != eb:
+            return 1 if ea else -1
+        diff = a[0] ^ b[0]
+        if not diff:
+            return 0
+        s = min(diff, key=lo.__getitem__)
+        x = lo[s] + 1
+        if s in a[0]:
+            return -1 if hb > x else 1
+        return 1 if ha > x else -1
+
+    return sorted(((s, t) for s, t in held.items() if len(s) > 1 or t > 0), key=functools.cmp_to_key(compare))
+
+
+class SyncPlan:
+    """The data-parallel gradient sync of a plan's structure; stages are numbered in (pipeline,
+    physical stage) order, the order of :attr:`stages`."""
+
+    __slots__ = ("stages", "buckets", "first", "totals")
+
+    def __init__(self, totals: dict, buckets: list[tuple[frozenset, float]]):
+        self.stages = tuple(totals)
+        """(pipeline, physical stage) of each stage number."""
+        index = {sk: i for i, sk in enumerate(self.stages)}
+        self.buckets = tuple((tuple(sorted(index[sk] for sk in hs)), t) for hs, t in buckets)
+        """(holder stage numbers, seconds) of each all-reduce, in the order the ranks run them."""
+        first = [-1] * len(self.stages)
+        for j, (hs, _) in enumerate(self.buckets):
+            for h in hs:
+                if first[h] < 0:
+                    first[h] = j
+        self.first = tuple(first)
+        """Per stage: its first bucket, or -1 (nothing to sum with anyone)."""
+        self.totals = tuple(totals.values())
+        """Per stage: seconds of its own sync (NIC sharing included)."""
+
+    def spans(self, ready) -> tuple[list[float], list[float]]:
+        """(start, end) of every stage's gradient sync (lists by stage number), the stages done
+        with their schedules at ``ready``. Every rank runs its buckets in order, each an all-reduce
+        among the bucket's holders that starts when the last of them gets to it; a stage's sync
+        also lasts at least its own time (``totals``: NIC sharing) from its first bucket."""
+        cur = list(ready)
+        began = []
+        for hs, t in self.buckets:
+            s = cur[hs[0]]
+            for h in hs:
+                if cur[h] > s:
+                    s = cur[h]
+            began.append(s)
+            s += t
+            for h in hs:
+                cur[h] = s
+        starts = [ready[i] if j < 0 else began[j] for i, j in enumerate(self.first)]
+        ends = [e if e > s + t else s + t for e, s, t in zip(cur, starts, self.totals)]
+        return starts, ends
+
+
+__all__ += ["dp_sync_times", "dp_sync", "sync_buckets", "SyncPlan"]

@@ -4,7 +4,10 @@ Every device runs its kernels in the order the schedule prescribes; an op starts
 is free and its input is there: forward of micro-batch j on stage k needs stage k-1's forward of j
 plus the p2p transfer; backward needs stage k+1's backward plus the transfer (the last stage's
 backward needs its own forward). Sends are asynchronous (they do not hold the sender). The
-pipeline time is the end of the last op. Stage times may differ per stage.
+pipeline time is the end of the last op. Stage times may differ per stage. A device is done with
+the schedule (its gradients are ready to sync) when its last op has ended and its last send of each
+edge has arrived: the runtime waits for its pending sends before the gradient sync
+(:func:`pipeline_ends`).
 
 Orders:
 - ``gpipe``: all forwards, then all backwards;
@@ -101,20 +104,30 @@ def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: b
     with ``trace``) are tuples (device, kind, micro-batch, virtual stage, start, end, ready) with
     ``ready`` the time the input arrived (None for ops without a transfer).
     """
-    V = len(fwd)
+    t, _, events = _run(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave, trace)
+    return t, events
+
+
+def _variant(schedule: str, V: int, interleave: int) -> tuple[str, int]:
+    """(order actually simulated, chunks per device): interleaving needs v > 1 chunks dividing
+    the V stages, else the schedule runs as GPipe with one chunk per device."""
     v = interleave if schedule == "interleaved" and interleave > 1 and V % interleave == 0 else 1
-    prog, ndev = _compile(schedule if v > 1 or schedule != "interleaved" else "gpipe", V, m, v)
-    durs = tuple(fwd) + tuple(bwd)
-    comm = tuple(p2p) + (0.0,)
-    return _evaluate(prog, ndev, durs, comm, trace)
+    return (schedule if v > 1 or schedule != "interleaved" else "gpipe"), v
+
+
+def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int, trace: bool):
+    """(pipeline time, per-device ready times, trace events or None) of one replica."""
+    kind, v = _variant(schedule, len(fwd), interleave)
+    prog, ndev, sends = _compile(kind, len(fwd), m, v)
+    return _evaluate(prog, ndev, sends, fwd + bwd, p2p + (0.0,), trace)
 
 
 def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> list[list[tuple[str, int, int]]]:
     """Per device, the ordered ops ``(kind 'F'/'B', micro-batch, virtual stage)`` this module
     simulates for ``stages`` (virtual) stages and ``m`` micro-batches, deadlock fallback included:
     what the runtime executes, so the predicted and the executed schedule are the same."""
-    v = interleave if schedule == "interleaved" and interleave > 1 and stages % interleave == 0 else 1
-    return _resolved(schedule if v > 1 or schedule != "interleaved" else "gpipe", stages, m, v)[0]
+    kind, v = _variant(schedule, stages, interleave)
+    return _resolved(kind, stages, m, v)[0]
 
 
 def _resolved(schedule: str, V: int, m: int, v: int):
@@ -132,9 +145,11 @@ def _resolved(schedule: str, V: int, m: int, v: int):
 @functools.lru_cache(maxsize=4096)
 def _compile(schedule: str, V: int, m: int, v: int):
     """Ops in a dependency-respecting order (the DAG does not depend on the durations), as tuples
-    (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage)."""
+    (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage);
+    the number of devices; and per (device, edge) the slot of the device's last op sending over
+    that edge, as (device, slot, comm index): a device's sends on one edge arrive in order."""
     p = V // v
-    order = _resolved(schedule, V, m, v)[1]
+    seqs, order = _resolved(schedule, V, m, v)
     nocomm = V - 1  # index of the appended 0.0
     prog = []
     for d, kind, j, vs in order:
@@ -149,7 +164,25 @@ def _compile(schedule: str, V: int, m: int, v: int):
             else:
                 dep, ci = (V + vs + 1) * m + j, vs
             prog.append((slot, d, V + vs, dep, ci, kind, j, vs))
-    return tuple(prog), p
+    return tuple(prog), p, _last_sends(seqs, V, m)
+
+
+def _last_sends(seqs, V: int, m: int) -> tuple:
+    """(device, slot, edge) of each device's last op sending over each edge (activation of
+    virtual stage vs to vs + 1 on edge vs, gradient to vs - 1 on edge vs - 1), from the end of
+    its order."""
+    out = []
+    for d, seq in enumerate(seqs):
+        vss = range(d, V, len(seqs))  # the virtual stages device d runs
+        edges = {vs for vs in vss if vs < V - 1} | {vs - 1 for vs in vss if vs > 0}
+        for kind, j, vs in reversed(seq):
+            if not edges:
+                break
+            edge = vs if kind == "F" else vs - 1
+            if edge in edges:
+                edges.discard(edge)
+                out.append((d, (vs if kind == "F" else V + vs) * m + j, edge))
+    return tuple(out)
 
 
 def _topo(seqs, V: int, m: int):
@@ -191,7 +224,18 @@ def _gpipe_virtual(p: int, m: int, v: int):
     return seqs
 
 
-def _evaluate(prog, ndev: int, durs, comm, trace: bool):
+def _ready(free, end, sends, comm) -> tuple:
+    """Per device: when it is done with the schedule (last op ended, last sends arrived)."""
+    ready = list(free)
+    for d, slot, ci in sends:
+        r = end[slot] + comm[ci]
+        if r > ready[d]:
+            ready[d] = r
+    return tuple(ready)
+
+
+def _evaluate(prog, ndev: int, sends, durs, comm, trace: bool):
+    """(pipeline time, per-device ready times, trace events or None)."""
     end = [0.0] * (len(durs) * (len(prog) // len(durs) + 1))
     free = [0.0] * ndev
     if not trace:
@@ -204,7 +248,7 @@ def _evaluate(prog, ndev: int, durs, comm, trace: bool):
             t += durs[di]
             end[slot] = t
             free[d] = t
-        return max(free), None
+        return max(free), _ready(free, end, sends, comm), None
     events = []
     for slot, d, di, dep, ci, kind, j, vs in prog:
         t = free[d]
@@ -220,17 +264,24 @@ def _evaluate(prog, ndev: int, durs, comm, trace: bool):
         end[slot] = t
         free[d] = t
         events.append((d, kind, j, vs, start, t, ready))
-    return max(free), events
+    return max(free), _ready(free, end, sends, comm), events
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _time(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int) -> float:
-    return simulate(schedule, fwd, bwd, p2p, m, interleave)[0]
+def _ends(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int) -> tuple[float, tuple]:
+    return _run(schedule, fwd, bwd, p2p, m, interleave, False)[:2]
+
+
+def pipeline_ends(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> tuple[float, tuple]:
+    """(time of one replica's micro-batches through the pipeline, per physical device the time it
+    is done with the schedule: its last op ended and its last sends arrived), memoised on the
+    stage times. Device i runs (virtual) stages i, i + p, ... (p devices)."""
+    return _ends(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)
 
 
 def pipeline_time(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> float:
     """Time of one replica's micro-batches through the pipeline (memoised on the stage times)."""
-    return _time(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)
+    return _ends(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)[0]
 
 
-__all__ = ["simulate", "pipeline_time", "device_orders", "interleave_group", "Deadlock"]
+__all__ = ["simulate", "pipeline_time", "pipeline_ends", "device_orders", "interleave_group", "Deadlock"]
