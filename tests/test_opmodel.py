@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ V100_SPEC = {"Device": "Tesla V100-PCIE-32GB", "Dev_Mem": 32, "Mem_Bw": 900, "Nu
 MI100_SPEC = {"Device": "AMD Instinct MI100", "Dev_Mem": 32, "Mem_Bw": 1230, "Num_Sm": 120, "Core_Per_SM": 4,
               "Freq": 1502, "SingleFLOPsMM": 46100, "SingleFLOPsVEC": 23100, "L2Cache": 8}
 DATA = shared_data_dir()
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 HAVE_DATA = (DATA / "neusight" / "ops").is_dir()
 
 
@@ -312,3 +314,23 @@ def test_provenance_says_what_the_model_knows_of_each_gpu():
     lodo = default_model().meta["design_selection"]["inner_mean_mape"][default_model().design]
     assert 0.05 < lodo < 0.5
     assert f"leave-one-GPU-out operator MAPE {lodo:.0%}" in prov["H100-SXM5-80GB"]["note"]
+
+
+def test_h100_operators_measured_with_hetero_profile():
+    """An H100 (no NeuSight GPU) profiled with `hetero profile` on CUDA (benchmarks/data/h100): the
+    model pinned by the profile's probes meets the operator target on fp32 (MAPE <= 15%, medAPE <=
+    10%) and beats the specs-only model in every dtype, which beats the plain roofline
+    (benchmarks/bench_h100.py prints the figures)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h100.py"
+    spec = importlib.util.spec_from_file_location("bench_h100", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ops = bench.operators()
+    assert ops["n_probe_rows"] >= 30
+    fp32 = ops["fp32"]["probed"]["overall"]
+    assert fp32["mape"] <= 0.15 and fp32["medape"] <= 0.10, fp32
+    for dt in ("fp32", "fp16"):
+        r = {m: ops[dt][m]["overall"]["mape"] for m in ("specs", "probed", "roofline")}
+        assert r["probed"] < r["specs"] < r["roofline"], (dt, r)

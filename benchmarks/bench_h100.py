@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""The predictor on a GPU it never saw: an H100 SXM5 measured with hetero's own tools.
+
+Data (benchmarks/data/h100/, measured on one NVIDIA H100 80GB HBM3, torch 2.11 + CUDA 13):
+  profile.csv   `hetero profile --device H100-SXM5-80GB` (the CUDA path: each operator timed as one
+                isolated call between CUDA events, like the NeuSight records; 191 shapes of a
+                transformer layer's operators plus the 17 probe shapes, fp32 and fp16).
+  steps.json    benchmarks/gpu/step_cuda.py: whole training steps of the runtime's own models
+                (hetero.runtime.model on one GPU: GPT-2-large fp32 and bf16, GPT-3 1.3B bf16, Llama-2-7B
+                cut to 8 layers bf16; each at its own sequence length): forward with the loss, backward,
+                AdamW, each between CUDA events, median of 10 after 3 warm-ups; peak allocated memory.
+The learned operator model was fitted on the five NeuSight GPUs (A100, P100, P4, T4, V100; fp32);
+the H100 is none of them, so it is predicted from its catalog entry (configs/devices.yaml).
+
+Part 1, operators: APE of each profile row (probe rows left out), per dtype and family, for
+  specs      the shipped model from the catalog specs alone;
+  probed     the same model pinned by the profile's probe rows (what `hetero predict` uses once
+             `hetero profile` has run on the device: per-op floors, bandwidth and GEMM peak scales);
+  roofline   max(FLOPs / peak, bytes / bandwidth), no fitted factor.
+fp16 rows test the model's unvalidated assumption that fp32 utilisation carries over to tensor cores.
+Part 2, training steps: `hetero predict --json` of a one-GPU, one-stage plan of the same model and
+micro-batch, with an empty profile cache (specs) and with the profile cached (probed); forward and
+backward per micro-batch, the step (forward + backward + optimizer) and peak memory vs measured.
+
+    python benchmarks/bench_h100.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "benchmarks" / "data" / "h100"
+DEVICE = "H100-SXM5-80GB"
+CLUSTER = {"name": "h100x1", "groups": [{"name": "h100", "device": DEVICE, "nodes": 1, "devices_per_node": 1,
+                                         "intra_node": {"bandwidth": "450 GB/s", "latency": "5 us"}}],
+           "network": {"inter_node": {"bandwidth": "50 GB/s", "latency": "10 us"}}}
+
+
+def _records():
+    from hetero.predictor.opmodel.specs import Records
+    from hetero.predictor.profiles import read_records
+
+    return Records.from_rows([{"op": r.op, "device": r.device, "dtype": r.dtype, "latency_ms": r.latency_ms, **r.dims}
+                              for r in read_records(DATA / "profile.csv")])
+
+
+def operators() -> dict:
+    from hetero.predictor.opmodel import default_model, roofline_latency
+    from hetero.predictor.opmodel.lodo import metrics
+    from hetero.predictor.opmodel.probes import ProbedDevice, probe_rows
+    from hetero.specs.device import load_catalog
+
+    rec = _records()
+    device = load_catalog()[DEVICE]
+    model = default_model()
+    probed = ProbedDevice(model, device, rec)
+    probes = set()
+    for dt in set(rec.dtype.tolist()):
+        probes |= set(probe_rows(rec, dt).values())
+    test = rec.subset(np.setdiff1d(np.arange(len(rec)), sorted(probes)))
+    out = {"n_probe_rows": len(probes)}
+    for dt in sorted(set(test.dtype.tolist())):
+        sub = test.subset(test.dtype == dt)
+        meas = sub.latency_ms * 1e-3
+        rows = [{k: float(v[i]) for k, v in sub.dims.items() if np.isfinite(v[i])} for i in range(len(sub))]
+        preds = {"specs": model.predict_many(sub.op, sub.dims, dt, device),
+                 "probed": np.array([probed.predict(str(o), d, dt) for o, d in zip(sub.op, rows)]),
+                 "roofline": np.array([roofline_latency(str(o), d, dt, device) for o, d in zip(sub.op, rows)])}
+        out[dt] = {k: metrics(sub.op, p, meas) for k, p in preds.items()}
+    return out
+
+
+def _predict(tmp: Path, model_name: str, dtype: str, batch: int, num_layers: int | None, cache: Path) -> dict:
+    spec = yaml.safe_load((REPO / "configs" / "models" / f"{model_name}.yaml").read_text())
+    spec["dtype"] = dtype
+    spec["num_layers"] = num_layers or spec["num_layers"]
+    plan = {"global_batch_size": batch, "micro_batch_size": batch, "schedule": "1f1b", "recompute": "none",
+            "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": 1,
+                                            "stages": [{"group": "h100", "tp": 1, "layers": [0, spec["num_layers"]]}]}]}
+    files = {"cluster.yaml": CLUSTER, "model.yaml": spec, "plan.yaml": plan}
+    for name, body in files.items():
+        (tmp / name).write_text(yaml.safe_dump(body))
+    env = dict(os.environ, HETERO_CACHE_DIR=str(cache))
+    res = subprocess.run([sys.executable, "-m", "hetero", "predict", "--cluster", str(tmp / "cluster.yaml"),
+                          "--model", str(tmp / "model.yaml"), "--plan", str(tmp / "plan.yaml"), "--json"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    if res.returncode:
+        raise SystemExit(f"hetero predict failed: {res.stderr}")
+    return json.loads(res.stdout)
+
+
+def steps() -> list[dict]:
+    measured = json.loads((DATA / "steps.json").read_text())["runs"]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        empty, cached = tmp / "empty", tmp / "cached"
+        (cached / "profiles").mkdir(parents=True)
+        empty.mkdir()
+        (cached / "profiles" / f"{DEVICE}.csv").write_bytes((DATA / "profile.csv").read_bytes())
+        for run in measured:
+            if "error" in run:
+                continue
+            row = {k: run.get(k) for k in ("model", "num_layers", "dtype", "batch", "forward_ms", "backward_ms",
+                                           "optimizer_ms", "peak_allocated_bytes")}
+            for label, cache in (("specs", empty), ("probed", cached)):
+                p = _predict(tmp, run["model"], run["dtype"], run["batch"], run.get("num_layers"), cache)
+                st = p["pipelines"][0]["stages"][0]
+                row[label] = {"forward_ms": st["forward_time_s"] * 1e3, "backward_ms": st["backward_time_s"] * 1e3,
+                              "step_ms": p["iteration_time_s"] * 1e3, "peak_memory_bytes": st["peak_memory_bytes"]}
+            out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    print(__doc__.split("\n\n")[0] + "\n")
+    ops = operators()
+    print(f"Part 1, operators on the H100 ({ops['n_probe_rows']} probe rows left out): MAPE / medAPE")
+    fams = ("gemm", "norm", "elementwise")
+    print(f"{'dtype':6s} {'method':9s} {'overall':>15s}" + "".join(f"{f:>15s}" for f in fams))
+    for dt in ("fp32", "fp16"):
+        for m in ("specs", "probed", "roofline"):
+            r = ops[dt][m]
+            print(f"{dt:6s} {m:9s} {r['overall']['mape']:>8.1%} /{r['overall']['medape']:>5.1%}"
+                  + "".join(f"{r['family'][f]['mape']:>8.1%} /{r['family'][f]['medape']:>5.1%}" for f in fams))
+    st = steps()
+    print("\nPart 2, training steps on one H100 (ms; error = predicted / measured - 1)")
+    print("(fwd+bwd: one micro-batch forward and backward, the NeuSight e2e quantity; step adds the optimizer)")
+    print(f"{'model':14s} {'dtype':5s} {'batch':>5s} {'fwd+bwd':>8s} {'optim':>6s} {'mem GB':>7s} | "
+          f"{'specs fwd+bwd':>13s} {'step':>6s} {'mem':>6s} | {'probed fwd+bwd':>14s} {'step':>6s} {'mem':>6s}")
+    for r in st:
+        fb = r["forward_ms"] + r["backward_ms"]
+        r["fwd_bwd_error"], r["step_error"], r["memory_error"] = {}, {}, {}
+        cells = []
+        for label in ("specs", "probed"):
+            p = r[label]
+            r["fwd_bwd_error"][label] = (p["forward_ms"] + p["backward_ms"]) / fb - 1
+            r["step_error"][label] = p["step_ms"] / (fb + r["optimizer_ms"]) - 1
+            r["memory_error"][label] = p["peak_memory_bytes"] / r["peak_allocated_bytes"] - 1
+            cells.append(f"{r['fwd_bwd_error'][label]:>+{13 + (label == 'probed')}.1%} {r['step_error'][label]:>+6.1%} "
+                         f"{r['memory_error'][label]:>+6.1%}")
+        name = r["model"] + (f"/{r['num_layers']}L" if r["model"] == "llama2-7b" else "")
+        print(f"{name:14s} {r['dtype']:5s} {r['batch']:>5d} {fb:>8.1f} {r['optimizer_ms']:>6.1f} "
+              f"{r['peak_allocated_bytes'] / 1e9:>7.1f} | {cells[0]} | {cells[1]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"method": __doc__, "operators": ops, "steps": st}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
