@@ -462,6 +462,35 @@ def test_a_cuda_cluster_on_a_host_without_cuda_fails_before_any_worker_starts(tm
     assert time.time() - t0 < 30 and left == []
 
 
+def test_a_gpu_group_with_its_devices_is_told_the_native_engine_computes_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """Where a GPU group finds its devices, the launch says that the native engine keeps the model on
+    the CPU (it does not place stages on devices), instead of letting CPU step times pass for GPU ones."""
+    import hetero
+    import hetero.backends as backends
+    from hetero.runtime.launcher import check_devices_here, prepare
+    from hetero.runtime.spec import RunOptions
+
+    class Present:
+        name = "cuda"
+
+        def detect(self):
+            return True, "4 fake devices"
+
+        def device_count(self):
+            return 4
+
+    monkeypatch.setattr(backends, "get_backend", lambda family: Present())
+    cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
+                                                               "nodes": 1, "devices_per_node": 2}]})
+    plan = hetero.load_plan(_plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
+    for engine, said in (("native", True), ("deepspeed", False)):
+        launch = prepare(cluster, hetero.load_model(GPT), plan, RunOptions(engine=engine), run_dir=str(tmp_path / engine))
+        check_devices_here(launch, [0])
+        err = capsys.readouterr().err
+        assert ("group 'a100' (nvidia): the native engine keeps the model on this host's CPU" in err) is said, err
+        assert err.count("note:") == int(said)   # once per group, not per node slot or rank
+
+
 def test_dynamic_loss_scale_rule():
     from hetero.runtime.loss_scale import DynamicLossScale
 

@@ -358,6 +358,7 @@ def check_devices_here(launch: Launch, slots: list[int]) -> None:
     are emulated on CPU; without this check each worker would start, import torch and die.)"""
     from hetero.backends import get_backend
 
+    noted = set()
     for s in slots:
         node = launch.nodes[s]
         if node.family not in VISIBLE_DEVICES:
@@ -371,6 +372,13 @@ def check_devices_here(launch: Launch, slots: list[int]) -> None:
                               f"(node slot {s}), but {have} (fix: launch on hosts that have "
                               f"them; to emulate the cluster on CPU, give the group a device type with 'base: cpu' "
                               f"and a vendor tag of its own, as configs/clusters/local-cpu.yaml does)")
+        if launch.spec.options.engine == "native" and node.group not in noted:
+            noted.add(node.group)
+            # Honest about what runs: the native engine builds its stages on the CPU and never moves
+            # them to the device, so these ranks compute on this host's CPU.
+            print(f"note: group '{node.group}' ({node.family}): the native engine keeps the model on this "
+                  f"host's CPU (it does not place stages on {node.family} devices yet); its step times are "
+                  f"CPU times", file=sys.stderr, flush=True)
 
 
 def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: dict, dead=None) -> str:
