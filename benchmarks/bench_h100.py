@@ -21,6 +21,8 @@ fp16 rows test the model's unvalidated assumption that fp32 utilisation carries 
 Part 2, training steps: `hetero predict --json` of a one-GPU, one-stage plan of the same model and
 micro-batch, with an empty profile cache (specs) and with the profile cached (probed); forward and
 backward per micro-batch, the step (forward + backward + optimizer) and peak memory vs measured.
+The model files say `attention: fused`, as the runtime runs it (--attention unfused shows what
+Megatron's unfused attention would be predicted to cost).
 
     python benchmarks/bench_h100.py [--json out.json]
 """
@@ -40,6 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "benchmarks" / "data" / "h100"
 DEVICE = "H100-SXM5-80GB"
+ATTENTION = "fused"  # the runtime's attention is torch's scaled_dot_product_attention (flash on an H100)
 CLUSTER = {"name": "h100x1", "groups": [{"name": "h100", "device": DEVICE, "nodes": 1, "devices_per_node": 1,
                                          "intra_node": {"bandwidth": "450 GB/s", "latency": "5 us"}}],
            "network": {"inter_node": {"bandwidth": "50 GB/s", "latency": "10 us"}}}
@@ -83,6 +86,7 @@ def _predict(tmp: Path, model_name: str, dtype: str, batch: int, num_layers: int
     spec = yaml.safe_load((REPO / "configs" / "models" / f"{model_name}.yaml").read_text())
     spec["dtype"] = dtype
     spec["num_layers"] = num_layers or spec["num_layers"]
+    spec["attention"] = ATTENTION
     plan = {"global_batch_size": batch, "micro_batch_size": batch, "schedule": "1f1b", "recompute": "none",
             "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": 1,
                                             "stages": [{"group": "h100", "tp": 1, "layers": [0, spec["num_layers"]]}]}]}
@@ -124,7 +128,11 @@ def steps() -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--attention", choices=("fused", "unfused"), default="fused",
+                    help="the model files' attention setting (the runtime's is fused)")
     args = ap.parse_args(argv)
+    global ATTENTION
+    ATTENTION = args.attention
     print(__doc__.split("\n\n")[0] + "\n")
     ops = operators()
     print(f"Part 1, operators on the H100 ({ops['n_probe_rows']} probe rows left out): MAPE / medAPE")

@@ -19,7 +19,8 @@ parallelism:
   (gelu/relu: its input and output, 2 e sbf; SwiGLU, unfused as in eager PyTorch: gate, up,
   silu(gate) and the product, 4 e sbf);
 - the attention core, split by t: the softmax output (e a s^2 b) plus, with dropout, its mask and
-  output ((m + e) a s^2 b).
+  output ((m + e) a s^2 b); with ``attention: fused`` (FlashAttention / SDPA) only the kernel's fp32
+  row statistics (4 a s b), its output being the out-projection input already counted.
 
 For fp16 gpt with dropout this is exactly s b h (34 + 5 a s / h) at t = 1 (the paper's formula).
 Selective recomputation drops the attention-core term; full recomputation keeps only each
@@ -89,7 +90,9 @@ def activation_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, rec
     mlp = (4 if model.gated_mlp else 2) * e * sb * f
     split = e * sb * (h + 2 * kv) + e * sb * h + mlp
     total = replicated + split / t
-    if recompute != "selective":
+    if model.attention == "fused":  # the kernel keeps its output (counted above) and fp32 row statistics
+        total += 4.0 * a * s * b / t
+    elif recompute != "selective":
         core = e + (mask + e if model.dropout > 0 else 0)
         total += core * a * s * s * b / t
     return float(total)
@@ -153,6 +156,8 @@ def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recomput
     e = DTYPE_BYTES[dtype or model.dtype]
     rebuilt = activation_bytes_per_layer(model, b, s, tp, "none", dtype) - \
         activation_bytes_per_layer(model, b, s, tp, recompute, dtype)
+    if model.attention == "fused":  # a flash backward accumulates dQ in fp32; no s x s gradient
+        return rebuilt + 4.0 * s * b * model.hidden_size / tp
     return rebuilt + e * model.num_attention_heads * s * s * b / tp
 
 

@@ -136,10 +136,14 @@ def layer_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | Non
         rh = (h + kv) // t
         ops += [vec("rope.mul_cos", "mul", rows, rh, e), vec("rope.mul_sin", "mul", rows, rh, e),
                 vec("rope.add", "add", rows, rh, e)]
-    ops += [gemm("scores", "bmm", b * at, s, s, d, e),
-            vec("softmax", "softmax", b * at * s, s, e)]          # fused scale + mask + softmax
-    if model.dropout > 0:
-        ops.append(vec("attn_dropout", "mul", b * at * s, s, e))
+    ops += [gemm("scores", "bmm", b * at, s, s, d, e)]
+    if model.attention == "unfused":
+        ops.append(vec("softmax", "softmax", b * at * s, s, e))   # fused scale + mask + softmax
+        if model.dropout > 0:
+            ops.append(vec("attn_dropout", "mul", b * at * s, s, e))
+    # fused attention is costed as its two GEMMs (softmax and dropout run inside the kernel, on
+    # tiles in on-chip memory); the op model still charges the s x s tile traffic of the scores
+    # GEMM to device memory, so this errs long for a flash kernel
     ops += [gemm("context", "bmm", b * at, s, d, s, e),
             gemm("out_proj", "linear", b, s, h, h // t, e)]
     if model.dropout > 0:
@@ -169,8 +173,10 @@ def layer_backward_ops(model: ModelSpec, b: int, s: int, t: int, recompute: str 
     ops: list[Op] = []
     if recompute == "full":
         ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd]
-    elif recompute == "selective":
+    elif recompute == "selective" and model.attention == "unfused":  # fused: nothing of the core is kept
         ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name in ATTENTION_CORE]
+    if model.attention == "fused":  # a flash backward recomputes the scores tile by tile
+        ops += [Op("attention.rescores", o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name == "scores"]
     for o in reversed(fwd):
         ops += backward_of(o, e)
     return ops

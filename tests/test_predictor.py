@@ -618,3 +618,30 @@ def test_loss_kernels_follow_megatron_cross_entropy():
     m32 = load_model({**spec, "dtype": "fp32"})   # fp32 logits need no casts
     assert [o.name for o in O.head_forward_ops(m32, b, s, tp) if o.name.startswith("loss.")] == \
         ["loss.max", "loss.sub_max", "loss.exp", "loss.sum", "loss.normalise"]
+
+
+def test_fused_attention_keeps_no_scores_and_runs_no_separate_softmax():
+    """`attention: fused` (FlashAttention / SDPA): the layer runs the two attention GEMMs without a
+    separate softmax or dropout kernel, its backward recomputes the scores (five GEMMs), it keeps
+    fp32 row statistics instead of the s x s softmax output, and selective recomputation adds
+    nothing (nothing of the core is kept to drop)."""
+    import dataclasses
+
+    from hetero.predictor import memory as M
+    from hetero.predictor import ops as O
+
+    base = dataclasses.replace(hetero.load_model(str(REPO / "configs" / "models" / "gpt2-large.yaml")), dropout=0.1)
+    fused = dataclasses.replace(base, attention="fused")
+    b, s, t = 2, 1024, 2
+    names = [o.name for o in O.layer_forward_ops(fused, b, s, t)]
+    assert "softmax" not in names and "attn_dropout" not in names and {"scores", "context"} <= set(names)
+    assert {"softmax", "attn_dropout"} <= {o.name for o in O.layer_forward_ops(base, b, s, t)}
+    bwd = O.layer_backward_ops(fused, b, s, t)
+    assert sum(o.op == "bmm" for o in bwd) == 5
+    assert O.layer_backward_ops(fused, b, s, t, "selective") == bwd
+    a, e = base.num_attention_heads, 4
+    kept_scores = (e + 1 + e) * a * s * s * b / t   # softmax output, dropout mask (1 byte) and output
+    diff = M.activation_bytes_per_layer(base, b, s, t) - M.activation_bytes_per_layer(fused, b, s, t)
+    assert diff == pytest.approx(kept_scores - 4 * a * s * b / t)
+    assert M.activation_bytes_per_layer(fused, b, s, t, "selective") == M.activation_bytes_per_layer(fused, b, s, t)
+    assert M.backward_transient_bytes(fused, b, s, t, "none") < M.backward_transient_bytes(base, b, s, t, "none")

@@ -43,6 +43,12 @@ class ModelSpec:
     tie_embeddings: bool | None = None
     """Share the input embedding with the LM head; default true (gpt), false (llama)."""
     dropout: float = 0.0
+    attention: Literal["unfused", "fused"] = "unfused"
+    """How the attention core runs. unfused: scores, softmax and context as separate kernels, the
+    softmax output kept for backward (Megatron without flash attention; what the CPU memory
+    validation and the vTrain runs measure). fused: one kernel (FlashAttention, torch's
+    scaled_dot_product_attention, which hetero's runtime uses): no s x s tensor reaches device
+    memory, and backward recomputes the scores blockwise."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
 
