@@ -19,7 +19,8 @@ Part 1, operators: APE of each profile row (probe rows left out), per dtype and 
   roofline   max(FLOPs / peak, bytes / bandwidth), no fitted factor.
 fp16 rows test the model's unvalidated assumption that fp32 utilisation carries over to tensor cores.
 Part 2, training steps: `hetero predict --json` of a one-GPU, one-stage plan of the same model and
-micro-batch, with an empty profile cache (specs) and with the profile cached (probed); forward and
+micro-batch, with an empty profile cache (specs) and with the profile cached (probed: bf16 takes the
+fp16 calibration, the same tensor cores at the same peak); forward and
 backward per micro-batch, the step (forward + backward + optimizer) and peak memory vs measured.
 The model files say `attention: fused`, as the runtime runs it (--attention unfused shows what
 Megatron's unfused attention would be predicted to cost).

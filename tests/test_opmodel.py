@@ -366,3 +366,28 @@ def test_h100_step_memory_with_fused_attention():
         assert abs(err["fused"]) < abs(err["unfused"]) and err["unfused"] > 0.2, (r, err)
         if r["dtype"] == "bf16":
             assert abs(err["fused"]) <= 0.12, (r, err)
+
+
+def test_a_profile_probed_in_fp16_pins_bf16_where_the_units_are_the_same():
+    """`hetero profile` probes fp32 and fp16; bf16 runs on the same tensor cores at the same peak on
+    an H100, so it takes the fp16 calibration (not the fp32 floors with datasheet peaks). A device
+    whose bf16 peak differs from its fp16 peak keeps the fallback."""
+    import dataclasses
+    import importlib.util
+
+    from hetero.predictor.opmodel.probes import ProbedDevice
+    from hetero.specs.device import load_catalog
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h100.py"
+    spec = importlib.util.spec_from_file_location("bench_h100", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rec = bench._records()
+    h100 = load_catalog()[bench.DEVICE]
+    dims = {"B": 1, "M": 8192, "N": 4096, "K": 4096}
+    probed = ProbedDevice(default_model(), h100, rec)
+    assert set(probed.calibrations) == {"fp32", "fp16"}
+    assert probed.predict("linear", dims, "bf16") == probed.predict("linear", dims, "fp16")
+    odd = dataclasses.replace(h100, peak_flops={**h100.peak_flops, "bf16": h100.peak_flops["bf16"] / 2})
+    probed_odd = ProbedDevice(default_model(), odd, rec)
+    assert probed_odd.predict("linear", dims, "bf16") != pytest.approx(probed_odd.predict("linear", dims, "fp16"), rel=0.05)

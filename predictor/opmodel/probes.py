@@ -191,15 +191,37 @@ class ProbedDevice:
                 self.calibrations[dt] = cal
         if not self.calibrations:
             raise ValueError("the records hold no probe shape (run `hetero profile` on the device)")
+        self._device = device
         first = self.calibrations.get("fp32") or next(iter(self.calibrations.values()))
         self._fallback = ProbedOpModel(model, device, DeviceCalibration(first.floors, 1.0, {}, 0))
         self._models = {dt: ProbedOpModel(model, device, c) for dt, c in self.calibrations.items()}
 
+    def _model_for(self, dtype: str) -> ProbedOpModel:
+        hit = self._models.get(dtype)
+        if hit is None:
+            twin = self._twin(dtype)
+            hit = self._models[dtype] = self._models[twin] if twin else self._fallback
+        return hit
+
+    def _twin(self, dtype: str) -> str | None:
+        """A probed dtype of the same element size and the same matrix and vector peaks (fp16 and bf16
+        on tensor cores that run both at one rate): the same units, so the same calibration."""
+        dev = self._device
+        for dt in self.calibrations:
+            try:
+                same = (F.dtype_bytes(dt) == F.dtype_bytes(dtype) and dev.matrix_flops(dt) == dev.matrix_flops(dtype)
+                        and dev.vector_flops(dt) == dev.vector_flops(dtype))
+            except (KeyError, ValueError):
+                same = False
+            if same:
+                return dt
+        return None
+
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device=None) -> float:
-        return self._models.get(dtype, self._fallback).predict(op, dims, dtype)
+        return self._model_for(dtype).predict(op, dims, dtype)
 
     def host_overhead(self, op: str, dtype: str, device=None) -> float:
-        return self._models.get(dtype, self._fallback).host_overhead(op, dtype)
+        return self._model_for(dtype).host_overhead(op, dtype)
 
     def accuracy_note(self, device=None) -> str:
         """For the predictor's provenance: which dtypes the profile's probes pinned."""
