@@ -173,7 +173,7 @@ def layer_backward_ops(model: ModelSpec, b: int, s: int, t: int, recompute: str 
     ops: list[Op] = []
     if recompute == "full":
         ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd]
-    elif recompute == "selective" and model.attention == "unfused":  # fused: nothing of the core is kept
+    elif recompute == "selective":  # fused: the kernel's forward (its two GEMMs) runs again
         ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name in ATTENTION_CORE]
     if model.attention == "fused":  # a flash backward recomputes the scores tile by tile
         ops += [Op("attention.rescores", o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name == "scores"]

@@ -170,13 +170,13 @@ def read_records(path) -> list[Record]:
 
 
 # --------------------------------------------------------------------------------------- block probes
-def probe_model_dict(probe: Mapping) -> dict:
-    """The model file of a block probe."""
+def probe_model_dict(probe: Mapping, attention: str = "unfused") -> dict:
+    """The model file of a block probe, its attention costed as ``attention`` says."""
     return {"name": f"probe-{probe['architecture']}-{probe['hidden_size']}", "architecture": probe["architecture"],
             "num_layers": int(probe.get("num_layers") or 1), "hidden_size": int(probe["hidden_size"]),
             "num_attention_heads": int(probe["num_attention_heads"]),
             "vocab_size": int(probe.get("vocab_size") or 1024), "seq_length": int(probe["seq_length"]),
-            "dtype": "fp32"}
+            "dtype": "fp32", "attention": attention}
 
 
 # --------------------------------------------------------------------------------------- the model
@@ -203,7 +203,7 @@ class LocalOpModel:
         self.blocks = [b for b in self.meta.get("blocks") or []
                        if all(float(b.get(key) or 0) > 0 for key in ("forward_ms", "backward_ms", "hidden_size",
                                                                     "micro_batch_size", "seq_length"))]
-        self._ratios: list | None = None
+        self._ratios: dict[str, list] = {}
         self.points: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
         self.devices: set[str] = set()
         n = 0
@@ -264,11 +264,12 @@ class LocalOpModel:
 
 
     # ---------------------------------------------------------------- block probes
-    def _probe_ratios(self) -> list:
+    def _probe_ratios(self, attention: str = "unfused") -> list:
         """Per probe: (architecture, point, forward ratio, backward ratio, edge ratios or None),
         ratio = measured time / this model's operator-sum prediction at the probe's shape (edges:
-        embedding + final norm + head + loss)."""
-        if self._ratios is None:
+        embedding + final norm + head + loss), the operators decomposed with ``attention`` as the
+        model the ratio is applied to is, so ratio x that model's sum is the measured block either way."""
+        if attention not in self._ratios:
             import hetero
 
             from .ops import (embedding_backward_ops, embedding_forward_ops, head_backward_ops, head_forward_ops,
@@ -277,7 +278,7 @@ class LocalOpModel:
             out = []
             for pb in self.blocks:
                 try:
-                    spec = hetero.load_model(probe_model_dict(pb))
+                    spec = hetero.load_model(probe_model_dict(pb, attention))
                 except Exception:  # noqa: BLE001 - a probe we cannot rebuild is skipped
                     continue
                 b, s = int(pb["micro_batch_size"]), int(pb["seq_length"])
@@ -292,19 +293,19 @@ class LocalOpModel:
                         edges = (pb["edges_forward_ms"] * 1e-3 / ef, pb["edges_backward_ms"] * 1e-3 / eb)
                     out.append((pb["architecture"], self._probe_point(spec.hidden_size, b * s),
                                 pb["forward_ms"] * 1e-3 / of, pb["backward_ms"] * 1e-3 / ob, edges))
-            self._ratios = out
-        return self._ratios
+            self._ratios[attention] = out
+        return self._ratios[attention]
 
     @staticmethod
     def _probe_point(hidden: float, rows: float) -> tuple[float, float]:
         return (math.log2(max(hidden, 1.0)), math.log2(max(rows, 1.0)))
 
     def _ratio(self, which: str, model, mbs: int, seq: int) -> tuple[float, float]:
-        key = (which, model.architecture, model.hidden_size, mbs * seq)
+        key = (which, model.architecture, model.attention, model.hidden_size, mbs * seq)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        pts = self._probe_ratios()
+        pts = self._probe_ratios(model.attention)
         if which == "edges":
             pts = [(a, x, e[0], e[1]) for a, x, _, _, e in pts if e is not None]
         else:

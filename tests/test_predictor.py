@@ -623,8 +623,9 @@ def test_loss_kernels_follow_megatron_cross_entropy():
 def test_fused_attention_keeps_no_scores_and_runs_no_separate_softmax():
     """`attention: fused` (FlashAttention / SDPA): the layer runs the two attention GEMMs without a
     separate softmax or dropout kernel, its backward recomputes the scores (five GEMMs), it keeps
-    fp32 row statistics instead of the s x s softmax output, and selective recomputation adds
-    nothing (nothing of the core is kept to drop)."""
+    fp32 row statistics instead of the s x s softmax output; selective recomputation runs the
+    kernel's forward again (its two GEMMs, as the runtime's checkpointed SDPA does) and saves no
+    memory (nothing of the core is kept to drop)."""
     import dataclasses
 
     from hetero.predictor import memory as M
@@ -638,7 +639,8 @@ def test_fused_attention_keeps_no_scores_and_runs_no_separate_softmax():
     assert {"softmax", "attn_dropout"} <= {o.name for o in O.layer_forward_ops(base, b, s, t)}
     bwd = O.layer_backward_ops(fused, b, s, t)
     assert sum(o.op == "bmm" for o in bwd) == 5
-    assert O.layer_backward_ops(fused, b, s, t, "selective") == bwd
+    sel = O.layer_backward_ops(fused, b, s, t, "selective")
+    assert [o.name for o in sel[:2]] == ["recompute.scores", "recompute.context"] and sel[2:] == bwd
     a, e = base.num_attention_heads, 4
     kept_scores = (e + 1 + e) * a * s * s * b / t   # softmax output, dropout mask (1 byte) and output
     diff = M.activation_bytes_per_layer(base, b, s, t) - M.activation_bytes_per_layer(fused, b, s, t)

@@ -187,6 +187,18 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
                                "num_attention_heads": 6, "vocab_size": 1000, "seq_length": 128})
     assert local.layer_ratio(model, 2, 128) == pytest.approx((1.5, 1.25))
     assert local.edge_ratio(model, 2, 128) == pytest.approx((2.0, 3.0))
+    # a model with fused attention at a probe's own shape predicts that probe's measured block:
+    # its ratio is taken against the fused operator sum, not the unfused one the probe was timed as
+    import dataclasses
+
+    from hetero.predictor import ops as O
+    from hetero.predictor.profiles import probe_model_dict
+    fused = dataclasses.replace(hetero.load_model(probe_model_dict(probes[1])), attention="fused")
+    rf, rb = local.layer_ratio(fused, 2, 128)
+    assert rf * sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_forward_ops(fused, 2, 128, 1)) == \
+        pytest.approx(probes[1]["forward_ms"] * 1e-3)
+    assert rb * sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_backward_ops(fused, 2, 128, 1)) == \
+        pytest.approx(probes[1]["backward_ms"] * 1e-3)
     assert local.optimizer_time(2e6) == pytest.approx(3e-9 * 2e6)
     # the cost model applies them; an emulated 2x device pays the slowdown on the optimizer too
     cluster = hetero.load_cluster({"name": "emu", "devices": {"slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},

@@ -481,11 +481,12 @@ def test_a_gpu_group_with_its_devices_is_told_the_native_engine_computes_on_the_
 
     monkeypatch.setattr(backends, "get_backend", lambda family: Present())
     cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
-                                                               "nodes": 1, "devices_per_node": 2}]})
-    plan = hetero.load_plan(_plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
+                                                               "nodes": 2, "devices_per_node": 2}]})
+    plan = hetero.load_plan(_plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
     for engine, said in (("native", True), ("deepspeed", False)):
         launch = prepare(cluster, hetero.load_model(GPT), plan, RunOptions(engine=engine), run_dir=str(tmp_path / engine))
-        check_devices_here(launch, [0])
+        assert len(launch.nodes) == 2
+        check_devices_here(launch, [0, 1])
         err = capsys.readouterr().err
         assert ("group 'a100' (nvidia): the native engine keeps the model on this host's CPU" in err) is said, err
         assert err.count("note:") == int(said)   # once per group, not per node slot or rank

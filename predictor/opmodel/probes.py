@@ -177,8 +177,10 @@ class ProbedOpModel:
 class ProbedDevice:
     """One device's probed models, per dtype, from its profile records (what the predictor uses for
     an accelerator that ``hetero profile`` measured). A dtype with its own probes gets its own
-    calibration; any other dtype gets the measured launch floors of the fp32 (else first)
-    calibration with the datasheet peaks, since floors are host-side and peaks are per dtype."""
+    calibration; a dtype without probes takes the calibration of a probed dtype of the same element
+    size and the same datasheet peaks (bf16 and fp16 on tensor cores that run both at one rate),
+    else the measured launch floors of the fp32 (else first) calibration with the datasheet peaks,
+    since floors are host-side and peaks are per dtype."""
 
     kind = "probes"
 
@@ -206,14 +208,15 @@ class ProbedDevice:
     def _twin(self, dtype: str) -> str | None:
         """A probed dtype of the same element size and the same matrix and vector peaks (fp16 and bf16
         on tensor cores that run both at one rate): the same units, so the same calibration."""
-        dev = self._device
+        peaks, vec = self._device.peak_flops, self._device.peak_flops_vector
         for dt in self.calibrations:
             try:
-                same = (F.dtype_bytes(dt) == F.dtype_bytes(dtype) and dev.matrix_flops(dt) == dev.matrix_flops(dtype)
-                        and dev.vector_flops(dt) == dev.vector_flops(dtype))
-            except (KeyError, ValueError):
-                same = False
-            if same:
+                same_size = F.dtype_bytes(dt) == F.dtype_bytes(dtype)
+            except ValueError:
+                continue
+            # the datasheet's own entries, not the fp32 fallbacks of matrix_flops / vector_flops
+            if (same_size and dt in peaks and dtype in peaks and peaks[dt] == peaks[dtype]
+                    and vec.get(dt) == vec.get(dtype)):
                 return dt
         return None
 
@@ -225,8 +228,9 @@ class ProbedDevice:
 
     def accuracy_note(self, device=None) -> str:
         """For the predictor's provenance: which dtypes the profile's probes pinned."""
-        return (f"learned model pinned by this GPU's profile probes ({', '.join(self.calibrations)}; "
-                f"other dtypes keep its measured launch floors and the datasheet peaks)")
+        return (f"learned model pinned by this GPU's profile probes ({', '.join(self.calibrations)}; a dtype "
+                f"with the same datasheet peak as one of these shares its calibration, others keep the measured "
+                f"launch floors and the datasheet peaks)")
 
 
 __all__ = ["BANDWIDTH_PROBES", "COMPUTE_PROBES", "DeviceCalibration", "FLOOR_SHAPES", "PROBES", "PROBE_KINDS", "ProbedDevice",
