@@ -132,3 +132,14 @@ def test_profile_names_a_known_device_type(tmp_path):
                    "--no-blocks", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert out.read_text().splitlines()[1].split(",")[1] == "cpu-emu-b"
+    # so is one the cluster defines under 'devices:' without a group using it yet
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("name: c\ndevices:\n  spare: {base: cpu, vendor: emu-z}\n"
+                       "groups:\n  - {name: g, device: cpu, nodes: 1, devices_per_node: 1}\n")
+    proc = run_cli("profile", "--device", "spare", "--cluster", str(cluster), "--quick", "--no-cache",
+                   "--no-blocks", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().splitlines()[1].split(",")[1] == "spare"
+    # --cluster alone says what it is for instead of being ignored
+    assert_bad_input(run_cli("profile", "--cluster", str(cluster), "--quick", "-o", str(tmp_path / "q.csv")),
+                     "give --device too")

@@ -115,13 +115,16 @@ def run(args) -> int:
 
 def requested_type(args):
     """The device type ``--device`` names (None when not given): a catalog entry or, with ``--cluster``,
-    one of that cluster's groups' types. Records name a device type whose specs are known (SCHEMAS.md),
-    so any other name is an error listing the valid ones."""
-    if not args.device:
-        return None
+    one of the types that cluster defines under ``devices:`` (used by a group or not). Records name a
+    device type whose specs are known (SCHEMAS.md), so any other name is an error listing the valid ones."""
     from hetero.errors import HeteroError
-    from hetero.specs.device import load_catalog
-    from hetero.specs.errors import did_you_mean
+
+    if not args.device:
+        if args.cluster:
+            raise HeteroError("--cluster names the file whose own device types --device may name: give --device too")
+        return None
+    from hetero.specs.device import catalog_raw, load_catalog, resolve_devices
+    from hetero.specs.errors import Problems, did_you_mean
 
     known = dict(load_catalog())
     if args.cluster:
@@ -129,6 +132,8 @@ def requested_type(args):
 
         cluster = load_cluster(args.cluster)
         known.update({g.device: cluster.device_type(g.name) for g in cluster.groups})
+        # the file loaded, so its own entries resolve without problems
+        known.update(resolve_devices(cluster.devices, catalog_raw(), "devices", Problems(args.cluster)))
     if args.device not in known:
         where = f"the catalog or cluster {args.cluster}" if args.cluster else "the catalog"
         raise HeteroError(f"--device {args.device!r}: not a device type of {where} (fix: "
