@@ -115,6 +115,17 @@ def test_a_file_of_another_kind_is_named_as_such():
     assert len(proc.stderr.splitlines()) == 3   # one line a file, not every field the loader does not know
 
 
+def test_a_cluster_with_a_typo_beside_its_devices_is_not_called_a_catalog(tmp_path):
+    """`group:` for `groups:` in a cluster that defines devices: the loader's did-you-mean, not a
+    claim that the file is a device catalog."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: c\ndevices:\n  slow: {base: cpu, vendor: emu-z}\n"
+                   "group:\n  - {name: g, device: slow, nodes: 1, devices_per_node: 1}\n")
+    for proc in (run_cli("validate", str(bad)), run_cli("predict", "--cluster", str(bad), *PREDICT[2:])):
+        assert_bad_input(proc, "c.yaml", "'groups'")
+        assert "device catalog" not in proc.stderr, proc.stderr
+
+
 def test_top_k_below_1_is_a_usage_error():
     for k in ("0", "-2"):
         proc = run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--top-k", k)

@@ -19,9 +19,11 @@ LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog"
 
 
 def file_kind(data: dict) -> str:
-    """``plan``, ``cluster``, ``model``, ``catalog`` or ``unknown`` for a parsed spec mapping."""
+    """``plan``, ``cluster``, ``model``, ``catalog`` or ``unknown`` for a parsed spec mapping. A
+    catalog holds ``devices`` alone: a file with other fields beside it is a cluster with a typo
+    (``group:``), which the loader's own field check names better."""
     for kind, fields in MARKERS.items():
-        if any(f in data for f in fields):
+        if any(f in data for f in fields) and (kind != "catalog" or set(data) <= set(fields)):
             return kind
     return "unknown"
 
