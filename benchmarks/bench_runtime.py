@@ -120,6 +120,9 @@ def stage_comparison(prediction, summaries: list[dict]) -> list[dict]:
     optimizer step. Measured: median over launches of each summary's per-rank steady means.
     Ranks are matched to (pipeline, stage) of the prediction (replicas share their pipeline's)."""
     rows = []
+    # the measured sync is a wall time from the rank's own end of schedule to the end of the global
+    # grad-norm all-reduce (a barrier after every rank's last bucket): waiting for peers included
+    last_sync_end = max(st.dp_sync_end_s for p in prediction.pipelines for st in p.stages)
     for r in summaries[0]["ranks"]:
         sp = prediction.pipelines[r["pipeline"]].stages[r["stage"]]
         meas = lambda key: statistics.median(  # noqa: E731
@@ -127,7 +130,7 @@ def stage_comparison(prediction, summaries: list[dict]) -> list[dict]:
         rows.append({"rank": r["rank"], "group": r["group"], "layers": r["layers"],
                      "forward_pred_s": sp.forward_time_s, "forward_meas_s": meas("forward_time_s"),
                      "backward_pred_s": sp.backward_time_s, "backward_meas_s": meas("backward_time_s"),
-                     "sync_pred_s": sp.dp_sync_time_s, "sync_meas_s": meas("grad_sync_time_s"),
+                     "sync_pred_s": last_sync_end - sp.schedule_end_s, "sync_meas_s": meas("grad_sync_time_s"),
                      "optimizer_pred_s": sp.optimizer_time_s, "optimizer_meas_s": meas("optimizer_time_s")})
     return rows
 
