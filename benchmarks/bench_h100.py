@@ -83,15 +83,20 @@ def operators() -> dict:
     return out
 
 
-def _predict(tmp: Path, model_name: str, dtype: str, batch: int, num_layers: int | None, cache: Path) -> dict:
-    spec = yaml.safe_load((REPO / "configs" / "models" / f"{model_name}.yaml").read_text())
-    spec["dtype"] = dtype
-    spec["num_layers"] = num_layers or spec["num_layers"]
-    spec["attention"] = ATTENTION
-    plan = {"global_batch_size": batch, "micro_batch_size": batch, "schedule": "1f1b", "recompute": "none",
-            "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": 1,
-                                            "stages": [{"group": "h100", "tp": 1, "layers": [0, spec["num_layers"]]}]}]}
-    files = {"cluster.yaml": CLUSTER, "model.yaml": spec, "plan.yaml": plan}
+def step_inputs(run: dict, attention: str) -> tuple[dict, dict, dict]:
+    """(cluster, model, plan) dicts of a measured step ``run`` (a row of steps.json): one H100, one
+    stage with every layer, one micro-batch of the run's size, the model with ``attention``."""
+    spec = yaml.safe_load((REPO / "configs" / "models" / f"{run['model']}.yaml").read_text())
+    spec.update(dtype=run["dtype"], num_layers=run.get("num_layers") or spec["num_layers"], attention=attention)
+    plan = {"global_batch_size": run["batch"], "micro_batch_size": run["batch"], "schedule": "1f1b",
+            "recompute": "none", "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": 1,
+            "stages": [{"group": "h100", "tp": 1, "layers": [0, spec["num_layers"]]}]}]}
+    return CLUSTER, spec, plan
+
+
+def _predict(tmp: Path, run: dict, cache: Path) -> dict:
+    """`hetero predict --json` of the run's step, with ``cache`` as the profile cache."""
+    files = dict(zip(("cluster.yaml", "model.yaml", "plan.yaml"), step_inputs(run, ATTENTION)))
     for name, body in files.items():
         (tmp / name).write_text(yaml.safe_dump(body))
     env = dict(os.environ, HETERO_CACHE_DIR=str(cache))
@@ -118,7 +123,7 @@ def steps() -> list[dict]:
             row = {k: run.get(k) for k in ("model", "num_layers", "dtype", "batch", "forward_ms", "backward_ms",
                                            "optimizer_ms", "peak_allocated_bytes")}
             for label, cache in (("specs", empty), ("probed", cached)):
-                p = _predict(tmp, run["model"], run["dtype"], run["batch"], run.get("num_layers"), cache)
+                p = _predict(tmp, run, cache)
                 st = p["pipelines"][0]["stages"][0]
                 row[label] = {"forward_ms": st["forward_time_s"] * 1e3, "backward_ms": st["backward_time_s"] * 1e3,
                               "step_ms": p["iteration_time_s"] * 1e3, "peak_memory_bytes": st["peak_memory_bytes"]}

@@ -93,12 +93,6 @@ def p2p_links(plan, where: dict) -> dict[tuple[int, int], tuple[bool, int]]:
 __all__ = ["PLACEMENTS", "block_nodes", "p2p_links"]
 
 
-def dp_sync_times(cm, plan, placement: str = "packed", where: dict | None = None) -> dict[tuple[int, int], float]:
-    """Per (pipeline, physical stage): seconds its devices spend on the data-parallel gradient sync,
-    with the placement's NIC sharing (see :func:`dp_sync`)."""
-    return dp_sync(cm, plan, placement, where)[0]
-
-
 def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> tuple[dict, "SyncPlan"]:
     """(per (pipeline, physical stage) the seconds its devices spend on the data-parallel gradient
     sync, with the placement's NIC sharing (see
@@ -319,4 +313,4 @@ class SyncPlan:
         return starts, ends
 
 
-__all__ += ["dp_sync_times", "dp_sync", "sync_buckets", "SyncPlan"]
+__all__ += ["dp_sync", "sync_buckets", "SyncPlan"]

@@ -19,8 +19,17 @@ V100_SPEC = {"Device": "Tesla V100-PCIE-32GB", "Dev_Mem": 32, "Mem_Bw": 900, "Nu
 MI100_SPEC = {"Device": "AMD Instinct MI100", "Dev_Mem": 32, "Mem_Bw": 1230, "Num_Sm": 120, "Core_Per_SM": 4,
               "Freq": 1502, "SingleFLOPsMM": 46100, "SingleFLOPsVEC": 23100, "L2Cache": 8}
 DATA = shared_data_dir()
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 HAVE_DATA = (DATA / "neusight" / "ops").is_dir()
+
+
+def _benchmark(name: str):
+    """A script of benchmarks/ imported as a module (its functions are what the test checks)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +268,6 @@ E2E_MARGIN = 0.02
                     reason=f"NeuSight data not found under {DATA} (set HETERO_SHARED_DATA)")
 def test_v100_gpt2_step_without_v100():
     import dataclasses
-    import importlib.util
     import json
     from pathlib import Path
 
@@ -267,10 +275,7 @@ def test_v100_gpt2_step_without_v100():
     from hetero.predictor.opmodel.probes import ProbedOpModel, calibrate
     from hetero.specs.device import load_catalog
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e_v100.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e_v100", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_e2e_v100")
     device = load_catalog()[bench.CATALOG_DEVICE]
     opm = default_model(without=bench.HELD_OUT)
     rec, _ = load_neusight(DATA)
@@ -321,12 +326,8 @@ def test_h100_operators_measured_with_hetero_profile():
     model pinned by the profile's probes meets the operator target on fp32 (MAPE <= 15%, medAPE <=
     10%) and beats the specs-only model in every dtype, which beats the plain roofline
     (benchmarks/bench_h100.py prints the figures)."""
-    import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h100.py"
-    spec = importlib.util.spec_from_file_location("bench_h100", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_h100")
     ops = bench.operators()
     assert ops["n_probe_rows"] >= 30
     fp32 = ops["fp32"]["probed"]["overall"]
@@ -343,24 +344,16 @@ def test_h100_step_memory_with_fused_attention():
     attention scores per layer that the kernel never keeps: 26-71% over)."""
     import json
 
-    import yaml
-
     import hetero
 
-    repo = Path(__file__).resolve().parents[1]
-    runs = [r for r in json.loads((repo / "benchmarks" / "data" / "h100" / "steps.json").read_text())["runs"]
-            if "error" not in r]
-    cluster = hetero.load_cluster({"name": "h100x1", "groups": [{"name": "h100", "device": "H100-SXM5-80GB",
-                                                                 "nodes": 1, "devices_per_node": 1}]})
+    bench = _benchmark("bench_h100")
+    runs = [r for r in json.loads((bench.DATA / "steps.json").read_text())["runs"] if "error" not in r]
     assert len(runs) >= 10
     for r in runs:
-        spec = yaml.safe_load((CONFIGS / "models" / f"{r['model']}.yaml").read_text())
-        spec.update(dtype=r["dtype"], num_layers=r["num_layers"])
-        plan = hetero.load_plan({"global_batch_size": r["batch"], "micro_batch_size": r["batch"], "pipelines": [
-            {"micro_batches": 1, "stages": [{"group": "h100", "layers": [0, r["num_layers"]]}]}]})
         err = {}
         for attention in ("fused", "unfused"):
-            pred = hetero.predict(cluster, hetero.load_model({**spec, "attention": attention}), plan)
+            cluster, model, plan = bench.step_inputs(r, attention)
+            pred = hetero.predict(hetero.load_cluster(cluster), hetero.load_model(model), hetero.load_plan(plan))
             peak = pred.to_dict()["pipelines"][0]["stages"][0]["peak_memory_bytes"]
             err[attention] = peak / r["peak_allocated_bytes"] - 1
         assert abs(err["fused"]) < abs(err["unfused"]) and err["unfused"] > 0.2, (r, err)
@@ -373,15 +366,11 @@ def test_a_profile_probed_in_fp16_pins_bf16_where_the_units_are_the_same():
     an H100, so it takes the fp16 calibration (not the fp32 floors with datasheet peaks). A device
     whose bf16 peak differs from its fp16 peak keeps the fallback."""
     import dataclasses
-    import importlib.util
 
     from hetero.predictor.opmodel.probes import ProbedDevice
     from hetero.specs.device import load_catalog
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_h100.py"
-    spec = importlib.util.spec_from_file_location("bench_h100", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_h100")
     rec = bench._records()
     h100 = load_catalog()[bench.DEVICE]
     dims = {"B": 1, "M": 8192, "N": 4096, "K": 4096}

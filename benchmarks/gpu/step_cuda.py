@@ -51,12 +51,10 @@ for model_name, dtype, batches, layers in CONFIGS:
                    "forward_ms": statistics.median(f_ms), "backward_ms": statistics.median(b_ms),
                    "optimizer_ms": statistics.median(o_ms), "peak_allocated_bytes": peak,
                    "forward_ms_all": f_ms, "backward_ms_all": b_ms}
-        except torch.cuda.OutOfMemoryError as ex:
+        except torch.cuda.OutOfMemoryError:
             row = {"model": model_name, "dtype": dtype, "batch": b, "error": "OOM"}
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
         out.append(row)
         del m, opt
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": out},
-                  open(sys.argv[1], "w"), indent=1)
-json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": out},
-          open(sys.argv[1], "w"), indent=1)
+        with open(sys.argv[1], "w") as f:  # after every run, so a later failure keeps what was measured
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": out}, f, indent=1)

@@ -130,8 +130,7 @@ def requested_type(args):
     if args.cluster:
         from hetero.specs.cluster import load_cluster
 
-        cluster = load_cluster(args.cluster)
-        known.update({g.device: cluster.device_type(g.name) for g in cluster.groups})
+        cluster = load_cluster(args.cluster)   # a group's type is a catalog entry or one of these
         # the file loaded, so its own entries resolve without problems
         known.update(resolve_devices(cluster.devices, catalog_raw(), "devices", Problems(args.cluster)))
     if args.device not in known:
