@@ -16,6 +16,7 @@ the whole cluster can reach.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -107,6 +108,12 @@ def _with_upper_bound(pred, value):
         return pred
 
 
+def _check_top_k(top_k) -> None:
+    """``top_k`` counts plans to return: an int >= 1 (not a bool, not a float), as ``--top-k`` requires."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+
+
 def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=None, progress=False,
            upper_bound: bool = True, cost_model=None, predict_fn=None, **options) -> SearchResults:
     """Search plans; return the ``top_k`` that fit, best predicted tokens/s first.
@@ -115,9 +122,12 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
     ``zero_stages``, ``max_predictions``, ``workers``, ``mixed``, ...). ``progress`` is False,
     True (a rich progress bar on stderr) or a callable ``(phase, done, total)``.
     ``cost_model`` / ``predict_fn`` replace the predictor (tests).
-    Raises :class:`PlannerError` when nothing fits, saying which constraint fails and the fix.
+    Raises :class:`PlannerError` when nothing fits, saying which constraint fails and the fix, and
+    ``ValueError`` when ``top_k`` is not a positive integer.
     """
     from .explain import explain, infeasible_message
+
+    _check_top_k(top_k)
 
     opts = Options(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in options.items()})
     B = int(global_batch_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -240,6 +241,16 @@ def test_infeasible_problem_says_which_constraint_fails_and_the_fix():
         hetero.search(cluster, model, global_batch_size=512)
     msg = str(e.value)
     assert "llama2-70b" in msg and "GB" in msg and "fix" in msg
+
+
+@pytest.mark.parametrize("top_k", [0, -1, True, 2.0, "3", None])
+def test_search_refuses_a_top_k_that_is_not_a_positive_integer(top_k):
+    """The CLI refuses ``--top-k 0``; the Python API says the same instead of returning nothing."""
+    cluster = hetero.load_cluster(CLUSTERS / "local-cpu.yaml")
+    model = hetero.load_model(MODELS / "tiny.yaml")
+    with pytest.raises(ValueError, match=rf"^top_k must be a positive integer, got {re.escape(repr(top_k))}$"):
+        hetero.search(cluster, model, global_batch_size=16, top_k=top_k)
+    assert len(hetero.search(cluster, model, global_batch_size=16, top_k=1)) == 1
 
 
 def test_reasons_explain_the_choice():
