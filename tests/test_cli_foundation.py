@@ -47,6 +47,10 @@ def test_validate_plan_against_cluster_and_model(tmp_path):
     ("plan", lambda d: d["pipelines"][0]["stages"][0].update(tp=16), ["pipelines[0].stages[0].tp"]),
     ("plan", lambda d: d["pipelines"][1].update(micro_batches=3), ["global_batch_size"]),
     ("plan", lambda d: d["pipelines"][1].update(replicas=3), ["group 'a100' has 16 devices"]),
+    ("plan", lambda d: d["pipelines"][0].update(replicas=2.0),
+     ["pipelines[0].replicas: expected an integer, got 2.0 (a float)", "write 2 without the decimal point"]),
+    ("cluster", lambda d: d["groups"][1].update(devices_per_node=4.0),
+     ["groups[1].devices_per_node: expected an integer, got 4.0 (a float)", "write 4 without the decimal point"]),
 ])
 def test_validate_bad_input(tmp_path, kind, mutate, fragments):
     data = {"cluster": copy.deepcopy(CLUSTER), "model": copy.deepcopy(MODEL), "plan": copy.deepcopy(PLAN)}

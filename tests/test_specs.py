@@ -257,9 +257,31 @@ def test_plan_stage_ranges_are_judged_on_their_own(layers, fragment):
         expect_error(lambda: hetero.load_plan(data), "the start must be >= 0")
 
 
-def test_plan_integer_fields_keep_whole_numbers():
-    plan = hetero.load_plan({**PLAN, "zero_stage": 2.0, "micro_batch_size": 2.0})
-    assert plan.zero_stage == 2 and type(plan.zero_stage) is int and type(plan.micro_batch_size) is int
+@pytest.mark.parametrize("kind,mutate,path", [
+    ("plan", lambda d: d.update(micro_batch_size=2.0), "micro_batch_size"),
+    ("plan", lambda d: d.update(zero_stage=1.0), "zero_stage"),
+    ("plan", lambda d: d["pipelines"][0].update(replicas=2.0), "pipelines[0].replicas"),
+    ("plan", lambda d: d["pipelines"][1].update(micro_batches=16.0), "pipelines[1].micro_batches"),
+    ("plan", lambda d: d["pipelines"][0]["stages"][1].update(tp=2.0), "pipelines[0].stages[1].tp"),
+    ("plan", lambda d: d["pipelines"][0]["stages"][0].update(layers=[0, 14.0]), "pipelines[0].stages[0].layers[1]"),
+    ("cluster", lambda d: d["groups"][1].update(devices_per_node=4.0), "groups[1].devices_per_node"),
+    ("cluster", lambda d: d["groups"][0].update(nodes=2.0), "groups[0].nodes"),
+    ("cluster", lambda d: d["devices"]["cpu-slow"].update(compute_units=4.0), "devices.cpu-slow.compute_units"),
+    ("model", lambda d: d.update(num_layers=24.0), "num_layers"),
+    ("model", lambda d: d.update(num_kv_heads=16.0), "num_kv_heads"),
+])
+def test_integer_fields_refuse_a_whole_float(tmp_path, kind, mutate, path):
+    """Integers in our files are written as integers: ``2.0`` is an error naming the file, the field
+    and the fix (it used to be read as 2), in every file the shared reader loads."""
+    data = copy.deepcopy({"plan": PLAN, "cluster": CLUSTER, "model": MODEL}[kind])
+    mutate(data)
+    file = tmp_path / f"{kind}.yaml"
+    file.write_text(yaml.safe_dump(data))
+    load = {"plan": hetero.load_plan, "cluster": hetero.load_cluster, "model": hetero.load_model}[kind]
+    err = expect_error(lambda: load(file), f"{file}: {path}: expected an integer, got ", " (a float) (fix: write ",
+                       " without the decimal point)")
+    assert len(err.problems) == 1, problems_of(err)
+    expect_error(lambda: load(data), f"{path}: expected an integer")   # a dict from Python: the same rule
 
 
 def test_plan_tp_blocks_must_pack_into_nodes():

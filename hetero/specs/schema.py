@@ -6,6 +6,7 @@ nested dataclasses) and, for quantities, a unit kind in ``metadata={"kind": "byt
 :func:`load_dataclass` walks a plain dict (from YAML) against that description, collecting
 every unknown field (with a did-you-mean), missing field, wrong type and bad unit, each named by
 its path. Cross-field rules live in an optional ``_check(self, path, problems)`` method.
+An ``int`` field takes an integer only: not a quoted number, a boolean or a float (even ``2.0``).
 """
 from __future__ import annotations
 
@@ -75,7 +76,10 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            # integers in our files are written as integers: `2.0` is refused like `"2"`, not read as 2
+            problems.add(path, f"expected an integer, got {value!r} (a float)",
+                         f"write {int(value)} without the decimal point")
+            return _MISSING
         quoted = isinstance(value, str) and value.strip().lstrip("+-").isdigit()
         problems.add(path, f"expected an integer, got {value!r}" + (" (a string)" if quoted else ""),
                      f"write {value.strip()} without quotes" if quoted else "write a whole number")
