@@ -2,10 +2,11 @@
 
 :func:`read_runs` reads a run-log CSV into :class:`Run` s (errors name the file, row and column).
 Each run-log row is one homogeneous Megatron-style run. :func:`run_setup` turns it into a model spec
-(gpt unless an ``architecture`` column says otherwise), a one-group slice of ``cluster`` (the group
-holding the row's device type, ``num_devices / devices_per_node`` nodes; a run smaller than a node
-gets one partial node) and a plan (one pipeline shape, ``dp`` replicas, ``pp`` stages of ``tp``
-devices, layers split evenly, ``global_batch / (dp x micro_batch)`` micro-batches), which
+(gpt unless an ``architecture`` column says otherwise), a one-group slice of ``cluster`` (the first
+group holding the row's device type whose nodes can hold the row's layout, ``num_devices /
+devices_per_node`` nodes; a run smaller than a node gets one partial node) and a plan (one pipeline
+shape, ``dp`` replicas, ``pp`` stages of ``tp`` devices, layers split evenly,
+``global_batch / (dp x micro_batch)`` micro-batches), which
 :mod:`hetero.predictor.calibration` predicts with :func:`hetero.predictor.predict` itself.
 """
 from __future__ import annotations
@@ -214,21 +215,51 @@ def run_setup(cluster, run: Run):
 
 
 def group_for(cluster, run: Run):
-    """The first group of ``cluster`` that holds ``run``'s device type and has ``num_devices`` of them
-    (an error naming the run, its row and the column when none does)."""
+    """The first group of ``cluster`` that holds ``run``'s device type and can host its layout:
+    ``num_devices`` of them, nodes at least ``devices_per_node`` wide, and enough nodes for the run at
+    that many per node (an error naming the run, its row and the column when none can)."""
     holding = [g for g in cluster.groups if g.device == run.device]
-    for g in holding:
-        if g.num_devices >= run.num_devices:
-            return g
-    if holding:
+    if not holding:
+        names = sorted({g.device for g in cluster.groups})
+        raise CalibrationError(f"{run.where}, column 'device': no group of cluster '{cluster.name}' holds "
+                               f"'{run.device}' (its device types: {', '.join(names)})")
+    big_enough = [g for g in holding if g.num_devices >= run.num_devices]
+    if not big_enough:
         have = " / ".join(f"group '{g.name}' has {g.num_devices} ({g.nodes} nodes x {g.devices_per_node})"
                           for g in holding)
         raise CalibrationError(f"{run.where}, column 'num_devices': the run uses {run.num_devices} {run.device} "
                                f"devices but {have} in cluster '{cluster.name}' (fix: give the cluster the runs were "
                                f"measured on, or drop the row)")
-    names = sorted({g.device for g in cluster.groups})
-    raise CalibrationError(f"{run.where}, column 'device': no group of cluster '{cluster.name}' holds "
-                           f"'{run.device}' (its device types: {', '.join(names)})")
+    misfits = []
+    for g in big_enough:
+        misfit = _layout_misfit(g, run)
+        if misfit is None:
+            return g
+        misfits.append(misfit)
+    raise CalibrationError(f"{run.where}, column 'devices_per_node': {' / '.join(misfits)} in cluster "
+                           f"'{cluster.name}' (fix: give the devices per node the run had, or the cluster the runs "
+                           f"were measured on)")
+
+
+def _layout_misfit(group, run: Run) -> str | None:
+    """Why ``group`` cannot host ``run``'s node layout, or None when it can.
+
+    :func:`run_setup` models the run with the row's ``devices_per_node`` (the sliced group gets that
+    many devices per node, with the group's intra-node link between them), so the row must describe
+    a layout the group's nodes can really hold. A row with more devices per node than the group's
+    nodes have would be predicted with intra-node links between devices that sit on different nodes
+    of this cluster: an error. Fewer is a real layout (a run using part of each node, e.g. 4 ranks
+    on 8-device nodes), modelled as such, as long as the group has the nodes it then needs.
+    """
+    per = run.devices_per_node
+    if per > group.devices_per_node:
+        return (f"the run has {per} devices per node but group '{group.name}' has {group.devices_per_node} "
+                f"per node")
+    nodes = max(1, math.ceil(run.num_devices / per))
+    if nodes > group.nodes:
+        return (f"the run's {run.num_devices} devices at {per} per node take {nodes} nodes but group "
+                f"'{group.name}' has {group.nodes} nodes (of {group.devices_per_node} devices)")
+    return None
 
 
 __all__ = ["CalibrationError", "Run", "group_for", "read_runs", "run_setup"]

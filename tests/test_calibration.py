@@ -1,5 +1,6 @@
 """Calibration: recovering known factors, save/load, bad input, and accuracy on the vTrain runs."""
 import csv
+import dataclasses
 import itertools
 import json
 import sys
@@ -45,8 +46,6 @@ def synthetic_runs(cluster):
                         vocab_size=51200, dtype="fp16", recompute="full", tp=tp, dp=dp, pp=pp,
                         iteration_time_ms=1.0, row=len(runs) + 2))
     cal = truth_calibration()
-    import dataclasses
-
     out = []
     for r in runs:
         c, m, p = run_setup(cluster, r)
@@ -171,6 +170,13 @@ def test_cli_calibrate(tmp_path, synthetic):
     # 64 devices of a group of 32 (tp x dp x pp and the batch agree, the cluster does not)
     (lambda rows: rows[1].update(num_devices=64, tp=1, pp=1, dp=64, global_batch_size=64 * rows[1]["micro_batch_size"]),
      ["row 3", "'num_devices'", "uses 64 A100-SXM4-80GB devices", "group 'a100' has 32 (4 nodes x 8)"]),
+    # nodes wider than the group's: the run cannot have been laid out on these nodes
+    (lambda rows: rows[1].update(devices_per_node=16),
+     ["row 3", "'devices_per_node'", "the run has 16 devices per node but group 'a100' has 8 per node"]),
+    # narrower nodes are a real layout, but 8 devices at 1 per node need 8 nodes, not the group's 4
+    (lambda rows: rows[2].update(devices_per_node=1, num_devices=8, tp=1, dp=8, pp=1,
+                                 global_batch_size=8 * rows[2]["micro_batch_size"]),
+     ["row 4", "'devices_per_node'", "8 devices at 1 per node take 8 nodes but group 'a100' has 4 nodes"]),
 ])
 def test_cli_bad_csv(tmp_path, synthetic, edit, fragments):
     runs, _ = synthetic
@@ -186,6 +192,31 @@ def test_cli_bad_csv(tmp_path, synthetic, edit, fragments):
     assert "Traceback" not in proc.stderr + proc.stdout
     for f in fragments + [str(path)]:
         assert f in proc.stderr, (f, proc.stderr)
+
+
+def test_run_layout_is_checked_against_the_group_nodes():
+    """A row's devices_per_node is the run's layout: it picks the group whose nodes can hold it, a
+    narrower one is modelled as such, a wider one than every group's nodes is an error naming the
+    row, the column and the group's value."""
+    two = hetero.load_cluster({**CLUSTER, "groups": [
+        {"name": "narrow", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 4},
+        {"name": "wide", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8}]})
+    run = Run(device="A100-SXM4-80GB", devices_per_node=8, num_devices=16, global_batch_size=16, micro_batch_size=1,
+              hidden_size=512, num_attention_heads=8, num_layers=8, seq_length=512, vocab_size=51200, dtype="fp16",
+              recompute="full", tp=8, dp=2, pp=1, iteration_time_ms=1.0, row=7, source="runs.csv")
+    c, _, _ = run_setup(two, run)
+    assert [(g.name, g.nodes, g.devices_per_node) for g in c.groups] == [("wide", 2, 8)]
+    c, _, _ = run_setup(two, dataclasses.replace(run, devices_per_node=4, tp=4, dp=4))
+    assert [(g.name, g.nodes, g.devices_per_node) for g in c.groups] == [("narrow", 4, 4)]
+    c, _, _ = run_setup(two, dataclasses.replace(run, devices_per_node=2, num_devices=8, tp=2, dp=4))
+    assert [(g.name, g.nodes, g.devices_per_node) for g in c.groups] == [("narrow", 4, 2)]
+    with pytest.raises(CalibrationError) as e:
+        run_setup(two, dataclasses.replace(run, devices_per_node=16))
+    assert str(e.value).startswith("runs.csv, row 7, column 'devices_per_node': the run has 16 devices per node but "
+                                   "group 'narrow' has 4 per node / the run has 16 devices per node but group 'wide' "
+                                   "has 8 per node in cluster 'lab' (fix: "), str(e.value)
+    with pytest.raises(CalibrationError, match="row 7, column 'devices_per_node'"):
+        calibrate(two, [dataclasses.replace(run, devices_per_node=16)])
 
 
 @pytest.fixture(scope="module")
