@@ -72,10 +72,13 @@ def ensure_profile(force: bool = False) -> str:
 
     path = P.cache_path("cpu")
     meta = P.read_meta(path) if path.exists() else {}
-    if force or not path.exists() or meta.get("threads") != 1 or not meta.get("blocks") or meta.get("quick"):
+    blocks = meta.get("blocks") or []
+    stale = any(b.get("adamw_kernel") != P.RUNTIME_ADAMW_KERNEL for b in blocks)
+    if force or not path.exists() or meta.get("threads") != 1 or not blocks or meta.get("quick") or stale:
         why = "forced" if force else ("no profile" if not path.exists() else
                                       f"cached profile has threads={meta.get('threads')}, "
-                                      f"{len(meta.get('blocks') or [])} block probes")
+                                      f"{len(blocks)} block probes"
+                                      + (", timed with another AdamW kernel than the runtime's" if stale else ""))
         print(f"profiling this machine's CPU ({why}): hetero profile --threads 1 ...", flush=True)
         subprocess.run([sys.executable, "-m", "hetero", "profile", "--threads", "1"], cwd=ROOT, check=True)
     return str(path)

@@ -51,6 +51,9 @@ OPS = GEMM_OPS + VECTOR_OPS
 # Fixed reference rates: only a normaliser for the stored inefficiency, not a claim about the device.
 REF_FLOPS = 1e12
 REF_BANDWIDTH = 50e9
+RUNTIME_ADAMW_KERNEL = "fused"
+"""The AdamW kernel the runtime runs on a CPU (hetero.runtime.grads.optimizer_kernel; named here so
+the predict path needs no torch). Block probes record the kernel they timed; others are ignored."""
 
 
 # --------------------------------------------------------------------------------------- cache
@@ -339,10 +342,12 @@ class LocalOpModel:
     def optimizer_time(self, params: float, hidden: int | None = None) -> float | None:
         """Seconds of the runtime's AdamW step over ``params`` parameters: the block probes' measured
         seconds per parameter, interpolated in log(parameters) (the rate grows once the optimizer
-        state leaves the caches), held constant beyond the probes; None without probes.
-        ``hidden`` is accepted for the interface and unused."""
+        state leaves the caches), held constant beyond the probes; None without probes, or when they
+        timed another AdamW kernel than the runtime's (a profile written before the runtime took the
+        fused kernel: ``hetero profile`` again). ``hidden`` is accepted for the interface and unused."""
         pts = sorted((float(b["params"]), float(b["adamw_ms"]) * 1e-3 / float(b["params"]))
-                     for b in self.blocks if float(b.get("adamw_ms") or 0) > 0 and float(b.get("params") or 0) > 0)
+                     for b in self.blocks if float(b.get("adamw_ms") or 0) > 0 and float(b.get("params") or 0) > 0
+                     and b.get("adamw_kernel") == RUNTIME_ADAMW_KERNEL)
         if not pts or params <= 0:
             return None
         # one rate per distinct size (probes of the same size: their mean)

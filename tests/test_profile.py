@@ -144,6 +144,8 @@ def test_quick_profile_records_threads_and_block_probes(quick_profile):
     b = meta["blocks"][0]
     for key in ("forward_ms", "backward_ms", "edges_forward_ms", "edges_backward_ms", "adamw_ms", "params"):
         assert b[key] > 0, key
+    # the profile timed the kernel the runtime runs on this CPU, the one the predictor reads
+    assert b["adamw_kernel"] == profiles.RUNTIME_ADAMW_KERNEL == "fused"
     assert profiles.read_meta(profiles.cache_path("cpu").parent.parent.parent / "x.csv") == {}
     assert (cache / "profiles" / "cpu.meta.json").exists()
 
@@ -163,7 +165,7 @@ def _probe(arch, h, b, s, model):
             "backward_ms": 1.25 * t(O.layer_backward_ops(spec, b, s, 1)),
             "edges_forward_ms": 2 * t(O.embedding_forward_ops(spec, b, s, 1) + O.head_forward_ops(spec, b, s, 1)),
             "edges_backward_ms": 3 * t(O.embedding_backward_ops(spec, b, s, 1) + O.head_backward_ops(spec, b, s, 1)),
-            "params": 1_000_000 * h // 256, "adamw_ms": 3e-6 * 1_000_000 * h // 256}
+            "params": 1_000_000 * h // 256, "adamw_ms": 3e-6 * 1_000_000 * h // 256, "adamw_kernel": "fused"}
 
 
 def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypatch):
@@ -200,6 +202,12 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
     assert rb * sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_backward_ops(fused, 2, 128, 1)) == \
         pytest.approx(probes[1]["backward_ms"] * 1e-3)
     assert local.optimizer_time(2e6) == pytest.approx(3e-9 * 2e6)
+    # probes that timed another AdamW kernel (a profile older than the runtime's fused one) are not
+    # the runtime's optimizer: ignored, the cost model falls back to its bandwidth formula
+    stale = profiles.LocalOpModel(_synthetic(), meta={"blocks": [{k: v for k, v in p.items() if k != "adamw_kernel"}
+                                                       for p in probes]})
+    assert stale.optimizer_time(2e6) is None
+    assert stale.layer_ratio(model, 2, 128) == pytest.approx((1.5, 1.25))  # the block times still count
     # the cost model applies them; an emulated 2x device pays the slowdown on the optimizer too
     cluster = hetero.load_cluster({"name": "emu", "devices": {"slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
                                    "groups": [{"name": "g", "device": "slow", "nodes": 1, "devices_per_node": 1}]})

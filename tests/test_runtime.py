@@ -492,6 +492,33 @@ def test_a_gpu_group_with_its_devices_is_told_the_native_engine_computes_on_the_
         assert err.count("note:") == int(said)   # once per group, not per node slot or rank
 
 
+def test_adamw_takes_the_fused_kernel_where_torch_has_it_with_the_same_update():
+    """The runtime's AdamW is torch's fused kernel for CPU (and CUDA) parameters: one pass over
+    parameter, gradient and moments, the traffic the predictor charges; elsewhere torch's default.
+    It updates as the per-tensor AdamW does."""
+    from hetero.runtime.grads import make_optimizer, optimizer_kernel
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(37, 11)), torch.nn.Parameter(torch.randn(5))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    start = [p.detach().clone() for p in ps]
+    opt = make_optimizer(ps, 1e-2, 0.1)
+    assert opt.param_groups[0]["fused"] is True
+    slow = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        for a, b in zip(ps, ref):
+            a.grad = torch.randn_like(a) * (step + 1)
+            b.grad = a.grad.clone()
+        opt.step()
+        slow.step()
+    for a, b, a0 in zip(ps, ref, start):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert (a - a0).abs().max() > 1e-3  # the steps did move the parameters
+    # a dtype the fused kernel does not take (or a device without it) keeps torch's choice
+    assert optimizer_kernel([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]) == {"foreach": None}
+    assert optimizer_kernel([]) == {"foreach": None}
+
+
 def test_dynamic_loss_scale_rule():
     from hetero.runtime.loss_scale import DynamicLossScale
 
