@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 
+from hetero.syncorder import in_sync_order
+
 PLACEMENTS = ("packed", "megatron")
 
 
@@ -214,10 +216,10 @@ def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) ->
     seconds), from ``held`` (holder stages -> seconds; the runtime puts all parameters with one
     holder set in one bucket, :mod:`hetero.runtime.grads`).
 
-    ``packed`` (the hetero runtime): each rank runs its buckets sorted by their holder sets, as
-    sorted tuples of rank numbers (:func:`hetero.layout.build_layout` numbers ranks group by
-    group in cluster order, node by node, blocks in plan order), so two ranks meet their common
-    buckets in the same order. ``megatron``: every stage's data-parallel all-reduce first, then the
+    ``packed`` (the hetero runtime): the ranks agree on the order of the holder sets as sorted
+    tuples of rank numbers (:func:`hetero.layout.build_layout` numbers ranks group by group in
+    cluster order, node by node, blocks in plan order) and run them in rounds of disjoint holders
+    (:mod:`hetero.syncorder`), so two ranks meet their common buckets in the same order. ``megatron``: every stage's data-parallel all-reduce first, then the
     all-reduce of the word embedding between the first and last stages (Megatron-LM's
     finalize_model_grads). A bucket held by one stage alone that takes no time is left out.
     """
@@ -267,7 +269,13 @@ def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) ->
             return -1 if hb > x else 1
         return 1 if ha > x else -1
 
-    return sorted(((s, t) for s, t in held.items() if len(s) > 1 or t > 0), key=functools.cmp_to_key(compare))
+    agreed = sorted(held.items(), key=functools.cmp_to_key(compare))
+    if not megatron:   # the runtime runs them in rounds (hetero.syncorder), colouring ranks: a stage is
+        # expanded to its tp x replicas ranks, so a stage's own all-reduce over its replicas counts
+        reps = {(pi, k): p.replicas for pi, p in enumerate(plan.pipelines) for k in range(len(plan.physical_stages(p)))}
+        ranks = [{(sk, j) for sk in hs for j in range(tps[sk] * reps[sk])} for hs, _ in agreed]
+        agreed = [agreed[i] for i in in_sync_order(ranks)]
+    return [(s, t) for s, t in agreed if len(s) > 1 or t > 0]
 
 
 class SyncPlan:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.runtime.model import stage_param_shapes
+from hetero.syncorder import in_sync_order
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,15 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
 
 
 def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int) -> list[Bucket]:
-    """This rank's buckets (parameters grouped by holder set), in an order shared by all holders."""
+    """This rank's buckets (parameters grouped by holder set), in the order every rank runs them:
+    the sorted holder sets of the whole model in rounds of disjoint ranks (:mod:`hetero.syncorder`),
+    so pipelines with staggered stage boundaries sum their gradients at the same time."""
     by_set: dict[tuple[int, ...], list[str]] = {}
     for name in my_names:
         by_set.setdefault(holders[name], []).append(name)
-    return [Bucket(ranks, tuple(names)) for ranks, names in sorted(by_set.items())]
+    agreed = all_holder_sets(holders)
+    position = {agreed[i]: k for k, i in enumerate(in_sync_order(agreed))}
+    return [Bucket(ranks, tuple(by_set[ranks])) for ranks in sorted(by_set, key=position.__getitem__)]
 
 
 def all_holder_sets(holders: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
