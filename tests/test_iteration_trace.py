@@ -23,6 +23,7 @@ from hetero.predictor.placement import SyncPlan
 
 from conftest import CONFIGS
 from test_predictor import CLUSTER, GPT, _Cal, plan_dict  # a100 + mi250, gpt2-large, an A100 calibration
+from test_syncorder import STAGGERED  # stage boundaries that chain the buckets
 
 EXAMPLES = yaml.safe_load((CONFIGS / "examples.yaml").read_text())["examples"]
 
@@ -229,7 +230,8 @@ def test_a_fast_pipeline_waits_for_the_slow_one_it_shares_layers_with():
 
 
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied"])
-@pytest.mark.parametrize("plan", [MIXED, THREE_SHAPES, INTERLEAVED], ids=["two-shapes", "three-shapes", "interleaved"])
+@pytest.mark.parametrize("plan", [MIXED, THREE_SHAPES, INTERLEAVED, STAGGERED],
+                         ids=["two-shapes", "three-shapes", "interleaved", "staggered"])
 def test_sync_buckets_are_the_runtimes(model, plan):
     """The predictor's all-reduces are the runtime's buckets (parameters grouped by holder set), in
     the order each rank runs them."""
