@@ -12,9 +12,9 @@ in which none of its holders has a bucket yet (a greedy colouring of the "shares
 and ranks run round by round, the agreed order inside a round. Buckets of one round touch disjoint
 holders and run at the same time; the chain of the example becomes two rounds (1.8 s predicted).
 
-Holders are given as sets of any hashable (ranks in the runtime, stages in the predictor: stages
-hold disjoint ranks, so the two colourings agree). A bucket held by one holder alone runs no
-collective and takes no round.
+Holders are given as sets of any hashable: ranks in the runtime; in the predictor, each stage
+stands for its tp x replicas ranks (stages hold disjoint ranks, so the two colourings agree). A
+bucket held by one rank alone runs no collective and takes no round.
 """
 from __future__ import annotations
 

@@ -304,7 +304,7 @@ def measure_blocks(probes: list[dict], quick: bool = False,
     import torch
 
     import hetero
-    from hetero.runtime.grads import make_optimizer, optimizer_kernel
+    from hetero.runtime.grads import make_optimizer
     from hetero.runtime.model import build_stage, loss_fn
 
     out = []
@@ -332,7 +332,7 @@ def measure_blocks(probes: list[dict], quick: bool = False,
         out.append({**probe, "forward_ms": max(ff - ef, 1e-9) / L * 1e3, "backward_ms": max(fb - eb, 1e-9) / L * 1e3,
                     "edges_forward_ms": ef * 1e3, "edges_backward_ms": eb * 1e3,
                     "adamw_ms": min(steps) * 1e3, "params": int(params),
-                    "adamw_kernel": "fused" if optimizer_kernel(full.parameters()).get("fused") else "foreach",
+                    "adamw_kernel": "fused" if opt.defaults.get("fused") else "foreach",
                     "param_tensors": sum(1 for _ in full.parameters())})
         del full, edges, opt
         if progress:
