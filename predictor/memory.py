@@ -28,7 +28,8 @@ layer's input (e sbh). RoPE is taken as fused (Megatron/apex: nothing saved beyo
 Llama has no dropout, so no masks.
 
 Per schedule, a stage holds ``in_flight`` micro-batches of activations (1F1B: min(p - i, m) at
-stage i of p; GPipe: m; interleaved: see :func:`in_flight_microbatches`).
+stage i of p; GPipe, and interleaved with one chunk per device: m; interleaved: see
+:func:`in_flight_microbatches`).
 
 First stage: token ids (int64). Last stage: final-norm and head inputs, the logits in the model
 dtype and the fp32 log-softmax the cross-entropy keeps, plus the fp32 logits gradient that exists
@@ -186,16 +187,18 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
     """Micro-batches whose activations a stage holds at its peak, in units of the stage's whole
     layer range.
 
-    1F1B: stage i of p holds min(p - i, m). GPipe: all m. Interleaved (v chunks per device):
+    1F1B: stage i of p holds min(p - i, m). GPipe: all m, and so does ``interleaved`` with one
+    chunk per device (it runs the GPipe order, :mod:`hetero.predictor.schedule`). Interleaved (v
+    chunks per device):
     device i runs (p - i - 1) * 2 + (v - 1) * G warm-up chunk-forwards, G the largest micro-batch
     group of the order (:func:`~hetero.predictor.schedule.interleave_group`: p when p divides m),
     plus the one in flight, each holding 1/v of the device's layers: min(that + 1, m v) / v.
     Each is the peak count of the order :mod:`hetero.predictor.schedule` simulates (tested).
     """
     p, m, i = num_stages, micro_batches, stage
-    if schedule == "gpipe":
+    if schedule == "gpipe" or (schedule == "interleaved" and interleave <= 1):
         return float(m)
-    if schedule == "interleaved" and interleave > 1:
+    if schedule == "interleaved":
         v = interleave
         chunks = min((p - i - 1) * 2 + (v - 1) * interleave_group(p, m) + 1, m * v)
         return chunks / v

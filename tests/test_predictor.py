@@ -107,6 +107,7 @@ def test_in_flight_microbatches():
     assert [M.in_flight_microbatches("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert M.in_flight_microbatches("1f1b", 0, 4, 2) == 2
     assert M.in_flight_microbatches("gpipe", 3, 4, 8) == 8
+    assert M.in_flight_microbatches("interleaved", 3, 4, 8, 1) == 8  # one chunk per device: the GPipe order
     # interleaved, p=4, v=2: stage 0 warms up (3*2 + 4) chunk-forwards + 1 in flight, each 1/2 of its layers
     assert M.in_flight_microbatches("interleaved", 0, 4, 8, 2) == pytest.approx(11 / 2)
 
@@ -171,10 +172,12 @@ def test_interleaved_reaches_its_bubble_for_every_micro_batch_count(p, v):
             assert inter == pytest.approx(3.0 * m + 3.0 * (p - 1) / v), m
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 1), ("interleaved", 2),
+                                        ("interleaved", 3)])
 def test_in_flight_memory_is_the_peak_of_the_order_that_runs(schedule, v):
     """The activations a stage is charged for are the most chunk-forwards the simulated (and
-    executed) order holds at once on that device, for every m."""
+    executed) order holds at once on that device, for every m (``interleave: 1`` runs the GPipe
+    order, so it holds all m)."""
     from hetero.predictor.schedule import device_orders
 
     for p in (2, 3, 4, 6):
