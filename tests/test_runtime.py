@@ -532,6 +532,38 @@ def test_adamw_takes_the_fused_kernel_where_torch_has_it_with_the_same_update():
     assert optimizer_kernel([]) == {"foreach": None}
 
 
+def test_scaled_step_folds_the_clip_factor_into_the_fused_kernel(monkeypatch):
+    """Clipping (and fp16 unscaling) multiplies every gradient by one factor. With the fused AdamW
+    the factor rides in the kernel's single pass (no separate scaling pass over the gradients);
+    the update equals scaling the gradients first, and the factor does not leak into a later
+    step. A non-fused optimizer still gets its gradients scaled first."""
+    from hetero.runtime import grads as G
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(11, 7)
+    ref = torch.nn.Linear(11, 7)
+    ref.load_state_dict(model.state_dict())
+    opt = G.make_optimizer(model.parameters(), 1e-2, 0.1)
+    slow = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    passes = []
+    real_scale = G.scale_grads
+    monkeypatch.setattr(G, "scale_grads", lambda m, c: (passes.append(c), real_scale(m, c)))
+    for coef in (0.25, 1.0, 0.5):
+        for a, b in zip(model.parameters(), ref.parameters()):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone() * coef
+        G.scaled_step(opt, model, coef)
+        slow.step()
+        assert getattr(opt, "grad_scale", None) is None
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert passes == [1.0]  # only the unclipped step went the plain way (a no-op scaling)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model.weight.grad = torch.ones_like(model.weight)
+    G.scaled_step(plain, model, 0.5)
+    assert passes[-1] == 0.5 and torch.equal(model.weight.grad, torch.full_like(model.weight, 0.5))
+
+
 def test_dynamic_loss_scale_rule():
     from hetero.runtime.loss_scale import DynamicLossScale
 

@@ -9,7 +9,7 @@ import torch
 
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
-                                  scale_grads, sync_gradients)
+                                  scaled_step, sync_gradients)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -122,8 +122,7 @@ class NativeEngine:
         t_sync = time.perf_counter()
 
         def optimizer_step():
-            scale_grads(self.module, clip_coefficient(norm, self.ctx.options.clip) / S)
-            self.optimizer.step()
+            scaled_step(self.optimizer, self.module, clip_coefficient(norm, self.ctx.options.clip) / S)
 
         if finite:
             _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown)
