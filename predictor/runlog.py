@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from hetero.errors import HeteroError
+from hetero.specs.errors import did_you_mean
 
 REQUIRED = ("device", "devices_per_node", "num_devices", "global_batch_size", "micro_batch_size", "hidden_size",
             "num_attention_heads", "num_layers", "seq_length", "vocab_size", "dtype", "recompute", "tp", "dp",
@@ -28,6 +29,8 @@ INT_COLUMNS = ("devices_per_node", "num_devices", "global_batch_size", "micro_ba
 OPTIONAL_INT = ("ffn_hidden_size", "num_kv_heads", "zero_stage")
 CHOICES = {"dtype": ("fp32", "fp16", "bf16"), "recompute": ("none", "selective", "full"),
            "architecture": ("gpt", "llama"), "schedule": ("gpipe", "1f1b", "interleaved")}
+KNOWN = REQUIRED + OPTIONAL_INT + tuple(c for c in CHOICES if c not in REQUIRED) + ("dropout",)
+"""Every column a run log may have; any other is an error (a misspelt optional column would be ignored)."""
 
 
 class CalibrationError(HeteroError):
@@ -99,8 +102,20 @@ def read_runs(path) -> list[Run]:
         if missing:
             raise CalibrationError(f"{source}: missing column{'s' if len(missing) > 1 else ''} "
                                    f"{', '.join(repr(c) for c in missing)} (a run log needs: {', '.join(REQUIRED)})")
+        for col in header:
+            if header.count(col) > 1:
+                raise CalibrationError(f"{source}, column '{col}': appears twice in the header (fix: keep one)")
+            if col not in KNOWN:
+                raise CalibrationError(f"{source}, column '{col}': unknown column (fix: {did_you_mean(col, KNOWN)}; "
+                                       f"a run log has: {', '.join(KNOWN)})")
         runs = []
         for i, raw in enumerate(reader, start=2):
+            cells = [v for v in raw.values() if isinstance(v, str)] + list(raw.get(None, ()))
+            if not any(c.strip() for c in cells):   # a blank line, or only commas
+                continue
+            if len(cells) != len(header):   # cells beyond the header / a row cut short
+                raise CalibrationError(f"{source}, row {i}: has {len(cells)} cells but the header has {len(header)} "
+                                       f"columns (fix: one cell per column, empty cells for blanks)")
             row = {(k or "").strip(): (v or "").strip() if isinstance(v, str) else v for k, v in raw.items()}
             if not any(row.values()):
                 continue

@@ -194,6 +194,27 @@ def test_cli_bad_csv(tmp_path, synthetic, edit, fragments):
         assert f in proc.stderr, (f, proc.stderr)
 
 
+HEADER = ",".join(COLUMNS)
+ROW = "A100-SXM4-80GB,8,8,32,4,2048,16,16,1024,51200,fp16,full,4,2,1,356.2"
+
+
+@pytest.mark.parametrize("text,fragments", [
+    # a row cut short or with cells beyond the header: the cells no longer line up with their columns
+    (f"{HEADER}\n{ROW}\nA100-SXM4-80GB,8,8\n", ["row 3", "has 3 cells but the header has 16 columns"]),
+    (f"{HEADER}\n{ROW},7,8\n", ["row 2", "has 18 cells but the header has 16 columns"]),
+    # a misspelt optional column would be ignored (the runs fitted without it): named, with the fix
+    (f"{HEADER},dropuot\n{ROW},0.1\n", ["column 'dropuot'", "unknown column", "did you mean 'dropout'?"]),
+    (f"{HEADER},dtype\n{ROW},fp32\n", ["column 'dtype'", "appears twice"]),
+])
+def test_run_log_rows_and_columns_must_line_up(tmp_path, text, fragments):
+    path = tmp_path / "runs.csv"
+    path.write_text(text)
+    with pytest.raises(CalibrationError) as e:
+        read_runs(path)
+    for f in fragments + [str(path)]:
+        assert f in str(e.value), (f, str(e.value))
+
+
 def test_run_layout_is_checked_against_the_group_nodes():
     """A row's devices_per_node is the run's layout: it picks the group whose nodes can hold it, a
     narrower one is modelled as such, a wider one than every group's nodes is an error naming the
