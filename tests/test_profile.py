@@ -265,3 +265,26 @@ def test_isolated_call_timing_brackets_each_call():
     ms = isolated_call_ms(lambda: log.append("call"), lambda: Event(next(names)), lambda: log.append("sync"))
     assert ms == (1.0 + 2.0 + 3.0 + 4.0 + 5.0) / 5
     assert log[:4] == ["record start", "call", "record end", "sync"] and len(log) == 4 * 25
+
+
+def test_a_dtype_list_naming_no_dtype_is_refused_before_the_cache_is_touched(tmp_path):
+    """`--dtype ,` (or ` , `) would profile nothing and replace the device's cached profile with an
+    empty one: an error instead, the cache and -o left as they were."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cache = tmp_path / "cache"
+    (cache / "profiles").mkdir(parents=True)
+    cached = cache / "profiles" / "cpu.csv"
+    cached.write_text("kept\n")
+    out = tmp_path / "p.csv"
+    for dtypes in (",", " , "):
+        proc = subprocess.run([sys.executable, "-m", "hetero", "profile", "--device", "cpu", "--quick", "--no-blocks",
+                               "--dtype", dtypes, "-o", str(out)], capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "HETERO_CACHE_DIR": str(cache)}, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "--dtype" in proc.stderr and "no dtype" in proc.stderr and "fp32" in proc.stderr, proc.stderr
+    assert cached.read_text() == "kept\n" and not out.exists()

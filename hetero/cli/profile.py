@@ -69,6 +69,9 @@ def run(args) -> int:
 
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     dtypes = [d.strip() for d in (args.dtype or ("fp32" if torch_device == "cpu" else "fp32,fp16")).split(",") if d.strip()]
+    if not dtypes:   # `--dtype ,`: nothing to measure, and an empty profile would replace the cached one
+        raise HeteroError(f"--dtype {args.dtype!r} names no dtype (fix: give one or more of "
+                          f"{', '.join(M.TORCH_DTYPES)}, comma-separated)")
     bad = [d for d in dtypes if d not in M.TORCH_DTYPES]
     if bad:
         raise HeteroError(f"--dtype: unknown dtype '{bad[0]}' (choose from {', '.join(M.TORCH_DTYPES)})")
