@@ -166,8 +166,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             b = nbytes / min(v[1] for v in per_group.values())
             cross = comm.allreduce(b, len(per_group), link.bandwidth, link.latency)
             gs = list(per_group)
-            if any(cm._staged(a, b_) for a in gs for b_ in gs):
-                cross += 2 * comm.staging_time(b)
+            if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
+                cross += comm.staging_time(b)
             cross *= max(fac[g].communication for g in gs)
         t = (inner + cross) * mult
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)

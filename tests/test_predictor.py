@@ -260,6 +260,24 @@ def test_dp_sync_zero_when_no_replicas(inputs):
     assert StageCostModel(cluster, model).dp_sync_time(plan) == 0.0
 
 
+def test_cross_vendor_dp_sync_stages_through_the_host_once():
+    """One replica on each vendor, no latency: every gradient byte goes device -> host, over the
+    cross-group link (a 2-rank ring moves each byte once) and host -> device, as the runtime's
+    hierarchical all-reduce does (one copy each way per leader)."""
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [
+        {**g, "intra_node": {"bandwidth": "100 GB/s", "latency": 0}} for g in CLUSTER["groups"]],
+        "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": 0},
+                    "cross_group": {"bandwidth": "10 GB/s", "latency": 0}}})
+    model = hetero.load_model(GPT)
+    plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]},
+        {"replicas": 1, "micro_batches": 1, "stages": [{"group": "mi250", "tp": 1, "layers": [0, 36]}]}]})
+    nbytes = model.total_params() * 2
+    hand = nbytes / 10e9 + 2 * nbytes / comm.HOST_STAGING_BANDWIDTH
+    times = StageCostModel(cluster, model).dp_sync_times(plan)
+    assert times == {(0, 0): pytest.approx(hand), (1, 0): pytest.approx(hand)}
+
+
 def test_tp_adds_communication(inputs):
     cluster, model, _ = inputs
     cm = StageCostModel(cluster, model)
