@@ -154,3 +154,15 @@ def test_profile_names_a_known_device_type(tmp_path):
     # --cluster alone says what it is for instead of being ignored
     assert_bad_input(run_cli("profile", "--cluster", str(cluster), "--quick", "-o", str(tmp_path / "q.csv")),
                      "give --device too")
+
+
+def test_an_empty_output_path_is_an_error_not_ignored(tmp_path):
+    """`--timeline ""` / `-o ""` / `--calibration ""` (an unset shell variable) said nothing and wrote
+    nothing, or predicted uncalibrated."""
+    assert_bad_input(run_cli("predict", *PREDICT, "--timeline", ""), "--timeline: no output file named")
+    assert_bad_input(run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "-o", ""),
+                     "-o: no output file named")
+    assert_bad_input(run_cli("profile", "--device", "cpu", "--quick", "--no-cache", "-o", ""), "-o: no output file named")
+    assert_bad_input(run_cli("predict", *PREDICT, "--calibration", ""), "--calibration: no file named")
+    assert_bad_input(run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "--calibration", " "),
+                     "--calibration: no file named")

@@ -67,3 +67,20 @@ def warn_if_calibration_unused(calibration, cluster, source: str) -> None:
         devices = ", ".join(sorted({g.device for g in cluster.groups}))
         console(stderr=True).print(f"[yellow]warning[/yellow]: {source} has factors for {fitted}, none of this "
                                    f"cluster's devices ({devices}): the prediction is uncalibrated")
+
+
+def load_calibration_arg(path, cluster):
+    """The calibration ``--calibration PATH`` names (None when the option is not given), with the
+    warning of :func:`warn_if_calibration_unused`. An empty path (an unset shell variable) is an
+    error, not a prediction silently left uncalibrated."""
+    if path is None:
+        return None
+    from hetero.errors import HeteroError
+    from hetero.predictor.calibration import load_calibration
+
+    if not path.strip():
+        raise HeteroError("--calibration: no file named (fix: give the file `hetero calibrate` wrote, "
+                          "or leave --calibration out)")
+    calibration = load_calibration(path)   # a missing or bad file: a CalibrationError naming it
+    warn_if_calibration_unused(calibration, cluster, path)
+    return calibration

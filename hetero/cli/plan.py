@@ -43,22 +43,17 @@ def headroom(prediction) -> dict[str, float]:
 def run(args) -> int:
     from hetero.planner import search
 
-    from ._common import console, load_inputs, print_json, warn_if_calibration_unused
+    from ._common import console, load_calibration_arg, load_inputs, print_json
 
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
         return 1
     cluster, model, _ = load_inputs(args, need_plan=False)
-    if args.output:
+    if args.output is not None:   # "" too: an error, not a plan silently unsaved
         from hetero.specs.io import check_output_path
 
         check_output_path(args.output, "-o")
-    calibration = None
-    if args.calibration:
-        from hetero import load_calibration
-
-        calibration = load_calibration(args.calibration)
-        warn_if_calibration_unused(calibration, cluster, args.calibration)
+    calibration = load_calibration_arg(args.calibration, cluster)
     show_progress = not args.no_progress and sys.stderr.isatty()
     results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,
                      calibration=calibration, progress=show_progress)

@@ -30,19 +30,14 @@ def _ms(x: float) -> str:
 def run(args) -> int:
     from hetero.predictor import predict
 
-    from ._common import console, load_inputs, print_json, warn_if_calibration_unused
+    from ._common import console, load_calibration_arg, load_inputs, print_json
 
     cluster, model, plan = load_inputs(args)
-    if args.timeline:
+    if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
         from hetero.specs.io import check_output_path
 
         check_output_path(args.timeline, "--timeline")
-    calibration = None
-    if args.calibration:   # a missing or bad file raises CalibrationError (a HeteroError) naming it
-        from hetero.predictor.calibration import load_calibration
-
-        calibration = load_calibration(args.calibration)
-        warn_if_calibration_unused(calibration, cluster, args.calibration)
+    calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
     if args.timeline:
         from hetero.specs.io import write_text_atomic

@@ -48,7 +48,7 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
     requested = requested_type(args)
-    if args.output:  # before minutes of measuring, not after
+    if args.output is not None:  # before minutes of measuring, not after ("" too: an error)
         from hetero.specs.io import check_output_path
 
         check_output_path(args.output, "-o")
