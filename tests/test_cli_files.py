@@ -77,6 +77,25 @@ def test_device_numbers_must_be_finite_and_plausible(tmp_path):
         assert_bad_input(run_cli("validate", str(path)), fragment)
 
 
+
+def test_link_numbers_must_be_plausible(tmp_path):
+    """A link's unit left out (`latency: 5` is 5 seconds, `bandwidth: 300` 300 B/s) or an absurd value
+    is an error naming the field; a latency of 1e308 s made `predict --json` print `Infinity`."""
+    for mutate, fragment in ((lambda d: d["groups"][0]["intra_node"].update(latency=5), "groups[0].intra_node.latency"),
+                             (lambda d: d["network"]["cross_group"].update(latency="1e308 s"), "at most 1 s"),
+                             (lambda d: d["network"]["inter_node"].update(bandwidth=300), "network.inter_node.bandwidth"),
+                             (lambda d: d["groups"][0]["intra_node"].update(bandwidth=1e-300), "at least 1 MB/s")):
+        data = copy.deepcopy(CLUSTER)
+        mutate(data)
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(data))
+        assert_bad_input(run_cli("validate", str(path)), "c.yaml", fragment, "with its unit")
+    data = yaml.safe_load(open(PREDICT[1]))
+    data["groups"][0]["intra_node"]["latency"] = "1e308 s"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_bad_input(run_cli("predict", "--cluster", str(path), *PREDICT[2:], "--json"), "intra_node.latency")
+
 def test_a_global_batch_given_in_tokens_is_refused_at_once():
     proc = run_cli("plan", "--cluster", str(CONFIGS / "clusters" / "a100-v100.yaml"), "--model",
                    str(CONFIGS / "models" / "gpt3-1.3b.yaml"), "--global-batch-size", str(4 * 2**20), timeout=30)

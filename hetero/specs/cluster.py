@@ -19,8 +19,15 @@ class Link:
     """Seconds per message (default 10 us)."""
 
     def _check(self, path: str, problems: Problems) -> None:
+        # bounds that also catch a unit left out: `bandwidth: 300` is 300 B/s, `latency: 5` five seconds
         if self.bandwidth <= 0:
             problems.add(join_path(path, "bandwidth"), "must be positive", "e.g. '100 GB/s'")
+        elif self.bandwidth < 1e6:
+            problems.add(join_path(path, "bandwidth"), f"must be at least 1 MB/s, got {self.bandwidth:g} bytes/s",
+                         "give the bandwidth with its unit, e.g. '100 GB/s'")
+        if self.latency > 1.0:
+            problems.add(join_path(path, "latency"), f"must be at most 1 s per message, got {self.latency:g} s",
+                         "give the latency with its unit, e.g. '5 us'")
 
     def transfer_time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
