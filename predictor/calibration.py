@@ -159,6 +159,9 @@ class Calibration:
                         raise bad(f"{key}.{name}.{k}", f"expected a finite number, got {v!r}")
                     if v < 0 or (BOUNDS[0][i] > 0 and v <= 0):
                         raise bad(f"{key}.{name}.{k}", f"must be {'positive' if BOUNDS[0][i] > 0 else '>= 0'}, got {v}")
+                    if v > BOUNDS[1][i]:   # calibrate never fits beyond these; far beyond, predictions overflow
+                        raise bad(f"{key}.{name}.{k}", f"must be at most {BOUNDS[1][i]:g} (the range `hetero calibrate` "
+                                                       f"fits in), got {v:g}")
                     vals[k] = float(v)
                 src = entry.get("source", "calibration")
                 if not isinstance(src, str):

@@ -130,6 +130,11 @@ def test_save_load_round_trip(cluster, synthetic, tmp_path):
     (lambda d: d["factors"]["A100-SXM4-80GB"].update(compute="fast"), "factors.A100-SXM4-80GB.compute"),
     (lambda d: d["factors"]["A100-SXM4-80GB"].update(compute=-1.0), "factors.A100-SXM4-80GB.compute"),
     (lambda d: d["factors"]["A100-SXM4-80GB"].update(speed=2.0), "factors.A100-SXM4-80GB.speed"),
+    # beyond the range calibrate fits in: 1e308 s per layer made predict --json print Infinity
+    (lambda d: d["factors"]["A100-SXM4-80GB"].update(layer_overhead_s=1e308),
+     "factors.A100-SXM4-80GB.layer_overhead_s': must be at most 0.1"),
+    (lambda d: d["standard_factors"].update({"A100-SXM4-80GB": {"compute": 1e300}}),
+     "standard_factors.A100-SXM4-80GB.compute': must be at most 50"),
 ])
 def test_load_rejects_bad_files(tmp_path, mutate, fragment):
     data = truth_calibration().to_dict()
