@@ -109,7 +109,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     least the NIC time of the busiest node its rings cross. Holders in several groups: in-group
     reduction, then the group leaders over ``network.cross_group`` (host-staged across vendors).
     Tied embeddings (gpt): the last stage holds a copy of the word embedding, summed together with
-    the first stages' (Megatron's embedding all-reduce between the first and last stage).
+    the first stages' (Megatron's embedding all-reduce between the first and last stage); the
+    learned positions are the first stages' alone.
     ``where``: :func:`block_nodes` of the plan, when the caller has it already.
     """
     from . import comm
@@ -196,10 +197,14 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         hs = [(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1]
         ring(hs, G, b - a)
     e = cm.e
-    emb_holders = list(firsts)
-    if cm.model.tie_embeddings:   # the last stage's copy of the word embedding joins the sum
-        emb_holders += [h for h, f in zip(lasts, firsts) if h[1] != f[1]]
-    ring(emb_holders, cm.model.embedding_params() * e, 1)
+    copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if cm.model.tie_embeddings else []
+    if copies:   # the last stages' copy of the word embedding joins its sum; learned positions do not
+        words = cm.model.vocab_size * cm.model.hidden_size
+        ring(firsts + copies, words * e, 1)
+        if cm.model.embedding_params() > words:
+            ring(firsts, (cm.model.embedding_params() - words) * e, 1)
+    else:
+        ring(firsts, cm.model.embedding_params() * e, 1)
     ring(lasts, cm.model.head_params() * e, 1)
     out = {}
     for pi, p in enumerate(plan.pipelines):

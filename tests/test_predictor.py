@@ -260,6 +260,20 @@ def test_dp_sync_zero_when_no_replicas(inputs):
     assert StageCostModel(cluster, model).dp_sync_time(plan) == 0.0
 
 
+def test_tied_embedding_sum_with_the_last_stage_leaves_out_the_positions():
+    """gpt, tied: the last stage holds a copy of the word embedding, not of the learned positions, so
+    the first / last all-reduce (2 ranks in one node, no latency) moves V h e bytes once each."""
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [
+        {**g, "intra_node": {"bandwidth": "100 GB/s", "latency": 0}} for g in CLUSTER["groups"]]})
+    model = hetero.load_model({**GPT, "tie_embeddings": True})
+    plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 2, "stages": [{"group": "a100", "tp": 1, "layers": [0, 18]},
+                                                       {"group": "a100", "tp": 1, "layers": [18, 36]}]}]})
+    hand = model.vocab_size * model.hidden_size * 2 / 100e9
+    times = StageCostModel(cluster, model).dp_sync_times(plan)
+    assert times == {(0, 0): pytest.approx(hand), (0, 1): pytest.approx(hand)}
+
+
 def test_cross_vendor_dp_sync_stages_through_the_host_once():
     """One replica on each vendor, no latency: every gradient byte goes device -> host, over the
     cross-group link (a 2-rank ring moves each byte once) and host -> device, as the runtime's
