@@ -185,3 +185,18 @@ def test_an_empty_output_path_is_an_error_not_ignored(tmp_path):
     assert_bad_input(run_cli("predict", *PREDICT, "--calibration", ""), "--calibration: no file named")
     assert_bad_input(run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "--calibration", " "),
                      "--calibration: no file named")
+
+
+def test_a_failed_run_leaves_no_output_directories_behind(tmp_path):
+    """The output's missing directories are made when the file is written, not when its path is
+    checked: a run failing in between (here a corrupt calibration) leaves nothing behind."""
+    bad = tmp_path / "cal.json"
+    bad.write_text("{")
+    assert_bad_input(run_cli("predict", *PREDICT, "--calibration", str(bad), "--timeline", str(tmp_path / "a" / "b" / "t.json")),
+                     "not valid JSON")
+    assert_bad_input(run_cli("plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "--calibration", str(bad),
+                             "-o", str(tmp_path / "c" / "p.yaml")), "not valid JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal.json"]
+    # a file where a directory would have to be made is still refused before any work
+    assert_bad_input(run_cli("predict", *PREDICT, "--timeline", str(bad / "sub" / "t.json")),
+                     "--timeline", "cannot create its directory", "cal.json is not a directory")

@@ -30,7 +30,7 @@ def run(args) -> int:
     from ._common import console, print_json
 
     cluster = load_cluster(args.cluster)
-    check_output_path(args.output, "-o")
+    check_output_path(args.output, "-o", create=False)
     runs = read_runs(args.runs)
     cal = calibrate(cluster, runs)
     cal.meta["runs_file"] = args.runs

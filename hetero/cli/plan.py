@@ -52,7 +52,7 @@ def run(args) -> int:
     if args.output is not None:   # "" too: an error, not a plan silently unsaved
         from hetero.specs.io import check_output_path
 
-        check_output_path(args.output, "-o")
+        check_output_path(args.output, "-o", create=False)
     calibration = load_calibration_arg(args.calibration, cluster)
     show_progress = not args.no_progress and sys.stderr.isatty()
     results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,

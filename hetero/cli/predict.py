@@ -36,7 +36,7 @@ def run(args) -> int:
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
         from hetero.specs.io import check_output_path
 
-        check_output_path(args.timeline, "--timeline")
+        check_output_path(args.timeline, "--timeline", create=False)
     calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
     if args.timeline:

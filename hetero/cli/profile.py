@@ -51,8 +51,8 @@ def run(args) -> int:
     if args.output is not None:  # before minutes of measuring, not after ("" too: an error)
         from hetero.specs.io import check_output_path
 
-        check_output_path(args.output, "-o")
-        check_output_path(P.meta_path(args.output), "-o (its .meta.json)")
+        check_output_path(args.output, "-o", create=False)
+        check_output_path(P.meta_path(args.output), "-o (its .meta.json)", create=False)
     try:
         name, torch_device = ((args.device, "cpu") if requested is not None and requested.family == "cpu"
                               else M.detect_device(args.device))

@@ -47,10 +47,12 @@ def read_user_text(path, what: str) -> str:
                              "save the file as UTF-8") from None
 
 
-def check_output_path(path, what: str) -> Path:
+def check_output_path(path, what: str, create: bool = True) -> Path:
     """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
     non-regular file is there, or no writable directory would hold it. Returns the path to write
-    (a symbolic link's target, so the link itself is kept)."""
+    (a symbolic link's target, so the link itself is kept). ``create``: make its missing directories
+    now (for writers that do not); else only check that they could be made, so a run that fails
+    later leaves no empty directories behind (:func:`write_text_atomic` makes them)."""
     if not str(path):
         raise InputFileError(f"{what}: no output file named", "give a file path")
     path = Path(os.path.realpath(path))
@@ -61,13 +63,20 @@ def check_output_path(path, what: str) -> Path:
             raise InputFileError(f"{what} {path} is not a regular file", "write to a regular file")
         if not os.access(path, os.W_OK):
             raise InputFileError(f"{what} {path} is not writable", "choose another path or fix its permissions")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
-                             "choose a writable directory") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise InputFileError(f"{what} {path}: cannot create files in {path.parent}", "choose a writable directory")
+    if create:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
+                                 "choose a writable directory") from None
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputFileError(f"{what} {path}: cannot create its directory: {existing} is not a directory",
+                             "choose a writable directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputFileError(f"{what} {path}: cannot create files in {existing}", "choose a writable directory")
     return path
 
 
