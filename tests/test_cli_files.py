@@ -200,3 +200,27 @@ def test_a_failed_run_leaves_no_output_directories_behind(tmp_path):
     # a file where a directory would have to be made is still refused before any work
     assert_bad_input(run_cli("predict", *PREDICT, "--timeline", str(bad / "sub" / "t.json")),
                      "--timeline", "cannot create its directory", "cal.json is not a directory")
+
+
+def test_a_failed_write_names_the_output_not_its_temporary_file(tmp_path, monkeypatch):
+    """The atomic write goes through a temporary file beside the output; when the disk refuses it,
+    the error names the output the user asked for, the temporary file is gone and an existing
+    output is left as it was."""
+    import errno
+
+    from hetero.specs.io import write_text_atomic
+
+    out = tmp_path / "timeline.json"
+    out.write_text("old")
+
+    def refuse(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+
+    monkeypatch.setattr(os, "replace", refuse)
+    try:
+        write_text_atomic(out, "new")
+    except OSError as e:
+        assert e.filename == str(out) and e.errno == errno.ENOSPC, e
+    else:
+        raise AssertionError("the write did not fail")
+    assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json"]

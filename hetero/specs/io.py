@@ -132,13 +132,17 @@ def write_text_atomic(path, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            # name the file the user asked for, not the temporary one beside it
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
