@@ -111,3 +111,18 @@ def test_console_script_and_module_agree():
         pytest.skip("console script not installed (package not pip-installed)")
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "hetero" in proc.stdout
+
+
+def test_json_output_refuses_a_number_that_is_not_finite(capsys):
+    """JSON has no Infinity / NaN: a result that overflowed is an error, and nothing is printed."""
+    import pytest
+
+    from hetero.cli._common import print_json
+    from hetero.errors import HeteroError
+
+    print_json({"iteration_time_s": 1.5})
+    assert capsys.readouterr().out == '{\n  "iteration_time_s": 1.5\n}\n'
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(HeteroError, match="not finite"):
+            print_json({"pipelines": [{"forward_time_s": bad}]})
+        assert capsys.readouterr().out == ""

@@ -84,6 +84,7 @@ def test_cluster_round_trip(tmp_path):
     (lambda d: d.update(netwrok={}), ["netwrok", "did you mean 'network'"]),
     (lambda d: d["devices"]["cpu-slow"].update(base="cpux"), ["devices.cpu-slow.base", "unknown device type 'cpux'"]),
     (lambda d: d["devices"]["cpu-slow"].update(slowdown=0.5), ["devices.cpu-slow.slowdown", "must be >= 1"]),
+    (lambda d: d["devices"]["cpu-slow"].update(slowdown=1e308), ["devices.cpu-slow.slowdown", "must be at most 1000"]),
     (lambda d: d["devices"].update(npu={"vendor": "huawey", "memory": "64 GiB", "memory_bandwidth": "1 TB/s",
                                         "peak_flops": {"fp16": "300 TFLOPS"}}), ["devices.npu.vendor", "unknown vendor"]),
     (lambda d: d["devices"].update(npu={"vendor": "ascend", "memory": "64 GiB", "memory_bandwidth": "1 TB/s",

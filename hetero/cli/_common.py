@@ -28,8 +28,16 @@ def positive_int(text: str) -> int:
 
 
 def print_json(data) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    """``data`` as JSON on stdout. A value that is not finite is an error, not the ``Infinity`` /
+    ``NaN`` that no JSON reader takes (it comes from an input far out of range)."""
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False)
+    except ValueError:
+        from hetero.errors import HeteroError
+
+        raise HeteroError("the result holds a number that is not finite (fix: an input is far out of range; "
+                          "check the sizes, links and factors in the files given)") from None
+    sys.stdout.write(text + "\n")
 
 
 def load_inputs(args, need_plan: bool = True):

@@ -21,6 +21,10 @@ VENDORS = ("nvidia", "amd", "ascend", "intel", "cpu", "other")
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 
 
+MAX_SLOWDOWN = 1000.0
+"""Largest emulation slowdown a device may declare."""
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """One accelerator type: compute, memory and link figures, each traceable to a source."""
@@ -73,6 +77,11 @@ class DeviceType:
         if self.slowdown < 1.0:
             problems.add(join_path(path, "slowdown"), f"must be >= 1, got {self.slowdown}",
                          "a slowdown of k makes the device k times slower")
+        elif self.slowdown > MAX_SLOWDOWN:
+            # the emulated device really waits (k - 1) x its compute time: beyond this a launch
+            # waits for hours, and huge values overflow the predicted times
+            problems.add(join_path(path, "slowdown"), f"must be at most {MAX_SLOWDOWN:g}, got {self.slowdown:g}",
+                         "a slowdown of k makes the device k times slower; today's GPUs differ by under 100x")
         if self.compute_units is not None and self.compute_units <= 0:
             problems.add(join_path(path, "compute_units"), "must be positive",
                          "give the SM / CU / AI-core count from the datasheet, or leave it out")
