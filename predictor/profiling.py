@@ -119,7 +119,9 @@ def detect_device(requested: str | None = None) -> tuple[str, str]:
             accel = None
     if accel is None:
         if requested and family not in (None, "cpu"):
-            raise RuntimeError(f"device '{requested}' is not a CPU device and no accelerator was found here")
+            raise RuntimeError(f"device '{requested}' is not a CPU device and no accelerator was found here "
+                               f"(fix: profile it on a machine that has one, or leave --device out to profile "
+                               f"this machine's CPU)")
         return requested or "cpu", "cpu"
     kind, raw = accel
     return requested or catalog_name(raw), f"{kind}:0"

@@ -170,6 +170,15 @@ def test_profile_names_a_known_device_type(tmp_path):
                    "--no-blocks", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert out.read_text().splitlines()[1].split(",")[1] == "spare"
+    # an empty name (an unset shell variable) is refused, not taken for "detect the device"
+    assert_bad_input(run_cli("profile", "--device", "", "--quick", "-o", str(out)), "--device '': an empty device name")
+    # an accelerator type on a machine without one says how to go on
+    import torch
+
+    if not torch.cuda.is_available():
+        assert_bad_input(run_cli("profile", "--device", "A100-SXM4-80GB", "--quick", "-o", str(tmp_path / "a.csv")),
+                         "no accelerator was found here", "leave --device out")
+        assert not (tmp_path / "a.csv").exists()
     # --cluster alone says what it is for instead of being ignored
     assert_bad_input(run_cli("profile", "--cluster", str(cluster), "--quick", "-o", str(tmp_path / "q.csv")),
                      "give --device too")

@@ -73,6 +73,8 @@ def test_validate_reports_every_error_of_a_file(tmp_path):
 @pytest.mark.parametrize("text,fragment", [
     ("groups: [unclosed", "not valid YAML"),
     ("- just\n- a list\n", "expected a YAML mapping"),
+    ("", "the input file is empty"),
+    ("# nothing but a comment\n", "the input file is empty"),
     ("foo: 1\n", "cannot tell whether"),
 ])
 def test_validate_unreadable_files(tmp_path, text, fragment):

@@ -122,6 +122,9 @@ def requested_type(args):
     device type whose specs are known (SCHEMAS.md), so any other name is an error listing the valid ones."""
     from hetero.errors import HeteroError
 
+    if args.device is not None and not args.device.strip():
+        raise HeteroError("--device '': an empty device name (fix: name a device type, or leave --device out "
+                          "to profile the device found here)")
     if not args.device:
         if args.cluster:
             raise HeteroError("--cluster names the file whose own device types --device may name: give --device too")

@@ -99,6 +99,8 @@ def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[di
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}",
                                  "fix the YAML syntax", source)]) from None
+    if data is None:
+        raise SpecError([Problem("", f"the {what} file is empty", f"see SCHEMAS.md for the {what} format", source)])
     if not isinstance(data, dict):
         raise SpecError([Problem("", f"expected a YAML mapping at the top of the {what} file, got "
                                      f"{type(data).__name__}", f"see SCHEMAS.md for the {what} format", source)])
