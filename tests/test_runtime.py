@@ -291,6 +291,49 @@ def test_uneven_pp_two_vendors_matches_reference(tmp_path):
     assert {"F0", "B3"} <= names
 
 
+@pytest.mark.parametrize("tp_a,tp_b", [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4)])
+def test_a_stage_boundary_moves_one_activation_in_equal_slices_whatever_the_tp_sizes(tp_a, tp_b):
+    """Scatter-gather at a stage boundary: every receiving tp rank gets its own slice exactly once,
+    from a sender tp rank, so one activation's bytes cross per replica each way (the predictor's
+    charge), not one full copy per receiving rank; each side then all-gathers over its tp group."""
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.pipeline import stage_peers
+
+    cluster = hetero.load_cluster({"name": "c", "groups": [
+        {"name": "a", "device": "cpu", "nodes": 1, "devices_per_node": 4},
+        {"name": "b", "device": "cpu", "nodes": 1, "devices_per_node": 4}]})
+    plan = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "a", "tp": tp_a, "layers": [0, 2]},
+                                                                   {"group": "b", "tp": tp_b, "layers": [2, 4]}]}]))
+    layout = build_layout(cluster, plan)
+    senders, receivers = layout.stage_ranks(0, 0, 0), layout.stage_ranks(0, 0, 1)
+    peers = {r: stage_peers(layout, layout.ranks[r]) for r in senders + receivers}
+    for src_side, dst_side, sends, recv_from in ((senders, receivers, "send_act_to", "recv_act_from"),
+                                                 (receivers, senders, "send_grad_to", "recv_grad_from")):
+        got = {}   # receiving rank -> (sender, slice, slices)
+        for r in src_side:
+            for dst, part, parts in getattr(peers[r], sends):
+                assert dst not in got, f"{dst} receives twice"
+                got[dst] = (r, part, parts)
+        assert sorted(got) == sorted(dst_side)
+        for j, dst in enumerate(dst_side):
+            sender, part, parts = got[dst]
+            assert (part, parts) == (j, len(dst_side))          # its own slice, of its side's tp
+            assert getattr(peers[dst], recv_from) == sender      # and it waits on that sender
+            assert peers[dst].tp_ranks == dst_side               # then gathers over its tp group
+        assert sum(1 / parts for _, _, parts in got.values()) == pytest.approx(1.0)  # one activation
+
+
+@pytest.mark.timeout(180)
+def test_tp2_to_tp2_pipeline_matches_reference(tmp_path):
+    """Both sides of a stage boundary tensor-parallel: the slices travel and are all-gathered on
+    either side, forward and backward, and training matches the single-device reference."""
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "tp": 2, "layers": [0, 2]},
+                                                  {"group": "slow", "tp": 2, "layers": [2, 4]}]}])
+    summary, _ = _launch(tmp_path, LLAMA, plan)
+    _assert_matches(summary, LLAMA)
+
+
 @pytest.mark.timeout(180)
 def test_tp2_and_pp2_shapes_with_1_to_3_micro_batches(tmp_path):
     plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
@@ -624,7 +667,7 @@ def reference_run_unclipped():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,replicas,model", [(2, 1, LLAMA), (1, 2, GPT)])
 def test_interleaved_with_tp_or_replicas_matches_reference(tmp_path, tp, replicas, model):
-    """Interleaved chunks under tensor parallelism (fan-out between a tp2 and a tp1 chunk) and with
+    """Interleaved chunks under tensor parallelism (scatter-gather between a tp2 and a tp1 chunk) and with
     two replicas (gradients of every chunk summed over its holders, tied embeddings included)."""
     stages = [{"group": "fast", "tp": tp, "layers": [0, 1]}, {"group": "slow", "layers": [1, 2]},
               {"group": "fast", "tp": tp, "layers": [2, 3]}, {"group": "slow", "layers": [3, 4]}]

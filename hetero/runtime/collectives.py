@@ -85,6 +85,19 @@ class Collectives:
         self._run(lambda: dist.all_reduce(tensor, op=red, group=self.group(ranks)), "all_reduce", ranks)
         return tensor
 
+    def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor, ranks: Iterable[int]) -> list[torch.Tensor]:
+        """``parts[i]`` gets the ``tensor`` of the i-th of ``ranks`` in ascending order (all the same
+        size); a single rank copies its own."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            parts[0].copy_(tensor)
+            return parts
+        if self.hc is not None:
+            self._run(lambda: self.hc.all_gather(parts, tensor, group=self._hgroups[ranks]), "all_gather", ranks)
+            return parts
+        self._run(lambda: dist.all_gather(parts, tensor, group=self.group(ranks)), "all_gather", ranks)
+        return parts
+
     def all_gather_object(self, obj, ranks: Iterable[int] | None = None) -> list:
         ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
         out = [None] * len(ranks)

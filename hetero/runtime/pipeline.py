@@ -5,9 +5,13 @@ Stages of one pipeline may run on different vendors, so activations and gradient
 ``torch.distributed.pipelining``, whose stages talk to each other on one process group.
 
 Tensor parallelism inside a stage keeps the residual stream replicated on every tp rank, so the
-hand-off between a stage of tp ``a`` and the next of tp ``b`` is a fan-out: receiver tp rank ``j``
-takes the activation from sender tp rank ``j % a``, and gradients go back the same way (stage
-``s`` tp rank ``i`` receives from stage ``s+1`` tp rank ``i % b``).
+hand-off between a stage of tp ``a`` and the next of tp ``b`` is a scatter-gather (Megatron-LM's
+scatter-gather optimisation): receiver tp rank ``j`` takes slice ``j`` of ``b`` of the flattened
+activation from sender tp rank ``j % a``, and the receiving stage all-gathers the slices among its
+tp ranks. One activation's bytes cross the link per replica, whatever the tp sizes -- the bytes
+the predictor charges -- instead of ``b`` full copies. Gradients go back the same way: stage ``s``
+tp rank ``i`` takes slice ``i`` of ``a`` from stage ``s+1`` tp rank ``i % b``, then all-gathers.
+Both tp sizes divide the hidden size, so the slices are equal.
 
 Interleaved 1F1B: a rank runs several model chunks (virtual stage k on physical stage k mod p);
 the last physical stage hands chunk c's output to the first physical stage's chunk c + 1. Every
@@ -16,6 +20,7 @@ sends do not, and messages between two ranks arrive in the order sent per tag.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,16 +52,20 @@ def schedule_actions(kind: str, stage: int, num_stages: int, micro_batches: int,
 
 @dataclass
 class Peers:
-    """Who this rank exchanges activations and gradients with (for one model chunk)."""
+    """Who this rank exchanges activations and gradients with (for one model chunk). A send goes
+    to ``(rank, slice, slices)``: the receiver takes slice ``slice`` of ``slices`` of the flattened
+    tensor. A receive takes this rank's slice (its place in ``tp_ranks``) and all-gathers the rest
+    from ``tp_ranks``, its stage's tp group in tp order."""
 
     recv_act_from: int | None = None
-    send_act_to: list[int] = field(default_factory=list)
+    send_act_to: list[tuple[int, int, int]] = field(default_factory=list)
     recv_grad_from: int | None = None
-    send_grad_to: list[int] = field(default_factory=list)
+    send_grad_to: list[tuple[int, int, int]] = field(default_factory=list)
+    tp_ranks: list[int] = field(default_factory=list)
 
 
 def stage_peers(layout, me, vstage: int | None = None, num_virtual: int | None = None) -> Peers:
-    """Peers of rank ``me`` along its pipeline replica (see the module docstring for the fan-out),
+    """Peers of rank ``me`` along its pipeline replica (see the module docstring for the scatter-gather),
     for its virtual stage ``vstage`` of ``num_virtual`` (default: its own stage, no interleaving).
     Virtual stage k runs on physical stage k mod (physical stages)."""
     def stage_ranks(stage):
@@ -65,14 +74,14 @@ def stage_peers(layout, me, vstage: int | None = None, num_virtual: int | None =
     num_stages = 1 + max(r.stage for r in layout.ranks if (r.pipeline, r.replica) == (me.pipeline, me.replica))
     k = me.stage if vstage is None else vstage
     n = num_stages if num_virtual is None else num_virtual
-    p = Peers()
+    p = Peers(tp_ranks=stage_ranks(me.stage))
     if k > 0:
         prev = stage_ranks((k - 1) % num_stages)
         p.recv_act_from = prev[me.tp_rank % len(prev)]
-        p.send_grad_to = [r for i, r in enumerate(prev) if i % me.tp_size == me.tp_rank]
+        p.send_grad_to = [(r, i, len(prev)) for i, r in enumerate(prev) if i % me.tp_size == me.tp_rank]
     if k < n - 1:
         nxt = stage_ranks((k + 1) % num_stages)
-        p.send_act_to = [r for i, r in enumerate(nxt) if i % me.tp_size == me.tp_rank]
+        p.send_act_to = [(r, j, len(nxt)) for j, r in enumerate(nxt) if j % me.tp_size == me.tp_rank]
         p.recv_grad_from = nxt[me.tp_rank % len(nxt)]
     return p
 
@@ -120,6 +129,26 @@ class StageExecutor:
     def _compute(self, fn: Callable[[], object]):
         return timed(fn, self.slowdown)
 
+    def _send(self, tensor: torch.Tensor, targets: list[tuple[int, int, int]], tag: int) -> None:
+        """Each target its slice of ``tensor`` (flattened)."""
+        tensor = tensor.detach()
+        flat = tensor.reshape(-1)
+        for dst, part, parts in targets:
+            self.comm.send(flat.chunk(parts)[part] if parts > 1 else tensor, dst, tag)
+
+    def _recv(self, src: int, peers: Peers, tag: int) -> torch.Tensor:
+        """This rank's slice from ``src``, completed by an all-gather over its tp group."""
+        numel = math.prod(self.act_shape)
+        tp = max(1, len(peers.tp_ranks))
+        if tp == 1:
+            return self.comm.recv(torch.empty(self.act_shape, dtype=torch.float32), src, tag)
+        mine = self.comm.recv(torch.empty(numel // tp, dtype=torch.float32), src, tag)
+        full = torch.empty(numel, dtype=torch.float32)
+        slots = full.chunk(tp)
+        order = sorted(peers.tp_ranks)   # the gather's order; slot i belongs to tp_ranks[i]
+        self.comm.all_gather([slots[peers.tp_ranks.index(r)] for r in order], mine, order)
+        return full.view(self.act_shape)
+
     def _forward(self, x, chunk: int):
         if self.autocast_dtype is not None:
             with torch.autocast("cpu", dtype=self.autocast_dtype):
@@ -141,8 +170,7 @@ class StageExecutor:
                 if first:
                     x = get_inputs(mb)
                 else:
-                    x = torch.empty(self.act_shape, dtype=torch.float32)
-                    self.comm.recv(x, peers.recv_act_from, ACTIVATION_TAG)
+                    x = self._recv(peers.recv_act_from, peers, ACTIVATION_TAG)
                     x.requires_grad_(True)
                 if last:
                     tgt = get_targets(mb)
@@ -151,8 +179,7 @@ class StageExecutor:
                     saved[(chunk, mb)] = (x, loss)
                 else:
                     out, t0, dt = self._compute(lambda: self._forward(x, chunk).float())
-                    for dst in peers.send_act_to:
-                        self.comm.send(out.detach(), dst, ACTIVATION_TAG)
+                    self._send(out, peers.send_act_to, ACTIVATION_TAG)
                     saved[(chunk, mb)] = (x, out)
                 timings.forward_s.append(dt)
                 timings.events.append(("F", mb, t0, dt))
@@ -161,12 +188,10 @@ class StageExecutor:
                 if last:
                     _, t0, dt = self._compute(lambda: out.backward())
                 else:
-                    grad = torch.empty(self.act_shape, dtype=torch.float32)
-                    self.comm.recv(grad, peers.recv_grad_from, GRADIENT_TAG)
+                    grad = self._recv(peers.recv_grad_from, peers, GRADIENT_TAG)
                     _, t0, dt = self._compute(lambda: out.backward(grad))
                 if not first:
-                    for dst in peers.send_grad_to:
-                        self.comm.send(x.grad, dst, GRADIENT_TAG)
+                    self._send(x.grad, peers.send_grad_to, GRADIENT_TAG)
                 timings.backward_s.append(dt)
                 timings.events.append(("B", mb, t0, dt))
         self.comm.wait_sends()
