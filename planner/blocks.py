@@ -165,7 +165,8 @@ class BlockEvaluator:
                 p, ef, el, eb = self.profile(g, tp, mbs, rc)
                 first, last = i == 0, i == S - 1
                 t = p * counts[i] + (eb if first and last else ef if first else el if last else 0.0)
-                p2p = 2 * self.cm.p2p_time(g, stages[i + 1][0], mbs) if i + 1 < S else 0.0
+                p2p = (2 * self.cm.p2p_time(g, stages[i + 1][0], mbs, tp_a=tp, tp_b=stages[i + 1][1])
+                       if i + 1 < S else 0.0)
                 times.append(t + p2p)
                 fill += t + p2p
             return Block(segments=segments, replicas=replicas, mbs=mbs, recompute=rc, zero=zero,

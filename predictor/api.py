@@ -231,7 +231,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                     p2p.append(0.0)
                 else:
                     same, streams = links[(pi, k)]
-                    p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same and s.group == nxt.group, streams))
+                    p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same and s.group == nxt.group, streams,
+                                           s.tp, nxt.tp))
         m = p.micro_batches
         ptime, dev_ready = pipeline_ends(plan.schedule, fwd, bwd, p2p, m, v)
         if len(dev_ready) != phys:  # an unchecked plan whose interleaving cannot apply

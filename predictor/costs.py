@@ -297,15 +297,21 @@ class StageCostModel:
 
     # ------------------------------------------------------------------ communication
     def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None,
-                 streams: int = 1) -> float:
+                 streams: int = 1, tp_a: int = 1, tp_b: int = 1) -> float:
         """Send one micro-batch's activation (b x s x h) from a stage in ``group_a`` to one in
         ``group_b``. Same group: the intra-node link when ``same_node`` (default: when the group is
         a single node), else inter-node. Different groups: cross-group link, plus host staging
         when the vendors differ (and neither side is a CPU). ``streams``: replicas whose transfers
         leave one node over the inter-node network at the same moment (they share its NIC, whose
         bandwidth is per node; see :mod:`.placement`). NVLink is per device and ignores it, and so
-        does the cross-group link (SCHEMAS.md does not say it is per node)."""
-        key = ("p", group_a, group_b, mbs, same_node, streams)
+        does the cross-group link (SCHEMAS.md does not say it is per node).
+
+        ``tp_a`` / ``tp_b``: the two stages' tp sizes. The hand-off is a scatter-gather
+        (:mod:`hetero.runtime.pipeline`, as Megatron-LM's): the slices add up to one activation on
+        the link, then the receiving stage all-gathers them on its intra-node link. Forward
+        gathers among ``tp_b`` ranks, backward among ``tp_a``; one transfer time serves both
+        directions, so the larger gather is charged."""
+        key = ("p", group_a, group_b, mbs, same_node, streams, tp_a, tp_b)
         hit = self._cache.get(key)
         if hit is None:
             nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
@@ -323,8 +329,17 @@ class StageCostModel:
             else:
                 link = self.cluster.network.cross_group
                 hit = comm.p2p(nbytes, link.bandwidth, link.latency, self._staged(group_a, group_b)) * max(fa, fb)
+            act = mbs * self.model.seq_length * self.model.hidden_size * self.e
+            hit += max(self._gather_time(group_a, tp_a, act), self._gather_time(group_b, tp_b, act))
             self._cache[key] = hit
         return hit
+
+    def _gather_time(self, group: str, tp: int, nbytes: float) -> float:
+        """All-gather of one activation (``nbytes``) among a stage's ``tp`` ranks (one node)."""
+        if tp <= 1:
+            return 0.0
+        link = self._groups[group].intra_node
+        return comm.allgather(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
 
     def _staged(self, a: str, b: str) -> bool:
         da, db = self._dev[a], self._dev[b]
