@@ -325,12 +325,16 @@ def test_a_stage_boundary_moves_one_activation_in_equal_slices_whatever_the_tp_s
 
 
 @pytest.mark.timeout(180)
-def test_tp2_to_tp2_pipeline_matches_reference(tmp_path):
+@pytest.mark.parametrize("communicator", ["hetero", "torch"])
+def test_tp2_to_tp2_pipeline_matches_reference(tmp_path, monkeypatch, communicator):
     """Both sides of a stage boundary tensor-parallel: the slices travel and are all-gathered on
-    either side, forward and backward, and training matches the single-device reference."""
+    either side, forward and backward, and training matches the single-device reference, over
+    the unified communicator and over plain torch.distributed."""
+    monkeypatch.setenv("HETERO_RUNTIME_COMM", communicator)
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "tp": 2, "layers": [0, 2]},
                                                   {"group": "slow", "tp": 2, "layers": [2, 4]}]}])
     summary, _ = _launch(tmp_path, LLAMA, plan)
+    assert (summary["communicator"] == "torch.distributed") == (communicator == "torch")
     _assert_matches(summary, LLAMA)
 
 
