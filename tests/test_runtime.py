@@ -669,12 +669,14 @@ def reference_run_unclipped():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp,replicas,model", [(2, 1, LLAMA), (1, 2, GPT)])
-def test_interleaved_with_tp_or_replicas_matches_reference(tmp_path, tp, replicas, model):
-    """Interleaved chunks under tensor parallelism (scatter-gather between a tp2 and a tp1 chunk) and with
+@pytest.mark.parametrize("tp,slow_tp,replicas,model", [(2, 1, 1, LLAMA), (2, 2, 1, GPT), (1, 1, 2, GPT)])
+def test_interleaved_with_tp_or_replicas_matches_reference(tmp_path, tp, slow_tp, replicas, model):
+    """Interleaved chunks under tensor parallelism (scatter-gather between a tp2 and a tp1 chunk,
+    and between tp2 chunks, whose all-gathers interleave with the other chunk's transfers) and with
     two replicas (gradients of every chunk summed over its holders, tied embeddings included)."""
-    stages = [{"group": "fast", "tp": tp, "layers": [0, 1]}, {"group": "slow", "layers": [1, 2]},
-              {"group": "fast", "tp": tp, "layers": [2, 3]}, {"group": "slow", "layers": [3, 4]}]
+    slow = {"group": "slow", "tp": slow_tp}
+    stages = [{"group": "fast", "tp": tp, "layers": [0, 1]}, {**slow, "layers": [1, 2]},
+              {"group": "fast", "tp": tp, "layers": [2, 3]}, {**slow, "layers": [3, 4]}]
     plan = _plan([{"replicas": replicas, "micro_batches": 4 // replicas, "stages": stages}],
                  schedule="interleaved", interleave=2)
     summary, _ = _launch(tmp_path, model, plan)
