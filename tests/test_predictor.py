@@ -524,6 +524,12 @@ def test_cli_json_and_timeline(tmp_path, inputs):
     assert "traceEvents" in json.loads(tl.read_text())
     r = _cli("predict", "--cluster", c, "--model", m, "--plan", p)
     assert r.returncode == 0 and "bottleneck" in r.stdout and "provenance" in r.stdout
+    # each stage but the last shows its hand-off to the next stage per micro-batch
+    pred = predict(*inputs)
+    assert "to next" in r.stdout and any(len(pp.stages) > 1 for pp in pred.pipelines)
+    for pp in pred.pipelines:
+        for s in pp.stages[:-1]:
+            assert f"{s.p2p_time_s * 1e3:.2f} ms" in r.stdout
 
 
 def test_launch_bound_stages_are_reported(tmp_path, inputs):

@@ -55,15 +55,20 @@ def run(args) -> int:
         t = Table(title=f"pipeline {pi}: {pp.replicas} replica(s) x {pp.micro_batches} micro-batches of "
                         f"{pp.micro_batch_size}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
                   title_justify="left")
-        for col in ("stage", "group", "tp", "layers", "forward", "backward", "memory / capacity", "DP sync", ""):
-            t.add_column(col, justify="right" if col in ("tp", "forward", "backward", "DP sync") else "left")
+        numeric = ("tp", "forward", "backward", "to next", "DP sync")
+        for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", "memory / capacity",
+                    "DP sync", ""):
+            t.add_column(col, justify="right" if col in numeric else "left")
         for si, s in enumerate(pp.stages):
             memtxt = f"{_gib(s.peak_memory_bytes)} / {_gib(s.memory_capacity_bytes)}"
             if not s.fits:
                 memtxt = f"[red]{memtxt}[/red]"
             mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
+            # the hand-off of one micro-batch's activation to the next stage (its gradient comes back
+            # in the same time): link, host staging across vendors, the tp all-gather
+            send = _ms(s.p2p_time_s) if si < len(pp.stages) - 1 else ""
             t.add_row(str(si), s.group, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})", _ms(s.forward_time_s),
-                      _ms(s.backward_time_s), memtxt, _ms(s.dp_sync_time_s), mark)
+                      _ms(s.backward_time_s), send, memtxt, _ms(s.dp_sync_time_s), mark)
         out.print(t)
     out.print(f"[bold]iteration[/bold] {pred.iteration_time_s:.4f} s  (slowest pipeline "
               f"{pred.pipelines[bp].pipeline_time_s:.4f} s + DP sync {pred.dp_sync_time_s:.4f} s + optimizer "
