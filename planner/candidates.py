@@ -19,7 +19,13 @@ from .split import uniform_split
 
 
 def allocate(blocks: list[Block], B: int) -> tuple[list[int], float] | None:
-    """Micro-batches per replica for each block: sum(units x m) == B exactly, min max time."""
+    """Micro-batches per replica for each block: sum(units x m) == B exactly, min max time.
+
+    Exact. For a time bound ``tau`` each block may run 1 .. ``most(tau)`` micro-batches (those it
+    finishes by ``tau``); whether some such choice takes exactly ``B`` samples is a bounded subset sum,
+    kept as a bitset (bit s set: s samples reachable). Bisection on ``tau`` stops when one block's
+    finishing time separates an infeasible bound from a feasible one: that time is the optimum.
+    """
     k = len(blocks)
     if k == 1:
         b = blocks[0]
@@ -27,34 +33,62 @@ def allocate(blocks: list[Block], B: int) -> tuple[list[int], float] | None:
             return None
         m = B // b.units
         return [m], b.time(m)
-    # continuous balance: find tau with sum(units * m_b(tau)) ~ B
-    lo, hi = 0.0, max(b.time(B // b.units + 1) for b in blocks)
+    caps = [B // b.units for b in blocks]
+    if min(caps) < 1:
+        return None
+    mask = (1 << (B + 1)) - 1
 
-    def ms(tau):
-        return [max(1, int((tau - b.fill) / b.bottleneck) + 1) if tau > b.fill else 1 for b in blocks]
+    def most(tau: float) -> list[int]:
+        out = []
+        for b, c in zip(blocks, caps):
+            if tau < b.fill:
+                out.append(0)
+            elif b.bottleneck <= 0:
+                out.append(c)
+            else:
+                out.append(min(c, int((tau - b.fill) / b.bottleneck * (1 + 1e-12)) + 1))
+        return out
 
-    for _ in range(60):
+    def reach(M: list[int]) -> list[int] | None:
+        """Reachable sample counts after each prefix of the blocks; None if B is not reachable."""
+        R, out = 1, [1]
+        for b, n in zip(blocks, M):
+            if n < 1:
+                return None
+            R = (R << b.units) & mask
+            rest, step = n - 1, 1
+            while rest > 0:  # 0 .. n-1 more micro-batches as sums of 1, 2, 4, ..., the rest
+                t = min(step, rest)
+                R |= (R << (b.units * t)) & mask
+                rest -= t
+                step *= 2
+            out.append(R)
+        return out if (R >> B) & 1 else None
+
+    lo, hi = min(b.fill for b in blocks) - 1.0, max(b.time(c) for b, c in zip(blocks, caps))
+    if reach(most(hi)) is None:
+        return None
+    for _ in range(200):
+        if sum(most(hi)) - sum(most(lo)) <= 1:
+            break
         mid = (lo + hi) / 2
-        if sum(b.units * m for b, m in zip(blocks, ms(mid))) <= B:
+        if not lo < mid < hi:
+            break
+        if reach(most(mid)) is None:
             lo = mid
         else:
             hi = mid
-    base = ms(lo)
-    best = None
-    window = range(-2, 4) if k <= 3 else range(-1, 3)
-    for deltas in itertools.product(window, repeat=k - 1):
-        m = [base[i] + deltas[i] for i in range(k - 1)]
-        if min(m) < 1:
-            continue
-        rest = B - sum(b.units * mi for b, mi in zip(blocks, m))
-        last = blocks[-1]
-        if rest < last.units or rest % last.units:
-            continue
-        m.append(rest // last.units)
-        t = max(b.time(mi) for b, mi in zip(blocks, m))
-        if best is None or t < best[1]:
-            best = (m, t)
-    return best
+    M = most(hi)
+    prefix = reach(M)
+    m, target = [0] * k, B
+    for i in reversed(range(k)):
+        u = blocks[i].units
+        for x in range(min(M[i], target // u), 0, -1):
+            if (prefix[i] >> (target - u * x)) & 1:
+                m[i], target = x, target - u * x
+                break
+    assert target == 0 and min(m) >= 1
+    return m, max(b.time(x) for b, x in zip(blocks, m))
 
 
 @dataclass(frozen=True)

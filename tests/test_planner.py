@@ -5,6 +5,7 @@ Everything that scores a plan here uses the real predictor (``hetero.predict``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -87,6 +88,49 @@ def test_allocate_shares_the_batch_exactly_in_proportion_to_speed():
     assert fast.units * m[0] + slow.units * m[1] == 128
     assert m[0] * fast.bottleneck == pytest.approx(m[1] * slow.bottleneck, rel=0.2)
     assert allocate([slow], 128) is None  # 3 replicas x 1 never make 128 exactly
+
+
+def _block(name, replicas, mbs, bottleneck, fill):
+    return Block((Segment(name, 1, 1),), replicas=replicas, mbs=mbs, recompute="none", zero=0, counts=(4,),
+                 bottleneck=bottleneck, fill=fill)
+
+
+def test_allocate_finds_the_exact_optimum_far_from_the_continuous_balance():
+    # m0 + 6 m1 = 115, time max(m0, 2.5 m1): m1 = 13 -> 37, m1 = 14 -> max(31, 35) = 35, m1 = 15 -> 37.5
+    a, b = _block("a", 1, 1, 1.0, 1.0), _block("b", 6, 1, 2.5, 2.5)
+    assert allocate([a, b], 115) == ([31, 14], 35.0)
+    # 2 m0 + 32 m1 = 80 has two solutions, (24, 1) -> 25 and (8, 2) -> max(9, 4) = 9
+    a, b = _block("a", 2, 1, 1.0, 2.0), _block("b", 8, 4, 0.5, 3.5)
+    assert allocate([a, b], 80) == ([8, 2], 9.0)
+
+
+def test_allocate_matches_brute_force():
+    def brute(blocks, B):
+        best = None
+        ranges = [range(1, B // b.units + 1) for b in blocks]
+        for m in itertools.product(*ranges):
+            if sum(b.units * x for b, x in zip(blocks, m)) == B:
+                t = max(b.time(x) for b, x in zip(blocks, m))
+                best = t if best is None else min(best, t)
+        return best
+
+    rng = random.Random(3)
+    for _ in range(400):
+        blocks = []
+        for i in range(rng.choice([2, 2, 3])):
+            bn = rng.uniform(0.5, 4.0)
+            blocks.append(_block(f"g{i}", rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2, 4]), bn,
+                                 bn * rng.randint(1, 6)))
+        B = rng.randint(1, 60 if len(blocks) == 3 else 120)
+        ref, got = brute(blocks, B), allocate(blocks, B)
+        if ref is None:
+            assert got is None
+            continue
+        assert got is not None, ([(b.units, b.bottleneck, b.fill) for b in blocks], B)
+        m, t = got
+        assert all(x >= 1 for x in m) and sum(b.units * x for b, x in zip(blocks, m)) == B
+        assert t == pytest.approx(max(b.time(x) for b, x in zip(blocks, m)))
+        assert t == pytest.approx(ref), ([(b.units, b.bottleneck, b.fill) for b in blocks], B, m)
 
 
 # ----------------------------------------------------------------------------- quality
