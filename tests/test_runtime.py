@@ -475,6 +475,47 @@ def test_launch_ends_when_no_rank_ever_starts(tmp_path, monkeypatch):
     assert not _leftover(tmp_path / "run"), "the node launcher was left running"
 
 
+def _start_and_wait_ready(tmp_path: Path, plan: dict, *extra: str) -> subprocess.Popen:
+    """A long ``hetero launch`` in the background, once every rank has written its ready file."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", CLUSTER),
+           "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
+           "--steps", "100000", "--timeout", "20", "--run-dir", str(run), "--quiet", *extra]
+    with open(tmp_path / "stderr.txt", "w") as err:  # not a pipe: orphans would hold it open
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None and not all(
+            (run / f"rank{r}.ready").exists() for r in range(2)):
+        time.sleep(0.1)
+    time.sleep(1.0)  # a few steps in
+    return proc
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_to_the_launcher_ends_every_process_of_the_job(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    proc = _start_and_wait_ready(tmp_path, plan, "--summary", str(tmp_path / "s.json"))
+    try:
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-2000:]
+        t0 = time.time()
+        proc.terminate()
+        proc.wait(timeout=30)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        time.sleep(0.5)
+        left = _leftover(tmp_path / "run")
+        for pid in left:  # the node launchers lead sessions of their own
+            os.killpg(pid, 9) if os.getpgid(pid) == pid else os.kill(pid, 9)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert not left, "node launchers or workers left running after SIGTERM"
+    assert proc.returncode == 1 and "SIGTERM" in err.split("error:")[-1], err[-2000:]
+    assert elapsed < 15
+    assert not (tmp_path / "s.json").exists()
+
+
 def _launch_in(tmp: Path, model: dict, plan: dict, *extra: str, cluster: dict = CLUSTER):
     """``hetero launch`` with ``TMPDIR=tmp`` (where default run directories go); the process and the
     names left in ``tmp`` (torch's own caches aside)."""

@@ -311,6 +311,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     job = _Job(launch, slots)
     timeout = launch.spec.options.timeout_s
     layout = launch.layout
+    previous = _catch_termination()
     try:
         job.start()  # inside the try: a node launcher that fails to start ends the ones already started
         started_at, first_seen = time.time(), None
@@ -349,7 +350,32 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
                 time.sleep(0.3)
                 raise LaunchError(_failure_message(job, layout, job.errors(), {}, dead))
     finally:
+        for sig in previous:  # a second signal must not cut the teardown short
+            signal.signal(sig, signal.SIG_IGN)
         job.teardown()
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _catch_termination() -> dict:
+    """SIGTERM / SIGHUP to the launcher raise a LaunchError, so the job is torn down like any failure
+    (the node launchers run in sessions of their own: the default action would leave them running).
+    Returns the handlers it replaced (none off the main thread, where Python cannot set handlers)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, _frame):
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        raise LaunchError(f"stopped by {signal.Signals(signum).name}: every process of the job was ended")
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            previous[sig] = signal.signal(sig, handler)
+    return previous
 
 
 def check_devices_here(launch: Launch, slots: list[int]) -> None:
