@@ -129,7 +129,8 @@ def _diff(a, b) -> str:
 
 
 def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
-    """Predict the best plan whose slowest used group has another tp; report the numbers."""
+    """Predict the best plan whose slowest used group has another tp; report the numbers (and whether
+    the chosen plan gives that group TP, pipeline stages or plain data parallelism)."""
     plan = best.plan
     used = {s.group: s.tp for p in plan.pipelines for s in p.stages}
     if not used:
@@ -174,8 +175,11 @@ def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
                      f"{_fmt_rate(pred.tokens_per_s)} tokens/s{note}")
     if not parts:
         return None
-    kind = "TP" if chosen_tp > 1 else "PP"
-    return (f"{slow} (slowest group) gets {kind}: tp{chosen_tp} predicts {_fmt_rate(best.prediction.tokens_per_s)} "
+    # tp1 in one-stage pipelines is plain data parallelism; an idle group may be slower still
+    staged = any(len(p.stages) > 1 for p in plan.pipelines if any(s.group == slow for s in p.stages))
+    kind = "TP" if chosen_tp > 1 else "PP" if staged else "DP"
+    which = "slowest group" if len(used) == len(cluster.groups) else "slowest group in use"
+    return (f"{slow} ({which}) gets {kind}: tp{chosen_tp} predicts {_fmt_rate(best.prediction.tokens_per_s)} "
             f"tokens/s; " + "; ".join(parts))
 
 

@@ -307,6 +307,22 @@ def test_reasons_explain_the_choice():
     assert "launch-bound" not in text  # 7B layers keep an A100 / MI250X / Ascend busy
 
 
+def test_the_tp_or_pp_reason_says_what_the_plan_does():
+    """3 layers on 8 A100s (two nodes of 4) + 4 T4s: the best plan is data parallel on the A100s alone
+    (8 one-stage replicas, tp1) while the slower T4s sit idle, so the A100 group is neither the slowest
+    group nor pipelined."""
+    cluster = hetero.load_cluster({
+        "name": "a100-t4", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
+        "groups": [{"name": "fast", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 4},
+                   {"name": "slow", "device": "T4", "nodes": 1, "devices_per_node": 4}]})
+    results = hetero.search(cluster, small_model(3), global_batch_size=16, top_k=3)
+    plan = results[0].plan
+    assert {s.group for p in plan.pipelines for s in p.stages} == {"fast"}
+    assert all(len(p.stages) == 1 and p.stages[0].tp == 1 for p in plan.pipelines)
+    line = next(r for r in results.reasons if re.search(r"gets (TP|PP|DP)", r))
+    assert line.startswith("fast (slowest group in use) gets DP: tp1"), line
+
+
 def test_reasons_name_launch_bound_stages():
     """A tiny model on GPUs: whatever plan wins, its layers are paced by kernel dispatch, and the
     reasons say so with the host and device times."""
