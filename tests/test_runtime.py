@@ -176,6 +176,44 @@ def test_data_file_tokens(tmp_path):
     assert int(TokenSource(512, 16, 0, str(tmp_path / "t.txt")).sample(0).max()) < 256
 
 
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_loading_runs_no_code_from_the_files(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from hetero.errors import HeteroError
+    from hetero.runtime.checkpoint import load_checkpoint, saved_loss_scale
+
+    module = torch.nn.Linear(2, 2, bias=False)
+    good = tmp_path / "good"
+    dcp.save({"model/weight": torch.ones(2, 2), "meta/step": torch.tensor(3)}, checkpoint_id=str(good))
+    assert load_checkpoint(str(good), module, torch.optim.AdamW(module.parameters())) == 3
+    assert float(module.weight.sum()) == 4.0 and saved_loss_scale(str(good)) is None
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    marker = tmp_path / "ran"
+    (evil / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    bytes_entry = tmp_path / "bytes"  # a non-tensor entry would be read with torch.load(weights_only=False)
+    bytes_entry.mkdir()
+    (bytes_entry / ".metadata").write_bytes(pickle.dumps(Metadata({"model/weight": BytesStorageMetadata()})))
+    for path, needle in ((evil, "os"), (bytes_entry, "not tensors"), (tmp_path, "no checkpoint metadata")):
+        for call in (lambda: saved_loss_scale(str(path)),
+                     lambda: load_checkpoint(str(path), module, torch.optim.AdamW(module.parameters()))):
+            with pytest.raises(HeteroError, match=needle):
+                call()
+    assert not marker.exists(), "unpickling the checkpoint metadata ran code"
+
+
 def test_schedules():
     from hetero.runtime.pipeline import schedule_actions
 

@@ -8,10 +8,67 @@ pipeline shapes) loads exactly the tensors its ranks hold and shards them locall
 """
 from __future__ import annotations
 
+import pickle
+
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hetero.errors import HeteroError
 from hetero.runtime.grads import full_tensor
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+                     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                     ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what a checkpoint's ``.metadata`` holds (DCP's metadata classes, torch sizes,
+    dtypes and layouts, paths): any other global, e.g. ``os.system``, is refused before it can run."""
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by :class:`_MetadataUnpickler` (torch's reader calls
+    plain ``pickle.load``, which runs whatever code the file names) and must describe tensors only
+    (a non-tensor entry would be read back with ``torch.load(weights_only=False)``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+        where = f"--load {self.path}"
+        try:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise HeteroError(f"{where}: no checkpoint metadata (.metadata) there (fix: give a directory written "
+                              f"by hetero launch --save that finished)") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
+            raise HeteroError(f"{where}: unreadable or unsafe checkpoint metadata ({e}); refusing to load it "
+                              f"(fix: load a checkpoint written by hetero launch --save)") from None
+        if not isinstance(metadata, Metadata):
+            raise HeteroError(f"{where}: the metadata is a {type(metadata).__name__}, not a checkpoint's "
+                              f"(fix: load a checkpoint written by hetero launch --save)")
+        odd = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
+        if odd:
+            raise HeteroError(f"{where}: entries {odd[:3]} are not tensors, which a checkpoint written by --save "
+                              f"never holds; refusing to unpickle them (fix: load a checkpoint written by "
+                              f"hetero launch --save)")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _local_from_full(like, full: torch.Tensor) -> torch.Tensor:
@@ -47,17 +104,17 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
 
 def saved_loss_scale(path: str) -> float | None:
     """The fp16 loss scale stored in the checkpoint at ``path``, or None (fp32/bf16, older checkpoints)."""
-    reader = dcp.FileSystemReader(path)
+    reader = _SafeReader(path)
     if "meta/loss_scale" not in reader.read_metadata().state_dict_metadata:
         return None
     state = {"meta/loss_scale": torch.tensor(0.0, dtype=torch.float64)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=_SafeReader(path))
     return float(state["meta/loss_scale"])
 
 
 def load_checkpoint(path: str, module, optimizer) -> int:
     """Fill this rank's parameters and AdamW state from ``path``; returns the step to resume at."""
-    reader = dcp.FileSystemReader(path)
+    reader = _SafeReader(path)
     available = set(reader.read_metadata().state_dict_metadata)
     state: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
     params = dict(module.named_parameters())
@@ -69,7 +126,7 @@ def load_checkpoint(path: str, module, optimizer) -> int:
                 state[f"optim/{name}/{k}"] = torch.empty(shape)
         if f"optim/{name}/step" in available:
             state[f"optim/{name}/step"] = torch.tensor(0.0)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=_SafeReader(path))
     with torch.no_grad():
         for name, p in params.items():
             local = _local_from_full(p, state[f"model/{name}"])
