@@ -63,10 +63,14 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
         a, b = best.prediction, ru.prediction
         gain = a.tokens_per_s / b.tokens_per_s - 1 if b.tokens_per_s else 0.0
         diff = _diff(best.plan, ru.plan)
-        reasons.append(f"best beats the runner-up ({ru.one_line}) by {gain * 100:.1f}% "
-                       f"({_fmt_rate(a.tokens_per_s)} vs {_fmt_rate(b.tokens_per_s)} tokens/s; "
-                       f"iteration {a.iteration_time_s:.3g} s vs {b.iteration_time_s:.3g} s)"
-                       + (f": {diff}" if diff else ""))
+        if a.tokens_per_s <= b.tokens_per_s:  # an exact tie (e.g. ZeRO twins over one replica)
+            reasons.append(f"best ties with the runner-up ({ru.one_line}) at {_fmt_rate(a.tokens_per_s)} tokens/s "
+                           f"(iteration {a.iteration_time_s:.3g} s)" + (f": {diff}" if diff else ""))
+        else:
+            reasons.append(f"best beats the runner-up ({ru.one_line}) by {gain * 100:.1f}% "
+                           f"({_fmt_rate(a.tokens_per_s)} vs {_fmt_rate(b.tokens_per_s)} tokens/s; "
+                           f"iteration {a.iteration_time_s:.3g} s vs {b.iteration_time_s:.3g} s)"
+                           + (f": {diff}" if diff else ""))
     # 3. TP or PP for the slower GPUs
     tp_pp = _tp_or_pp(cluster, model, B, best, candidates, scorer, cm)
     if tp_pp:

@@ -323,6 +323,18 @@ def test_the_tp_or_pp_reason_says_what_the_plan_does():
     assert line.startswith("fast (slowest group in use) gets DP: tp1"), line
 
 
+def test_an_exact_tie_with_the_runner_up_is_called_a_tie():
+    """One device: ZeRO 1 over a data-parallel degree of 1 shards nothing, so the ZeRO-0 plan and its
+    ZeRO-1 twin predict the same tokens/s to the last bit; the best does not 'beat' the runner-up."""
+    cluster = hetero.load_cluster({
+        "name": "one", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
+        "groups": [{"name": "g", "device": "A100-SXM4-80GB", "nodes": 1, "devices_per_node": 1}]})
+    results = hetero.search(cluster, small_model(4), global_batch_size=3, top_k=2)
+    assert results[0].tokens_per_s == results[1].tokens_per_s
+    line = next(r for r in results.reasons if "runner-up" in r)
+    assert "beats" not in line and line.startswith("best ties with the runner-up"), line
+
+
 def test_reasons_name_launch_bound_stages():
     """A tiny model on GPUs: whatever plan wins, its layers are paced by kernel dispatch, and the
     reasons say so with the host and device times."""
