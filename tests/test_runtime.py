@@ -214,6 +214,28 @@ def test_checkpoint_loading_runs_no_code_from_the_files(tmp_path):
     assert not marker.exists(), "unpickling the checkpoint metadata ran code"
 
 
+def test_a_checkpoint_of_another_model_is_refused_with_the_differences(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from hetero.errors import HeteroError
+    from hetero.runtime.checkpoint import load_checkpoint
+
+    def model(width, layers):
+        return torch.nn.ModuleDict({"layers": torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False)
+                                                                  for _ in range(layers))})
+
+    ckpt = str(tmp_path / "ckpt")  # three layers of width 2
+    dcp.save({f"model/layers.{i}.weight": torch.ones(2, 2) for i in range(3)} | {"meta/step": torch.tensor(1)},
+             checkpoint_id=ckpt)
+    m = model(2, 3)
+    assert load_checkpoint(ckpt, m, torch.optim.AdamW(m.parameters()), num_layers=3) == 1
+    for m, layers, needle in ((model(4, 3), 3, r"model/layers.0.weight is \[2, 2\] there, \[4, 4\]"),
+                              (model(2, 4), 4, "no tensor model/layers.3.weight"),
+                              (model(2, 2), 2, "3 transformer layers, the model 2")):  # a rank holding a part
+        with pytest.raises(HeteroError, match=needle):
+            load_checkpoint(ckpt, m, torch.optim.AdamW(m.parameters()), num_layers=layers)
+
+
 def test_schedules():
     from hetero.runtime.pipeline import schedule_actions
 
@@ -473,6 +495,23 @@ def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
         STEPS = old
     losses, _ = _reference(GPT)
     assert first["losses"] + second["losses"] == pytest.approx(losses, rel=RTOL)
+
+
+@pytest.mark.timeout(120)
+def test_loading_a_checkpoint_of_a_deeper_model_fails_naming_the_difference(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    deeper = {**GPT, "num_layers": 6}
+    _launch(a, deeper, _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]},
+                                                             {"group": "slow", "layers": [4, 6]}]}]),
+            "--steps", "1", "--save", ckpt)
+    _, proc = _launch(b, GPT, _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                                    {"group": "slow", "layers": [3, 4]}]}]),
+                      "--steps", "1", "--load", ckpt, check=False)
+    err = proc.stderr.split("error:")[-1]
+    assert proc.returncode == 1 and "6 transformer layers, the model 4" in err, proc.stderr[-3000:]
+    assert not (b / "summary.json").exists()
 
 
 @pytest.mark.timeout(120)

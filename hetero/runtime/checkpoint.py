@@ -112,12 +112,15 @@ def saved_loss_scale(path: str) -> float | None:
     return float(state["meta/loss_scale"])
 
 
-def load_checkpoint(path: str, module, optimizer) -> int:
-    """Fill this rank's parameters and AdamW state from ``path``; returns the step to resume at."""
+def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None) -> int:
+    """Fill this rank's parameters and AdamW state from ``path``; returns the step to resume at.
+    ``num_layers``: the model's, checked against the checkpoint's (a rank sees only its own layers)."""
     reader = _SafeReader(path)
-    available = set(reader.read_metadata().state_dict_metadata)
+    saved = reader.read_metadata().state_dict_metadata
+    available = set(saved)
     state: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
     params = dict(module.named_parameters())
+    _check_same_model(path, saved, {name: tuple(_full_shape(p)) for name, p in params.items()}, num_layers)
     for name, p in params.items():
         shape = tuple(_full_shape(p))
         state[f"model/{name}"] = torch.empty(shape)
@@ -138,6 +141,25 @@ def load_checkpoint(path: str, module, optimizer) -> int:
                     "exp_avg_sq": _wrap_like(p, state[f"optim/{name}/exp_avg_sq"]),
                 }
     return int(state["meta/step"])
+
+
+def _check_same_model(path: str, saved: dict, shapes: dict, num_layers: int | None) -> None:
+    """Fail with the differences when the checkpoint at ``path`` was written for another model."""
+    problems = []
+    if num_layers is not None:
+        layers = {int(k.split(".")[1]) for k in saved if k.startswith("model/layers.")}
+        if layers != set(range(num_layers)):
+            problems.append(f"it holds {len(layers)} transformer layers, the model {num_layers}")
+    for name, shape in shapes.items():
+        md = saved.get(f"model/{name}")
+        if md is None:
+            problems.append(f"no tensor model/{name}")
+        elif tuple(md.size) != shape:
+            problems.append(f"model/{name} is {list(md.size)} there, {list(shape)} in this model")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise HeteroError(f"--load {path}: the checkpoint was written for another model: {'; '.join(problems[:3])}"
+                          f"{more} (fix: load a checkpoint saved from this model; any plan of it works)")
 
 
 def _full_shape(p):

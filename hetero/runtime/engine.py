@@ -145,7 +145,7 @@ class NativeEngine:
     def load(self, path: str) -> int:
         from hetero.runtime.checkpoint import load_checkpoint
 
-        step = load_checkpoint(path, self.module, self.optimizer)
+        step = load_checkpoint(path, self.module, self.optimizer, num_layers=self.ctx.model.num_layers)
         if self.scaler:
             from hetero.runtime.checkpoint import saved_loss_scale
 
