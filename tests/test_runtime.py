@@ -331,6 +331,20 @@ def test_bad_inputs_exit_1(tmp_path):
         assert out.returncode == 1 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
+def test_save_or_run_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                   {"group": "slow", "layers": [3, 4]}]}])
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    base = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "c.yaml", CLUSTER),
+            "--model", _write(tmp_path, "m.yaml", GPT), "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run"]
+    for flag, path in (("--save", afile), ("--save", afile / "ckpt"), ("--run-dir", afile),
+                       ("--run-dir", afile / "run")):
+        out = subprocess.run(base + [flag, str(path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 1 and f"error: {flag} {path}: {afile} is a file" in out.stderr, out.stderr
+        assert "fix:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 # ---------------------------------------------------------------------------- multi-process runs
 
 

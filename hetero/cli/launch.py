@@ -85,6 +85,15 @@ def _check_numbers(args) -> None:
         need(os.path.isfile(args.data), "--data", args.data, "give a token or text file")
     if args.load:
         need(os.path.isdir(args.load), "--load", args.load, "give a checkpoint directory written by --save")
+    for flag, value, fix in (("--save", args.save, "give a directory for the checkpoint's files"),
+                             ("--run-dir", args.run_dir, "give a directory, or leave --run-dir out for a "
+                                                         "temporary one")):
+        if value:  # checked before training: --save is written only at the end of the run
+            existing = os.path.abspath(value)
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing):
+                raise HeteroError(f"{flag} {value}: {existing} is a file, not a directory (fix: {fix})")
     for flag, value in (("--summary", args.summary), ("--trace", args.trace)):
         if value:
             from hetero.specs.io import check_output_path
