@@ -529,6 +529,21 @@ def test_loading_a_checkpoint_of_a_deeper_model_fails_naming_the_difference(tmp_
 
 
 @pytest.mark.timeout(120)
+def test_a_diverged_run_writes_a_summary_that_is_valid_json(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
+                                                   {"group": "slow", "layers": [3, 4]}]}])
+    _, proc = _launch(tmp_path, GPT, plan, "--steps", "2", "--lr", "1e30", check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in the summary: not JSON")
+
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_constants)
+    assert summary["steps"] == len(summary["losses"]) == 2
+    assert summary["losses"][1] is None and summary["grad_norms"][1] is None
+
+
+@pytest.mark.timeout(120)
 def test_injected_failure_names_rank_and_stage_without_orphans(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                                  {"group": "slow", "layers": [2, 4]}]}])

@@ -56,7 +56,7 @@ class Reporter:
         else:
             cmp.add_row("predicted", "n/a (predictor not available)", "")
         self.out.print(cmp)
-        losses = summary["losses"]
+        losses = ["nan" if x is None else f"{x:.4f}" for x in summary["losses"]]  # null: not finite
         if losses:
-            self.out.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+            self.out.print(f"loss {losses[0]} -> {losses[-1]} over {len(losses)} steps; "
                            f"mean step {statistics.fmean(summary['iteration_times_s']) * 1e3:.1f} ms")

@@ -175,7 +175,9 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
     scaling = {}
     if any(r.loss_scale is not None for r in res):  # fp16 with the native engine
         scaling = {"loss_scales": [r.loss_scale for r in res], "skipped_steps": [r.step for r in res if r.skipped]}
-    return {**scaling, "steps": len(res), "losses": [r.loss for r in res], "iteration_times_s": times,
+    # a diverged step's loss is NaN / inf: null, since JSON has no NaN / Infinity (as for grad_norms)
+    losses = [r.loss if math.isfinite(r.loss) else None for r in res]
+    return {**scaling, "steps": len(res), "losses": losses, "iteration_times_s": times,
             "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
             "reconfigurations": [],
             "median_iteration_time_s": statistics.median(st) if st else None,
