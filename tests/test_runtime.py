@@ -318,6 +318,11 @@ def test_dry_run_prints_every_node(tmp_path):
     assert "--node-rank=0" in text and "--node-rank=1" in text and "--rdzv-backend=static" in text
     assert "--master-addr=127.0.0.1" in text and "HETERO_NODE_SLOT=1" in text
     assert "stage 0" in text and not _leftover(tmp_path / "run")
+    # slot 0 hosts the rendezvous store: through the wrapper that binds it to 127.0.0.1 only
+    commands = [line for line in text.splitlines() if "--node-rank=" in line]
+    assert len(commands) == 2
+    assert "-m hetero.runtime.torchrun_loopback" in commands[0] and "--node-rank=0" in commands[0]
+    assert commands[1].startswith("torchrun ") and "--node-rank=1" in commands[1]
 
 
 def test_bad_inputs_exit_1(tmp_path):
@@ -346,6 +351,59 @@ def test_save_or_run_dir_that_is_a_file_is_refused_before_training(tmp_path):
 
 
 # ---------------------------------------------------------------------------- multi-process runs
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, hexport = local.split(":")
+            if state != "0A" or int(hexport, 16) != port:   # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from /proc/net")
+def test_a_local_launch_listens_on_the_loopback_interface_only(tmp_path):
+    """torchrun's rendezvous store binds every interface; a local launch's must be reachable from
+    this machine only. Its sockets are watched while it trains, and the store is seen listening."""
+    import threading
+
+    from _spawn import free_port
+
+    port = free_port()
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(_listening(port))
+            time.sleep(0.05)
+
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        summary, _ = _launch(tmp_path, GPT, plan, "--master-port", str(port))
+    finally:
+        done.set()
+        t.join(5)
+    assert summary["steps"] == STEPS
+    assert seen == {"127.0.0.1"}, seen
 
 
 @pytest.mark.timeout(180)

@@ -31,6 +31,8 @@ from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 
 LOCAL_HOSTS = {None, "localhost", "127.0.0.1", "::1"}
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Master addresses whose rendezvous store is bound to the loopback interface only."""
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
                    "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 WORKER_MODULE = "hetero.runtime.worker"
@@ -59,9 +61,16 @@ class NodeCommand:
     torchrun_args: list[str]
     family: str = "cpu"
     """Vendor family of the group's device type (whose backend its workers use)."""
+    loopback_store: bool = False
+    """Slot 0 of a launch on 127.0.0.1: torchrun through :mod:`hetero.runtime.torchrun_loopback`,
+    so its rendezvous store listens on the loopback interface only (torchrun's own binds every
+    interface)."""
 
     def argv(self, local: bool) -> list[str]:
-        head = [sys.executable, "-m", "torch.distributed.run"] if local else ["torchrun"]
+        if self.loopback_store:
+            head = [sys.executable if local else "python", "-m", "hetero.runtime.torchrun_loopback"]
+        else:
+            head = [sys.executable, "-m", "torch.distributed.run"] if local else ["torchrun"]
         return head + self.torchrun_args
 
     def shell(self) -> str:
@@ -150,7 +159,8 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
                 *options.extra]
         commands.append(NodeCommand(slot=slot, group=node.group, node=node.node, host=node.host,
                                     first_rank=node.first_rank, num_ranks=node.num_ranks, env=env,
-                                    torchrun_args=args, family=family))
+                                    torchrun_args=args, family=family,
+                                    loopback_store=slot == 0 and addr in LOOPBACK))
     return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
                   master_port=port, local=local, owns_run_dir=owns_run_dir)
 
@@ -167,7 +177,7 @@ def dry_run_text(launch: Launch) -> str:
     """``--dry-run``: the rank map and every node's environment and torchrun command, as shell text."""
     lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
              f"rendezvous static at {launch.master_addr}:{launch.master_port}"
-             + ("" if launch.master_addr in ("127.0.0.1", "::1") else " (non-loopback: reachable from the network)"),
+             + ("" if launch.master_addr in LOOPBACK else " (non-loopback: reachable from the network)"),
              f"# run file (rank -> group / pipeline / stage map): {launch.spec_path}"]
     for r in launch.layout.ranks:
         lines.append(f"#   {describe_rank(r)}  node {r.group}/{r.node} local_rank {r.local_rank}")
@@ -306,7 +316,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
         raise HeteroError(f"this run spans hosts {', '.join(hosts)}: run `hetero launch ... --node-rank R` on each "
                           f"(see --dry-run for every node's command)")
     check_devices_here(launch, slots)
-    if launch.master_addr not in ("127.0.0.1", "::1", "localhost"):
+    if launch.master_addr not in LOOPBACK:
         print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback)")
     job = _Job(launch, slots)
     timeout = launch.spec.options.timeout_s
