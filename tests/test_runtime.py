@@ -184,6 +184,45 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+def test_an_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    """A checkpoint is written beside its directory and moved into place when complete: a save that
+    fails half-way leaves the previous checkpoint loadable (not its .metadata next to new files),
+    and the next save clears the leftovers."""
+    import torch.distributed.checkpoint as dcp
+
+    from hetero.runtime import checkpoint as C
+
+    def model_with(value):
+        m = torch.nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            m.weight.fill_(value)
+        return m
+
+    path = str(tmp_path / "ckpt")
+    holders = {"weight": [0]}
+    first = model_with(1.0)
+    C.save_checkpoint(path, first, torch.optim.AdamW(first.parameters()), holders, 0, step=3)
+    real_save = dcp.save
+
+    def dies_half_way(state, checkpoint_id):
+        os.makedirs(checkpoint_id, exist_ok=True)
+        open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb").write(b"half")
+        raise RuntimeError("node lost")
+
+    second = model_with(2.0)
+    monkeypatch.setattr(dcp, "save", dies_half_way)
+    with pytest.raises(RuntimeError, match="node lost"):
+        C.save_checkpoint(path, second, torch.optim.AdamW(second.parameters()), holders, 0, step=5)
+    back = model_with(0.0)
+    assert C.load_checkpoint(path, back, torch.optim.AdamW(back.parameters())) == 3
+    assert float(back.weight.sum()) == 4.0
+    monkeypatch.setattr(dcp, "save", real_save)
+    C.save_checkpoint(path, second, torch.optim.AdamW(second.parameters()), holders, 0, step=5)
+    assert C.load_checkpoint(path, back, torch.optim.AdamW(back.parameters())) == 5
+    assert float(back.weight.sum()) == 8.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_checkpoint_loading_runs_no_code_from_the_files(tmp_path):
     import pickle
 
@@ -348,6 +387,13 @@ def test_save_or_run_dir_that_is_a_file_is_refused_before_training(tmp_path):
         out = subprocess.run(base + [flag, str(path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert out.returncode == 1 and f"error: {flag} {path}: {afile} is a file" in out.stderr, out.stderr
         assert "fix:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    # a directory of other files: the checkpoint would replace it whole, so it is refused
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    out = subprocess.run(base + ["--save", str(other)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and "holds files that are not a checkpoint" in out.stderr, out.stderr
+    assert (other / "keep.txt").read_text() == "mine"
 
 
 # ---------------------------------------------------------------------------- multi-process runs

@@ -94,6 +94,14 @@ def _check_numbers(args) -> None:
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing):
                 raise HeteroError(f"{flag} {value}: {existing} is a file, not a directory (fix: {fix})")
+    if args.save and os.path.isdir(args.save):
+        from hetero.runtime.checkpoint import is_checkpoint_dir
+
+        # the new checkpoint replaces the directory when it is complete: never one with other files
+        if not is_checkpoint_dir(args.save):
+            raise HeteroError(f"--save {args.save}: the directory holds files that are not a checkpoint, and the "
+                              f"new checkpoint replaces the whole directory (fix: give a new directory or one "
+                              f"an earlier --save wrote)")
     for flag, value in (("--summary", args.summary), ("--trace", args.trace)):
         if value:
             from hetero.specs.io import check_output_path

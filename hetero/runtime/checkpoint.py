@@ -8,7 +8,9 @@ pipeline shapes) loads exactly the tensors its ranks hold and shards them locall
 """
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -99,7 +101,40 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
         state["meta/step"] = torch.tensor(step, dtype=torch.int64)
         if loss_scale is not None:
             state["meta/loss_scale"] = torch.tensor(loss_scale, dtype=torch.float64)
-    dcp.save(state, checkpoint_id=path)
+    # Written beside ``path`` and moved into place when complete, so an interrupted save leaves the
+    # previous checkpoint whole (not its .metadata next to half of the new files). No rank writes
+    # before dcp.save's planning collective, which rank 0 joins after clearing a stale staging dir;
+    # every rank's files are written when dcp.save returns on rank 0 (its final collective).
+    staging = staging_dir(path)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    dcp.save(state, checkpoint_id=staging)
+    if rank == 0:
+        _put_in_place(staging, path)
+
+
+def staging_dir(path: str) -> str:
+    """Where a checkpoint for ``path`` is written before it is moved into place."""
+    return os.path.normpath(path) + ".partial"
+
+
+def _put_in_place(staging: str, path: str) -> None:
+    """Replace ``path`` (a previous checkpoint, or nothing) with the complete ``staging`` directory;
+    a crash in between leaves the previous one as ``<path>.old``."""
+    old = None
+    if os.path.lexists(path):
+        old = os.path.normpath(path) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """An empty directory, or one a --save wrote (native: DCP's .metadata; DeepSpeed: its 'latest')."""
+    names = set(os.listdir(path))
+    return not names or ".metadata" in names or "latest" in names
 
 
 def saved_loss_scale(path: str) -> float | None:
