@@ -16,6 +16,7 @@ the whole cluster can reach.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -85,13 +86,25 @@ def _subcluster(cluster, group: str):
 
 
 def _dedupe(scored):
-    out, seen = [], set()
-    for s, plan, pred, c in scored:
-        key = repr(plan.to_dict())
+    """Drop repeated plans, and ZeRO twins (the same plan at another ``zero_stage``) predicting the
+    same tokens/s: only the lowest ZeRO stage of those stays (the predictor charges the higher
+    stages no time but they shard state that one replica cannot, and cost real communication the
+    predictor leaves out, e.g. ZeRO-2's per-micro-batch reductions), so top-k lists distinct plans."""
+    out, seen, twins = [], set(), {}
+    for item in scored:
+        d = item[1].to_dict()
+        key = repr(d)
         if key in seen:
             continue
         seen.add(key)
-        out.append((s, plan, pred, c))
+        d.pop("zero_stage", None)
+        same = twins.setdefault(repr(d), [])
+        tie = next((j for j in same if item[0] > 0 and math.isclose(out[j][0], item[0], rel_tol=1e-12)), None)
+        if tie is None:
+            same.append(len(out))
+            out.append(item)
+        elif item[1].zero_stage < out[tie][1].zero_stage:
+            out[tie] = item
     return out
 
 

@@ -323,16 +323,38 @@ def test_the_tp_or_pp_reason_says_what_the_plan_does():
     assert line.startswith("fast (slowest group in use) gets DP: tp1"), line
 
 
-def test_an_exact_tie_with_the_runner_up_is_called_a_tie():
+def test_zero_twins_that_predict_the_same_tokens_per_s_are_listed_once():
     """One device: ZeRO 1 over a data-parallel degree of 1 shards nothing, so the ZeRO-0 plan and its
-    ZeRO-1 twin predict the same tokens/s to the last bit; the best does not 'beat' the runner-up."""
+    ZeRO-1 twin predict the same tokens/s to the last bit. The list holds the plan once (ZeRO 0, the
+    lowest stage) and the runner-up is a different plan, which the best does beat."""
     cluster = hetero.load_cluster({
         "name": "one", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
         "groups": [{"name": "g", "device": "A100-SXM4-80GB", "nodes": 1, "devices_per_node": 1}]})
-    results = hetero.search(cluster, small_model(4), global_batch_size=3, top_k=2)
-    assert results[0].tokens_per_s == results[1].tokens_per_s
+    results = hetero.search(cluster, small_model(4), global_batch_size=3, top_k=3)
+    assert results[0].plan.zero_stage == 0
+    bare = [{k: v for k, v in r.plan.to_dict().items() if k != "zero_stage"} for r in results]
+    for i in range(len(results)):
+        for j in range(i):
+            assert not (bare[i] == bare[j] and results[i].tokens_per_s == results[j].tokens_per_s), (i, j)
     line = next(r for r in results.reasons if "runner-up" in r)
-    assert "beats" not in line and line.startswith("best ties with the runner-up"), line
+    assert line.startswith("best beats the runner-up"), line
+
+
+def test_of_zero_twins_with_equal_tokens_per_s_the_lowest_stage_stays():
+    """Of ZeRO twins predicting the same tokens/s the lowest stage is kept, in the place of the
+    first twin; a twin that is slower, and another plan with the same tokens/s, are entries of
+    their own."""
+    from hetero.planner.search import _dedupe
+
+    base = {"global_batch_size": 4, "micro_batch_size": 1,
+            "pipelines": [{"replicas": 2, "micro_batches": 2, "stages": [{"group": "g", "layers": [0, 4]}]}]}
+    plans = [hetero.load_plan({**base, "zero_stage": z}) for z in (0, 1, 2)]
+    other = hetero.load_plan({**base, "micro_batch_size": 2, "pipelines": [
+        {"replicas": 2, "micro_batches": 1, "stages": [{"group": "g", "layers": [0, 4]}]}]})
+    scored = [(10.0, plans[1], None, None), (10.0, other, None, None), (10.0, plans[0], None, None),
+              (9.0, plans[2], None, None), (10.0, plans[1], None, None)]
+    kept = _dedupe(scored)
+    assert [(s, p.zero_stage, p.micro_batch_size) for s, p, _, _ in kept] == [(10.0, 0, 1), (10.0, 0, 2), (9.0, 2, 1)]
 
 
 def test_reasons_name_launch_bound_stages():
