@@ -630,6 +630,8 @@ def test_loading_a_checkpoint_of_a_deeper_model_fails_naming_the_difference(tmp_
     err = proc.stderr.split("error:")[-1]
     assert proc.returncode == 1 and "6 transformer layers, the model 4" in err, proc.stderr[-3000:]
     assert not (b / "summary.json").exists()
+    # the load fails before any step: the message says so instead of naming a step never run
+    assert "failed while setting up (model, process groups, --load)" in err and "at step" not in err, err
 
 
 @pytest.mark.timeout(120)

@@ -422,7 +422,9 @@ def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: 
     lines = []
     if errors:
         e = errors[0]
-        lines.append(f"{e.get('where', 'rank %s' % e.get('rank'))} failed at step {e.get('step')}: {e.get('message')}")
+        phase = e.get("phase", "training")
+        when = f"at step {e.get('step')}" if phase == "training" else f"while {phase}"
+        lines.append(f"{e.get('where', 'rank %s' % e.get('rank'))} failed {when}: {e.get('message')}")
     for r in dead:
         if not any(e.get("rank") == r for e in errors):
             lines.append(f"{describe_rank(layout.ranks[r])} died without reporting (killed or crashed)")

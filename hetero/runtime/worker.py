@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         _write(base + ".pid", str(os.getpid()))
     info = spec.rank_layout().ranks[rank]
-    step_box = {"step": 0}
+    step_box = {"step": 0, "phase": "setting up (model, process groups, --load)"}
     try:
         _train(spec, rank, base, step_box)
         if base:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if injected else f"{type(e).__name__}: {e}"
         if base:
             _write(base + ".error.json", json.dumps({
-                "rank": rank, "time": time.time(), "step": step_box["step"] + 1,
+                "rank": rank, "time": time.time(), "step": step_box["step"] + 1, "phase": step_box["phase"],
                 "kind": "injected" if injected else "exception", "where": describe_rank(info),
                 "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
         print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
@@ -86,9 +86,12 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
         if reporter:
             reporter.step(result)
 
+    step_box["phase"] = "training"
     trainer.train(opts.steps, log=log)
     if opts.save:
+        step_box["phase"] = "saving the checkpoint (--save)"
         trainer.save(opts.save)
+    step_box["phase"] = "finishing (summary, trace)"
     events = trainer.gather_events() if opts.trace else None
     if rank == 0:
         predicted = predict_iteration_time(trainer.ctx)
