@@ -357,6 +357,11 @@ def test_dry_run_prints_every_node(tmp_path):
     assert "--node-rank=0" in text and "--node-rank=1" in text and "--rdzv-backend=static" in text
     assert "--master-addr=127.0.0.1" in text and "HETERO_NODE_SLOT=1" in text
     assert "stage 0" in text and not _leftover(tmp_path / "run")
+    # a dry run writes nothing: not even the directories of a --summary / --trace it would write
+    outputs = ["--summary", str(tmp_path / "new" / "s.json"), "--trace", str(tmp_path / "t" / "t.json")]
+    out = subprocess.run(cmd + outputs, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "new").exists() and not (tmp_path / "t").exists()
     # slot 0 hosts the rendezvous store: through the wrapper that binds it to 127.0.0.1 only
     commands = [line for line in text.splitlines() if "--node-rank=" in line]
     assert len(commands) == 2

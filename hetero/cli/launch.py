@@ -106,7 +106,9 @@ def _check_numbers(args) -> None:
         if value:
             from hetero.specs.io import check_output_path
 
-            check_output_path(value, flag)
+            # the workers write with a plain open, so a real run needs the directories now; a dry
+            # run writes nothing and only checks that they could be made
+            check_output_path(value, flag, create=not args.dry_run)
 
 
 def run(args) -> int:
