@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from hetero.specs.model import ModelSpec
 
 from .ops import DTYPE_BYTES
-from .schedule import interleave_group
+from .schedule import executed_order, interleave_group
 
 MiB = 2**20
 FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * MiB, "intel": 512 * MiB,
@@ -196,10 +196,10 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
     Each is the peak count of the order :mod:`hetero.predictor.schedule` simulates (tested).
     """
     p, m, i = num_stages, micro_batches, stage
-    if schedule == "gpipe" or (schedule == "interleaved" and interleave <= 1):
+    kind, v = executed_order(schedule, p * interleave, interleave)
+    if kind == "gpipe":
         return float(m)
-    if schedule == "interleaved":
-        v = interleave
+    if kind == "interleaved":
         chunks = min((p - i - 1) * 2 + (v - 1) * interleave_group(p, m) + 1, m * v)
         return chunks / v
     return float(min(p - i, m))

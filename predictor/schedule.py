@@ -108,16 +108,17 @@ def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: b
     return t, events
 
 
-def _variant(schedule: str, V: int, interleave: int) -> tuple[str, int]:
-    """(order actually simulated, chunks per device): interleaving needs v > 1 chunks dividing
-    the V stages, else the schedule runs as GPipe with one chunk per device."""
+def executed_order(schedule: str, V: int, interleave: int) -> tuple[str, int]:
+    """(order actually simulated and run, chunks per device) for ``V`` virtual stages: interleaving
+    needs v > 1 chunks dividing the V stages, else the schedule runs as GPipe with one chunk per
+    device."""
     v = interleave if schedule == "interleaved" and interleave > 1 and V % interleave == 0 else 1
     return (schedule if v > 1 or schedule != "interleaved" else "gpipe"), v
 
 
 def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int, trace: bool):
     """(pipeline time, per-device ready times, trace events or None) of one replica."""
-    kind, v = _variant(schedule, len(fwd), interleave)
+    kind, v = executed_order(schedule, len(fwd), interleave)
     prog, ndev, sends = _compile(kind, len(fwd), m, v)
     return _evaluate(prog, ndev, sends, fwd + bwd, p2p + (0.0,), trace)
 
@@ -126,7 +127,7 @@ def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> li
     """Per device, the ordered ops ``(kind 'F'/'B', micro-batch, virtual stage)`` this module
     simulates for ``stages`` (virtual) stages and ``m`` micro-batches, deadlock fallback included:
     what the runtime executes, so the predicted and the executed schedule are the same."""
-    kind, v = _variant(schedule, stages, interleave)
+    kind, v = executed_order(schedule, stages, interleave)
     return _resolved(kind, stages, m, v)[0]
 
 
@@ -284,4 +285,5 @@ def pipeline_time(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> 
     return _ends(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)[0]
 
 
-__all__ = ["simulate", "pipeline_time", "pipeline_ends", "device_orders", "interleave_group", "Deadlock"]
+__all__ = ["simulate", "pipeline_time", "pipeline_ends", "device_orders", "executed_order", "interleave_group",
+           "Deadlock"]
