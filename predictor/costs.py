@@ -314,7 +314,8 @@ class StageCostModel:
         key = ("p", group_a, group_b, mbs, same_node, streams, tp_a, tp_b)
         hit = self._cache.get(key)
         if hit is None:
-            nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
+            act = mbs * self.model.seq_length * self.model.hidden_size * self.e   # one activation
+            nbytes = act
             fa, fb = self._factors[group_a].communication, self._factors[group_b].communication
             if group_a == group_b:
                 g = self._groups[group_a]
@@ -329,7 +330,6 @@ class StageCostModel:
             else:
                 link = self.cluster.network.cross_group
                 hit = comm.p2p(nbytes, link.bandwidth, link.latency, self._staged(group_a, group_b)) * max(fa, fb)
-            act = mbs * self.model.seq_length * self.model.hidden_size * self.e
             hit += max(self._gather_time(group_a, tp_a, act), self._gather_time(group_b, tp_b, act))
             self._cache[key] = hit
         return hit

@@ -116,9 +116,7 @@ def read_runs(path) -> list[Run]:
             if len(cells) != len(header):   # cells beyond the header / a row cut short
                 raise CalibrationError(f"{source}, row {i}: has {len(cells)} cells but the header has {len(header)} "
                                        f"columns (fix: one cell per column, empty cells for blanks)")
-            row = {(k or "").strip(): (v or "").strip() if isinstance(v, str) else v for k, v in raw.items()}
-            if not any(row.values()):
-                continue
+            row = {k.strip(): v.strip() for k, v in raw.items()}   # every cell a string, under its header
             runs.append(_parse_run(row, i, source))
     if not runs:
         raise CalibrationError(f"{source}: no runs (the file has a header but no rows)")
