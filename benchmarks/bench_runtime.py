@@ -73,7 +73,7 @@ def ensure_profile(force: bool = False) -> str:
     path = P.cache_path("cpu")
     meta = P.read_meta(path) if path.exists() else {}
     blocks = meta.get("blocks") or []
-    stale = any(b.get("adamw_kernel") != P.RUNTIME_ADAMW_KERNEL for b in blocks)
+    stale = not all(P.times_runtime_adamw(b) for b in blocks)
     if force or not path.exists() or meta.get("threads") != 1 or not blocks or meta.get("quick") or stale:
         why = "forced" if force else ("no profile" if not path.exists() else
                                       f"cached profile has threads={meta.get('threads')}, "

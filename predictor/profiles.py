@@ -56,6 +56,11 @@ RUNTIME_ADAMW_KERNEL = "fused"
 the predict path needs no torch). Block probes record the kernel they timed; others are ignored."""
 
 
+def times_runtime_adamw(block: Mapping) -> bool:
+    """Whether a block probe timed the AdamW kernel the runtime runs (:data:`RUNTIME_ADAMW_KERNEL`)."""
+    return block.get("adamw_kernel") == RUNTIME_ADAMW_KERNEL
+
+
 # --------------------------------------------------------------------------------------- cache
 def cache_dir() -> Path:
     """``$HETERO_CACHE_DIR/profiles`` (default ``~/.cache/hetero/profiles``)."""
@@ -347,7 +352,7 @@ class LocalOpModel:
         fused kernel: ``hetero profile`` again). ``hidden`` is accepted for the interface and unused."""
         pts = sorted((float(b["params"]), float(b["adamw_ms"]) * 1e-3 / float(b["params"]))
                      for b in self.blocks if float(b.get("adamw_ms") or 0) > 0 and float(b.get("params") or 0) > 0
-                     and b.get("adamw_kernel") == RUNTIME_ADAMW_KERNEL)
+                     and times_runtime_adamw(b))
         if not pts or params <= 0:
             return None
         # one rate per distinct size (probes of the same size: their mean)
@@ -404,5 +409,5 @@ def local_op_model(device_name: str = "cpu", fallback: str | None = "cpu") -> Lo
 
 
 __all__ = ["COLUMNS", "LocalOpModel", "ProfileError", "Record", "cache_dir", "cache_path", "local_op_model",
-           "meta_path", "probe_model_dict", "read_meta", "read_records", "records_to_csv", "write_meta",
-           "write_records"]
+           "meta_path", "probe_model_dict", "read_meta", "read_records", "records_to_csv", "times_runtime_adamw",
+           "write_meta", "write_records"]

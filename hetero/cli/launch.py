@@ -89,10 +89,10 @@ def _check_numbers(args) -> None:
                              ("--run-dir", args.run_dir, "give a directory, or leave --run-dir out for a "
                                                          "temporary one")):
         if value:  # checked before training: --save is written only at the end of the run
-            existing = os.path.abspath(value)
-            while not os.path.exists(existing):
-                existing = os.path.dirname(existing)
-            if not os.path.isdir(existing):
+            from hetero.specs.io import nearest_existing
+
+            existing = nearest_existing(value)
+            if not existing.is_dir():
                 raise HeteroError(f"{flag} {value}: {existing} is a file, not a directory (fix: {fix})")
     if args.save and os.path.isdir(args.save):
         from hetero.runtime.checkpoint import is_checkpoint_dir

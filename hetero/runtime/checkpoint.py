@@ -143,7 +143,7 @@ def saved_loss_scale(path: str) -> float | None:
     if "meta/loss_scale" not in reader.read_metadata().state_dict_metadata:
         return None
     state = {"meta/loss_scale": torch.tensor(0.0, dtype=torch.float64)}
-    dcp.load(state, storage_reader=_SafeReader(path))
+    dcp.load(state, storage_reader=reader)
     return float(state["meta/loss_scale"])
 
 
@@ -164,7 +164,7 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
                 state[f"optim/{name}/{k}"] = torch.empty(shape)
         if f"optim/{name}/step" in available:
             state[f"optim/{name}/step"] = torch.tensor(0.0)
-    dcp.load(state, storage_reader=_SafeReader(path))
+    dcp.load(state, storage_reader=reader)
     with torch.no_grad():
         for name, p in params.items():
             local = _local_from_full(p, state[f"model/{name}"])

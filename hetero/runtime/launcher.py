@@ -30,9 +30,9 @@ from hetero.errors import HeteroError
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 
-LOCAL_HOSTS = {None, "localhost", "127.0.0.1", "::1"}
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Master addresses whose rendezvous store is bound to the loopback interface only."""
+LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
                    "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 WORKER_MODULE = "hetero.runtime.worker"

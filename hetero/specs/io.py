@@ -47,6 +47,15 @@ def read_user_text(path, what: str) -> str:
                              "save the file as UTF-8") from None
 
 
+def nearest_existing(path) -> Path:
+    """``path`` itself if it exists, else its nearest existing ancestor (where missing directories
+    would be made)."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists():
+        existing = existing.parent
+    return existing
+
+
 def check_output_path(path, what: str, create: bool = True) -> Path:
     """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
     non-regular file is there, or no writable directory would hold it. Returns the path to write
@@ -69,9 +78,7 @@ def check_output_path(path, what: str, create: bool = True) -> Path:
         except OSError as e:
             raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
                                  "choose a writable directory") from None
-    existing = path.parent
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(path.parent)
     if not existing.is_dir():
         raise InputFileError(f"{what} {path}: cannot create its directory: {existing} is not a directory",
                              "choose a writable directory")
