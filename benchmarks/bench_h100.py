@@ -9,10 +9,14 @@ Data (benchmarks/data/h100/, measured on one NVIDIA H100 80GB HBM3, torch 2.11 +
                 (hetero.runtime.model on one GPU: GPT-2-large fp32 and bf16, GPT-3 1.3B bf16, Llama-2-7B
                 cut to 8 layers bf16; each at its own sequence length): forward with the loss, backward,
                 AdamW, each between CUDA events, median of 10 after 3 warm-ups; peak allocated memory.
-                The AdamW timed there is torch's multi-tensor kernel (foreach), the runtime's at the
-                time; the runtime has since taken the fused kernel (one pass: the 28 bytes per
-                parameter the predictor charges), not re-measured on the GPU yet, so the step column
-                compares a fused prediction with a multi-tensor measurement (printed under the table).
+                The AdamW is the runtime's: torch's fused kernel, one pass over parameter, gradient and
+                moments (re-measured for it: 8.1 ms for GPT-2-large, where the multi-tensor kernel the
+                runtime used before took 21.0 ms; forward and backward reproduced within 1-2%).
+  launch.json   benchmarks/gpu/launch_cuda.py: whole steps of `hetero launch` itself, the native engine
+                placing the stage on the GPU (one rank: schedule of 2 micro-batches, gradient-norm
+                reduction, fused AdamW with the clip factor, metrics); median of 7 steady steps.
+  grad_norm.json benchmarks/gpu/grad_norm_cuda.py: the step's squared gradient norm, per-tensor dot
+                products vs torch's multi-tensor norm (the runtime's on a GPU).
 The learned operator model was fitted on the five NeuSight GPUs (A100, P100, P4, T4, V100; fp32);
 the H100 is none of them, so it is predicted from its catalog entry (configs/devices.yaml).
 
@@ -26,6 +30,8 @@ Part 2, training steps: `hetero predict --json` of a one-GPU, one-stage plan of 
 micro-batch, with an empty profile cache (specs) and with the profile cached (probed: bf16 takes the
 fp16 calibration, the same tensor cores at the same peak); forward and
 backward per micro-batch, the step (forward + backward + optimizer) and peak memory vs measured.
+Part 3, launched steps: `hetero predict --json` of the launched plan (specs / probed, as in part 2)
+vs the median iteration time `hetero launch` measured on the GPU.
 The model files say `attention: fused`, as the runtime runs it (--attention unfused shows what
 Megatron's unfused attention would be predicted to cost).
 
@@ -88,12 +94,14 @@ def operators() -> dict:
 
 
 def step_inputs(run: dict, attention: str) -> tuple[dict, dict, dict]:
-    """(cluster, model, plan) dicts of a measured step ``run`` (a row of steps.json): one H100, one
-    stage with every layer, one micro-batch of the run's size, the model with ``attention``."""
+    """(cluster, model, plan) dicts of a measured step ``run`` (a row of steps.json or launch.json):
+    one H100, one stage with every layer, ``run["micro_batches"]`` (default 1) micro-batches of the
+    run's size, the model with ``attention``."""
     spec = yaml.safe_load((REPO / "configs" / "models" / f"{run['model']}.yaml").read_text())
     spec.update(dtype=run["dtype"], num_layers=run.get("num_layers") or spec["num_layers"], attention=attention)
-    plan = {"global_batch_size": run["batch"], "micro_batch_size": run["batch"], "schedule": "1f1b",
-            "recompute": "none", "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": 1,
+    m = run.get("micro_batches", 1)
+    plan = {"global_batch_size": run["batch"] * m, "micro_batch_size": run["batch"], "schedule": "1f1b",
+            "recompute": "none", "zero_stage": 0, "pipelines": [{"replicas": 1, "micro_batches": m,
             "stages": [{"group": "h100", "tp": 1, "layers": [0, spec["num_layers"]]}]}]}
     return CLUSTER, spec, plan
 
@@ -112,27 +120,54 @@ def _predict(tmp: Path, run: dict, cache: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def steps() -> list[dict]:
-    measured = json.loads((DATA / "steps.json").read_text())["runs"]
-    out = []
+def _predicted(name: str, keys: tuple[str, ...]):
+    """For each run of data file ``name`` (failed runs left out): the run, a row of its ``keys``, and
+    `hetero predict --json` of it per profile cache (specs, probed)."""
+    measured = json.loads((DATA / name).read_text())["runs"]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        empty, cached = tmp / "empty", tmp / "cached"
-        (cached / "profiles").mkdir(parents=True)
-        empty.mkdir()
-        (cached / "profiles" / f"{DEVICE}.csv").write_bytes((DATA / "profile.csv").read_bytes())
+        caches = _caches(tmp)
         for run in measured:
-            if "error" in run:
-                continue
-            row = {k: run.get(k) for k in ("model", "num_layers", "dtype", "batch", "forward_ms", "backward_ms",
-                                           "optimizer_ms", "peak_allocated_bytes")}
-            for label, cache in (("specs", empty), ("probed", cached)):
-                p = _predict(tmp, run, cache)
-                st = p["pipelines"][0]["stages"][0]
-                row[label] = {"forward_ms": st["forward_time_s"] * 1e3, "backward_ms": st["backward_time_s"] * 1e3,
-                              "step_ms": p["iteration_time_s"] * 1e3, "peak_memory_bytes": st["peak_memory_bytes"]}
-            out.append(row)
+            if "error" not in run:
+                yield run, {k: run.get(k) for k in keys}, {label: _predict(tmp, run, c) for label, c in caches.items()}
+
+
+def steps() -> list[dict]:
+    out = []
+    for _, row, predictions in _predicted("steps.json", ("model", "num_layers", "dtype", "batch", "forward_ms",
+                                                         "backward_ms", "optimizer_ms", "peak_allocated_bytes")):
+        for label, p in predictions.items():
+            st = p["pipelines"][0]["stages"][0]
+            row[label] = {"forward_ms": st["forward_time_s"] * 1e3, "backward_ms": st["backward_time_s"] * 1e3,
+                          "step_ms": p["iteration_time_s"] * 1e3, "peak_memory_bytes": st["peak_memory_bytes"]}
+        out.append(row)
     return out
+
+
+def launches() -> list[dict]:
+    """launch.json's runs with the predictions of the launched plan (specs and probed)."""
+    bare_steps = [b for b in json.loads((DATA / "steps.json").read_text())["runs"] if "error" not in b]
+    out = []
+    for run, row, predictions in _predicted("launch.json", ("model", "num_layers", "dtype", "batch", "micro_batches")):
+        row["measured_ms"] = run["median_iteration_time_s"] * 1e3
+        bare = [b for b in bare_steps if all(b.get(k) == run.get(k) for k in ("model", "dtype", "batch"))]
+        # the same micro-batch measured alone (steps.json): m x (forward + backward) + AdamW
+        row["bare_step_ms"] = (run["micro_batches"] * (bare[0]["forward_ms"] + bare[0]["backward_ms"])
+                               + bare[0]["optimizer_ms"]) if bare else None
+        for label, p in predictions.items():
+            row[f"{label}_ms"] = p["iteration_time_s"] * 1e3
+        row["error"] = {label: row[f"{label}_ms"] / row["measured_ms"] - 1 for label in predictions}
+        out.append(row)
+    return out
+
+
+def _caches(tmp: Path) -> dict[str, Path]:
+    """Profile caches: ``specs`` empty, ``probed`` holding the H100's measured profile."""
+    empty, cached = tmp / "empty", tmp / "cached"
+    (cached / "profiles").mkdir(parents=True)
+    empty.mkdir()
+    (cached / "profiles" / f"{DEVICE}.csv").write_bytes((DATA / "profile.csv").read_bytes())
+    return {"specs": empty, "probed": cached}
 
 
 def main(argv=None) -> int:
@@ -174,10 +209,28 @@ def main(argv=None) -> int:
               f"{r['peak_allocated_bytes'] / 1e9:>7.1f} | {cells[0]} | {cells[1]}")
     pred = [r["specs"]["step_ms"] - r["specs"]["forward_ms"] - r["specs"]["backward_ms"] for r in st]
     print(f"optimizer + step overhead predicted {min(pred):.1f} .. {max(pred):.1f} ms (fused AdamW, 28 bytes per "
-          f"parameter); measured multi-tensor AdamW {min(r['optimizer_ms'] for r in st):.1f} .. "
-          f"{max(r['optimizer_ms'] for r in st):.1f} ms (the runtime now runs the fused kernel)")
+          f"parameter); measured fused AdamW {min(r['optimizer_ms'] for r in st):.1f} .. "
+          f"{max(r['optimizer_ms'] for r in st):.1f} ms")
+    launched = launches()
+    print("\nPart 3, `hetero launch` on one H100 (the native engine on the GPU): iteration time, ms")
+    print("(bare: part 2's isolated forward + backward of the same micro-batch, m times, + AdamW: what the runtime "
+          "adds on top)")
+    print(f"{'model':14s} {'dtype':5s} {'mbs x m':>7s} {'measured':>9s} {'bare':>7s} {'added':>6s} | {'specs':>7s} "
+          f"{'error':>7s} | {'probed':>7s} {'error':>7s}")
+    for r in launched:
+        name = r["model"] + (f"/{r['num_layers']}L" if r.get("num_layers") else "")
+        added = f"{r['measured_ms'] / r['bare_step_ms'] - 1:>+6.1%}" if r["bare_step_ms"] else f"{'-':>6s}"
+        print(f"{name:14s} {r['dtype']:5s} {str(r['batch']) + ' x ' + str(r['micro_batches']):>7s} "
+              f"{r['measured_ms']:>9.1f} {r['bare_step_ms'] or 0:>7.1f} {added} | {r['specs_ms']:>7.1f} "
+              f"{r['error']['specs']:>+7.1%} | {r['probed_ms']:>7.1f} {r['error']['probed']:>+7.1%}")
+    norm = json.loads((DATA / "grad_norm.json").read_text())
+    print(f"\nThe gradient norm of a GPT-2-large step on the GPU ({norm['tensors']} tensors, "
+          f"benchmarks/gpu/grad_norm_cuda.py; median ms):")
+    for label, r in norm["rows"].items():
+        print(f"  {label:36s} {r['median_ms']:6.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"method": __doc__, "operators": ops, "steps": st}, indent=1))
+        Path(args.json).write_text(json.dumps({"method": __doc__, "operators": ops, "steps": st,
+                                               "launches": launched}, indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -41,9 +41,10 @@ def _write(tmp_path: Path, name: str, data: dict) -> str:
     return str(path)
 
 
-def _launch(tmp_path: Path, model: dict, plan: dict, *extra: str, timeout: float = 150, check: bool = True):
+def _launch(tmp_path: Path, model: dict, plan: dict, *extra: str, timeout: float = 150, check: bool = True,
+            cluster: dict = CLUSTER):
     summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", CLUSTER),
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", cluster),
            "--model", _write(tmp_path, "model.yaml", model), "--plan", _write(tmp_path, "plan.yaml", plan),
            "--steps", str(STEPS), "--seed", "0", "--lr", str(LR), "--summary", str(summary), "--timeout", "20",
            "--run-dir", str(tmp_path / "run"), "--quiet", *extra]
@@ -780,34 +781,89 @@ def test_a_cuda_cluster_on_a_host_without_cuda_fails_before_any_worker_starts(tm
     assert time.time() - t0 < 30 and left == []
 
 
-def test_a_gpu_group_with_its_devices_is_told_the_native_engine_computes_on_the_cpu(tmp_path, monkeypatch, capsys):
-    """Where a GPU group finds its devices, the launch says that the native engine keeps the model on
-    the CPU (it does not place stages on devices), instead of letting CPU step times pass for GPU ones."""
+def test_node_slots_of_a_gpu_group_on_one_host_get_devices_of_their_own(tmp_path, monkeypatch, capsys):
+    """Two node slots of a GPU group launched on one machine see different devices (each renumbered
+    from 0 for its workers' LOCAL_RANK), within a user's CUDA_VISIBLE_DEVICES; too few devices for
+    the second slot is refused before anything starts. The native engine computes on the devices;
+    only --engine deepspeed (DeepSpeed's CPU accelerator here) says that it keeps the model on the CPU."""
     import hetero
     import hetero.backends as backends
+    from hetero.errors import HeteroError
     from hetero.runtime.launcher import check_devices_here, prepare
     from hetero.runtime.spec import RunOptions
+
+    visible = {"count": 4}
 
     class Present:
         name = "cuda"
 
         def detect(self):
-            return True, "4 fake devices"
+            return True, "fake devices"
 
         def device_count(self):
-            return 4
+            return visible["count"]
 
     monkeypatch.setattr(backends, "get_backend", lambda family: Present())
     cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
                                                                "nodes": 2, "devices_per_node": 2}]})
     plan = hetero.load_plan(_plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
-    for engine, said in (("native", True), ("deepspeed", False)):
-        launch = prepare(cluster, hetero.load_model(GPT), plan, RunOptions(engine=engine), run_dir=str(tmp_path / engine))
-        assert len(launch.nodes) == 2
+    model = hetero.load_model(GPT)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for engine, said in (("native", False), ("deepspeed", True)):
+        launch = prepare(cluster, model, plan, RunOptions(engine=engine), run_dir=str(tmp_path / engine))
+        assert [n.env["CUDA_VISIBLE_DEVICES"] for n in launch.nodes] == ["0,1", "2,3"]
         check_devices_here(launch, [0, 1])
         err = capsys.readouterr().err
-        assert ("group 'a100' (nvidia): the native engine keeps the model on this host's CPU" in err) is said, err
+        assert ("group 'a100' (nvidia): --engine deepspeed keeps the model on this host's CPU" in err) is said, err
         assert err.count("note:") == int(said)   # once per group, not per node slot or rank
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    launch = prepare(cluster, model, plan, RunOptions(), run_dir=str(tmp_path / "restricted"))
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in launch.nodes] == ["4,5", "6,7"]
+    visible["count"] = 3
+    with pytest.raises(HeteroError, match=r"node slot 1\) \(devices 2-3: earlier node slots here use the first 2\)"):
+        check_devices_here(launch, [0, 1])
+
+
+def test_a_rank_computes_on_its_groups_accelerator_made_current_or_on_the_cpu(monkeypatch):
+    """GPU groups compute on ``cuda:<LOCAL_RANK>`` (made the current device, which NCCL and the host
+    bridge's staging take); emulated (base: cpu) groups on the CPU; a missing device is named."""
+    import hetero.backends as backends
+    from hetero.backends.cuda import CudaBackend
+    from hetero.errors import HeteroError
+    from hetero.runtime.device import rank_device, torch_device_type
+
+    current = []
+
+    class TwoGpus(CudaBackend):
+        def detect(self):
+            return True, "fake"
+
+        def device_count(self):
+            return 2
+
+        def set_device(self, local_index=0):
+            current.append(local_index)
+
+    monkeypatch.setattr(backends, "get_backend", lambda name: TwoGpus())
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device("nvidia") == torch.device("cuda", 1) and current == [1]
+    assert rank_device("cpu") == torch.device("cpu") and current == [1]
+    assert [torch_device_type(f) for f in ("nvidia", "amd", "cpu", "intel")] == ["cuda", "cuda", "cpu", "cpu"]
+    with pytest.raises(HeteroError, match="nvidia device 2 but cuda has 2 visible"):
+        rank_device("nvidia", 2)
+
+
+def test_the_squared_norm_is_summed_on_the_device_with_each_holder_share():
+    """A step's squared gradient norm: every tensor's sum of squares, a tensor held by k ranks
+    counted 1/k, within fp32 accumulation of an fp64 sum."""
+    from hetero.runtime.grads import sum_of_squares, weighted_squares
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(1000, generator=g), torch.randn(30, 40, generator=g), torch.randn(7, generator=g)]
+    exact = [float((t.double() ** 2).sum()) for t in ts]
+    assert float(sum_of_squares(ts)) == pytest.approx(sum(exact), rel=1e-6)
+    assert weighted_squares({1: ts[:1], 3: ts[1:]}) == pytest.approx(exact[0] + (exact[1] + exact[2]) / 3, rel=1e-6)
+    assert weighted_squares({}) == 0.0
 
 
 def test_adamw_takes_the_fused_kernel_where_torch_has_it_with_the_same_update():

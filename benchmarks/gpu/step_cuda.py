@@ -3,7 +3,7 @@ CUDA GPU: forward (loss included), backward and the AdamW step, each between CUD
 REPS steps after WARM warm-up steps, and the peak allocated memory of a step. fp32 with TF32 off (as
 the NeuSight records), bf16 under torch.autocast. Writes JSON (argv[1]); benchmarks/bench_h100.py
 compares it with hetero predict. Run from the repository root on a machine with a CUDA GPU:
-    python benchmarks/gpu/step_cuda.py benchmarks/data/h100/steps.json"""
+    python benchmarks/gpu/step_cuda.py benchmarks/data/h100/steps.json [MODEL ...]"""
 import dataclasses, json, statistics, sys
 import torch
 import hetero
@@ -17,7 +17,10 @@ WARM, REPS = 3, 10
 CONFIGS = (  # (model, dtype, micro-batches, layers kept: None = all; a 7B model's fp32 Adam state needs ~112 GB)
     ("gpt2-large", "fp32", (1, 2, 4, 8), None), ("gpt2-large", "bf16", (4, 8, 16), None),
     ("gpt3-1.3b", "bf16", (2, 4, 8), None), ("llama2-7b", "bf16", (1, 2, 4), 8))
+ONLY = sys.argv[2:]  # model names to measure (default: all)
 for model_name, dtype, batches, layers in CONFIGS:
+    if ONLY and model_name not in ONLY:
+        continue
     spec = dataclasses.replace(hetero.load_model(f"configs/models/{model_name}.yaml"), dtype=dtype)
     if layers:
         spec = dataclasses.replace(spec, num_layers=layers)

@@ -91,12 +91,12 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
         full = full_tensor(p.detach())  # collective inside the tp group: every tp rank takes part
         st = optimizer.state.get(p, {})
         moments = {k: full_tensor(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
-        if owner:
-            state[f"model/{name}"] = full.clone()
+        if owner:  # host copies: a checkpoint does not depend on where its writer computed
+            state[f"model/{name}"] = full.to("cpu", copy=True)
             for k, v in moments.items():
-                state[f"optim/{name}/{k}"] = v.clone()
+                state[f"optim/{name}/{k}"] = v.to("cpu", copy=True)
             if "step" in st:
-                state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+                state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu", copy=True)
     if rank == 0:
         state["meta/step"] = torch.tensor(step, dtype=torch.int64)
         if loss_scale is not None:
@@ -170,8 +170,8 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
             local = _local_from_full(p, state[f"model/{name}"])
             (p.to_local() if hasattr(p, "to_local") else p).copy_(local)
             if f"optim/{name}/exp_avg" in state:
-                optimizer.state[p] = {
-                    "step": state[f"optim/{name}/step"].clone(),
+                optimizer.state[p] = {   # on the parameter's device, where the fused kernel wants its step
+                    "step": state[f"optim/{name}/step"].to(p.device, copy=True),
                     "exp_avg": _wrap_like(p, state[f"optim/{name}/exp_avg"]),
                     "exp_avg_sq": _wrap_like(p, state[f"optim/{name}/exp_avg_sq"]),
                 }
@@ -206,4 +206,4 @@ def _wrap_like(p, full: torch.Tensor):
 
     if isinstance(p, DTensor):
         return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-    return full.clone()
+    return full.to(p.device, copy=True)

@@ -12,6 +12,14 @@ kept for the libraries that need one (DTensor meshes, DeepSpeed). Process groups
 up front by :meth:`Collectives.create_groups`: every rank passes the same list (derived from the
 shared rank layout), so ``new_group`` is called in the same order everywhere. Errors carry the
 peer ranks and their place in the plan, so a timeout names who did not answer.
+
+Devices. A rank computing on an accelerator hands its tensors over where they live. With the
+unified communicator they go to its vendor library as they are (NCCL takes CUDA tensors), and
+across vendors the communicator stages them through host memory; a CPU tensor (a step's metrics)
+is moved to the rank's device first, since a vendor library takes its own device's tensors only.
+On plain ``torch.distributed`` every group is Gloo, so device tensors are staged through the host
+here. DTensor meshes over accelerator ranks get groups of the vendor library
+(:meth:`Collectives.mesh_group`), since DTensor's collectives run on the mesh's group.
 """
 from __future__ import annotations
 
@@ -30,10 +38,16 @@ class CommError(HeteroError):
 
 
 class Collectives:
-    def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str] = str):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, describe: Callable[[int], str] = str,
+                 device: torch.device | None = None, device_types: list[str] | None = None):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.describe = describe
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        """Where this rank's tensors live."""
+        self.device_types = list(device_types) if device_types else ["cpu"] * world_size
+        """The torch device type of every rank (known alike on every rank)."""
         self._groups: dict[tuple[int, ...], object] = {}
+        self._mesh_groups: dict[tuple[int, ...], object] = {}
         self._hgroups: dict[tuple[int, ...], object] = {}
         self._pending: list = []
         self.hc = None  # the hetero.comm Communicator, when used
@@ -41,12 +55,14 @@ class Collectives:
     # ------------------------------------------------------------------ setup
     @classmethod
     def init(cls, rank: int, world_size: int, timeout_s: float, describe=str, backend: str = "gloo",
-             vendors: list[str] | None = None) -> "Collectives":
-        """``init_process_group`` from the launcher's environment (MASTER_ADDR/PORT), explicit rank."""
+             vendors: list[str] | None = None, device: torch.device | None = None,
+             device_types: list[str] | None = None) -> "Collectives":
+        """``init_process_group`` from the launcher's environment (MASTER_ADDR/PORT), explicit rank.
+        ``device``: this rank's (default CPU); ``device_types``: every rank's device type."""
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        self = cls(rank, world_size, timeout_s, describe)
+        self = cls(rank, world_size, timeout_s, describe, device=device, device_types=device_types)
         # Collectives on their own group; the default group carries only p2p traffic.
         self._groups[tuple(range(world_size))] = dist.new_group(list(range(world_size)))
         if vendors and os.environ.get("HETERO_RUNTIME_COMM", "hetero") != "torch":
@@ -55,17 +71,29 @@ class Collectives:
             except ImportError:
                 Communicator = None
             if Communicator is not None:
-                self.hc = Communicator.from_vendors(list(vendors), bridge="gloo", timeout=timeout_s)
+                self.hc = Communicator.from_vendors(list(vendors), bridge="gloo", timeout=timeout_s,
+                                                    device=self.device)
                 self._hgroups[tuple(range(world_size))] = self.hc.world
         return self
 
-    def create_groups(self, rank_sets: Iterable[Iterable[int]]) -> None:
-        """Create a process group for every subset (same list, same order, on every rank)."""
+    def create_groups(self, rank_sets: Iterable[Iterable[int]], mesh_sets: Iterable[Iterable[int]] = ()) -> None:
+        """Create a process group for every subset (same list, same order, on every rank), and for each
+        of ``mesh_sets`` (DTensor meshes) whose ranks compute on an accelerator, a group of that
+        device's library."""
         for ranks in sorted({tuple(sorted(r)) for r in rank_sets if len(tuple(r)) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = dist.new_group(list(ranks))
                 if self.hc is not None:
                     self._hgroups[ranks] = self.hc.new_group(list(ranks))
+        for ranks in sorted({tuple(sorted(r)) for r in mesh_sets if len(tuple(r)) > 1}):
+            kinds = {self.device_types[r] for r in ranks}
+            if len(kinds) > 1:
+                raise RuntimeError(f"a DTensor mesh over ranks {list(ranks)} mixes devices {sorted(kinds)}")
+            kind = kinds.pop()
+            if kind != "cpu" and ranks not in self._mesh_groups:
+                from hetero.comm.vendors import backend_for
+
+                self._mesh_groups[ranks] = dist.new_group(list(ranks), backend=backend_for(kind))
 
     def group(self, ranks: Iterable[int]):
         key = tuple(sorted(ranks))
@@ -73,16 +101,36 @@ class Collectives:
             raise RuntimeError(f"no process group for ranks {list(key)}: add it to create_groups")
         return self._groups[key]
 
+    def mesh_group(self, ranks: Iterable[int]):
+        """The group a DTensor mesh over ``ranks`` runs its collectives on: the vendor library's on an
+        accelerator (created by :meth:`create_groups`' ``mesh_sets``), else the Gloo group."""
+        key = tuple(sorted(ranks))
+        return self._mesh_groups.get(key) or self.group(key)
+
+    # ------------------------------------------------------------------ devices
+    def _comm_device(self) -> torch.device:
+        """Where a tensor must be for the library that carries it: the rank's device with the
+        unified communicator, the host on plain (Gloo) torch.distributed."""
+        return self.hc.device if self.hc is not None else torch.device("cpu")
+
+    def _there(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the library's device (itself when it is there already)."""
+        dev = self._comm_device()
+        return tensor if tensor.device == dev else tensor.to(dev)
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, ranks: Iterable[int] | None = None, op: str = "sum") -> torch.Tensor:
         ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
         if len(ranks) <= 1:
             return tensor
+        t = self._there(tensor)
         if self.hc is not None:
-            self._run(lambda: self.hc.all_reduce(tensor, op=op, group=self._hgroups[ranks]), "all_reduce", ranks)
-            return tensor
-        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        self._run(lambda: dist.all_reduce(tensor, op=red, group=self.group(ranks)), "all_reduce", ranks)
+            self._run(lambda: self.hc.all_reduce(t, op=op, group=self._hgroups[ranks]), "all_reduce", ranks)
+        else:
+            red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            self._run(lambda: dist.all_reduce(t, op=red, group=self.group(ranks)), "all_reduce", ranks)
+        if t is not tensor:
+            tensor.copy_(t)
         return tensor
 
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor, ranks: Iterable[int]) -> list[torch.Tensor]:
@@ -92,10 +140,15 @@ class Collectives:
         if len(ranks) <= 1:
             parts[0].copy_(tensor)
             return parts
+        t = self._there(tensor)
+        out = [self._there(p) for p in parts]
         if self.hc is not None:
-            self._run(lambda: self.hc.all_gather(parts, tensor, group=self._hgroups[ranks]), "all_gather", ranks)
-            return parts
-        self._run(lambda: dist.all_gather(parts, tensor, group=self.group(ranks)), "all_gather", ranks)
+            self._run(lambda: self.hc.all_gather(out, t, group=self._hgroups[ranks]), "all_gather", ranks)
+        else:
+            self._run(lambda: dist.all_gather(out, t, group=self.group(ranks)), "all_gather", ranks)
+        for p, o in zip(parts, out):
+            if o is not p:
+                p.copy_(o)
         return parts
 
     def all_gather_object(self, obj, ranks: Iterable[int] | None = None) -> list:
@@ -113,16 +166,20 @@ class Collectives:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Asynchronous send; completed by :meth:`wait_sends` (or the next step). Messages between
         two ranks with the same ``tag`` arrive in the order sent; different tags do not mix."""
+        t = self._there(tensor).contiguous()
         if self.hc is not None:
-            self._pending.append((self.hc.send(tensor.contiguous(), dst, tag=tag, async_op=True), dst))
+            self._pending.append((self.hc.send(t, dst, tag=tag, async_op=True), dst))
             return
-        self._pending.append((dist.isend(tensor.contiguous(), dst, tag=tag), dst))
+        self._pending.append((dist.isend(t, dst, tag=tag), dst))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        t = self._there(tensor)
         if self.hc is not None:
-            self._run(lambda: self.hc.recv(tensor, src, tag=tag), "recv", (src,))
-            return tensor
-        self._run(lambda: dist.recv(tensor, src, tag=tag), "recv", (src,))
+            self._run(lambda: self.hc.recv(t, src, tag=tag), "recv", (src,))
+        else:
+            self._run(lambda: dist.recv(t, src, tag=tag), "recv", (src,))
+        if t is not tensor:
+            tensor.copy_(t)
         return tensor
 
     def wait_sends(self) -> None:

@@ -84,6 +84,10 @@ class DeepSpeedEngine:
     def rank_sets(ctx) -> list:
         return []
 
+    @staticmethod
+    def mesh_sets(ctx) -> list:
+        return []
+
     def __init__(self, ctx, comm):
         import torch.distributed as dist
 

@@ -8,6 +8,7 @@ import time
 import torch
 
 from hetero.runtime.data import TokenSource, replica_slice
+from hetero.runtime.device import rank_device, torch_device_type, waiter
 from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
                                   scaled_step, sync_gradients)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
@@ -39,6 +40,12 @@ class RunContext:
         """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
         self.first, self.last = self.me.holds_ends(self.plan)
         self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
+        families = [self.cluster.device_type(r.group).family for r in self.layout.ranks]
+        self.device_types = [torch_device_type(f) for f in families]
+        """Every rank's torch device type (cpu for emulated devices)."""
+        self.device = rank_device(families[rank]) if spec.options.engine == "native" else torch.device("cpu")
+        """Where this rank computes (see :mod:`hetero.runtime.device`; the DeepSpeed engine stays on
+        the CPU accelerator)."""
 
     def tp_groups(self) -> list[list[int]]:
         seen = set()
@@ -63,20 +70,29 @@ class NativeEngine:
         ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
         return ctx.tp_groups() + all_holder_sets(ctx._holders)
 
+    @staticmethod
+    def mesh_sets(ctx: RunContext) -> list:
+        """The rank sets of DTensor meshes (tensor-parallel stages)."""
+        return ctx.tp_groups()
+
     def __init__(self, ctx: RunContext, comm):
         self.ctx, self.comm = ctx, comm
         me, model, opts = ctx.me, ctx.model, ctx.options
         if ctx.plan.zero_stage and me.rank == 0:
             print(f"note: zero_stage {ctx.plan.zero_stage} shards optimizer state only with --engine deepspeed; "
                   f"the native engine keeps it unsharded on every replica", file=sys.stderr, flush=True)
-        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed, me.chunk_layers(ctx.plan))
+        self.device = ctx.device
+        # Built on the CPU (the same seeded initialisation as every other plan and the reference),
+        # then moved to the rank's device before it is sharded and the optimizer sees it.
+        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
+                                  me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
         self.mesh = None
         if me.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
             tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
-            self.mesh = DeviceMesh.from_group(comm.group(tp_ranks), "cpu")
+            self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
             apply_tensor_parallel(self.module, self.mesh)
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank)
@@ -88,7 +104,8 @@ class NativeEngine:
         peers = [stage_peers(ctx.layout, me, k, ctx.num_stages) for k in ctx.vstages]
         self.executor = StageExecutor(self.module, comm, peers, first=ctx.first, last=ctx.last,
                                       act_shape=(self.mbs, model.seq_length, model.hidden_size),
-                                      slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype])
+                                      slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype],
+                                      device=self.device)
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None
@@ -106,7 +123,8 @@ class NativeEngine:
 
         def batch(mb):
             if mb not in cache:
-                cache[mb] = self.source.batch(*self.slice.sample_range(step, B, mb))
+                tokens, targets = self.source.batch(*self.slice.sample_range(step, B, mb))
+                cache[mb] = tokens.to(self.device), targets.to(self.device)
             return cache[mb]
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,7 +143,7 @@ class NativeEngine:
             scaled_step(self.optimizer, self.module, clip_coefficient(norm, self.ctx.options.clip) / S)
 
         if finite:
-            _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown)
+            _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown, waiter(self.device))
         else:
             self.optimizer.zero_grad(set_to_none=True)
         if self.scaler:

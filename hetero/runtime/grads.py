@@ -84,25 +84,40 @@ def _set_grad(p, full: torch.Tensor) -> None:
         p.grad = full
 
 
-def squared_norm(t: torch.Tensor) -> float:
-    """Sum of squares of ``t``: one BLAS dot product (blocked fp32 accumulation: within 1e-6 of an
-    fp64 sum), 12x faster on a CPU than converting to fp64 first, which copies every gradient."""
-    flat = t.reshape(-1)
-    return float(torch.dot(flat, flat))
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum |t|^2`` over ``tensors`` (one device) as a 0-d tensor left on that device, so that a
+    step's norm costs one wait for the device, not one per tensor.
+    CPU: one BLAS dot product per tensor (blocked fp32 accumulation: within 1e-6 of an fp64 sum),
+    12x faster than converting to fp64 first, which copies every gradient.
+    Accelerators: torch's multi-tensor norm (``get_total_norm(foreach=True)``, what
+    ``clip_grad_norm_`` runs), a few kernels over all tensors where a dot product per tensor launches
+    one or more each: benchmarks/gpu/grad_norm_cuda.py measures both."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([torch.dot(f, f) for f in (t.reshape(-1) for t in tensors)]).sum()
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)   # torch >= 2.6
+    if get_total_norm is None:
+        return torch.stack([torch.linalg.vector_norm(t) for t in tensors]).square().sum()
+    return get_total_norm(tensors, 2.0, foreach=True).square()
+
+
+def weighted_squares(groups: dict[int, list[torch.Tensor]]) -> float:
+    """``sum over k of sum_of_squares(groups[k]) / k``, read back once (in fp64)."""
+    terms = [sum_of_squares(ts).double() / k for k, ts in groups.items() if ts]
+    return float(torch.stack(terms).sum()) if terms else 0.0
 
 
 def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm, tp_size: int) -> float:
     """Sum gradients over holder sets (see module docstring); returns this rank's share of the
     squared global norm (to be summed over the world)."""
     params = dict(module.named_parameters())
-    sq = 0.0
+    by_holders: dict[int, list[torch.Tensor]] = {}   # holder count -> full gradients (each counts 1/count)
     for bucket in buckets:
         if len(bucket.ranks) == 1 and tp_size == 1:
             # Held by this rank alone: nothing to sum, no copies; only its share of the norm.
             for name in bucket.names:
                 g = params[name].grad
                 if g is not None:
-                    sq += squared_norm(g.detach())
+                    by_holders.setdefault(1, []).append(g.detach())
             continue
         fulls = []
         for name in bucket.names:
@@ -117,9 +132,9 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
         for name, f in zip(bucket.names, fulls):
             full = flat[offset:offset + f.numel()].view_as(f).clone()
             offset += f.numel()
-            sq += squared_norm(full) / len(holders[name])
+            by_holders.setdefault(len(holders[name]), []).append(full)
             _set_grad(params[name], full)
-    return sq
+    return weighted_squares(by_holders)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -149,7 +164,8 @@ def scaled_step(optimizer, module, coef: float) -> None:
         scale_grads(module, coef)
         optimizer.step()
         return
-    optimizer.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+    device = optimizer.param_groups[0]["params"][0].device
+    optimizer.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=device)
     try:
         optimizer.step()
     finally:

@@ -142,12 +142,13 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     spec_path = os.path.join(options.run_dir, "run.json")
     spec.save(spec_path)
     commands = []
+    first_device = device_offsets(layout.nodes, [cluster.device_type(n.group).family for n in layout.nodes])
     for slot, node in enumerate(layout.nodes):
         env = {SPEC_ENV: spec_path, SLOT_ENV: str(slot)}
         family = cluster.device_type(node.group).family
         var = VISIBLE_DEVICES.get(family)
         if var:
-            env[var] = ",".join(str(i) for i in range(node.num_ranks))
+            env[var] = ",".join(visible_ids(var, first_device[slot], node.num_ranks))
         if local and addr == "127.0.0.1":
             env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
         env["OMP_NUM_THREADS"] = str(max(1, options.threads))
@@ -163,6 +164,29 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
                                     loopback_store=slot == 0 and addr in LOOPBACK))
     return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
                   master_port=port, local=local, owns_run_dir=owns_run_dir)
+
+
+def device_offsets(nodes, families: list[str]) -> list[int]:
+    """Per node slot: its first device on its host. Slots of one vendor family on the same host
+    (a multi-node group launched on one machine) take consecutive devices instead of all starting
+    at device 0; each slot's workers see theirs renumbered from 0 (the visible-devices variable)."""
+    used: dict[tuple, int] = {}
+    out = []
+    for node, family in zip(nodes, families):
+        key = (node.host or "localhost", family)
+        out.append(used.get(key, 0))
+        used[key] = out[-1] + node.num_ranks
+    return out
+
+
+def visible_ids(var: str, first: int, count: int) -> list[str]:
+    """Device ids ``first .. first + count - 1`` of those this launcher may use: positions in its own
+    visible-devices list when the user restricted it (``CUDA_VISIBLE_DEVICES=2,3 hetero launch``),
+    else plain indices. Positions past the list are left for :func:`check_devices_here` to refuse."""
+    allowed = [d.strip() for d in os.environ.get(var, "").split(",") if d.strip()]
+    if not allowed:
+        return [str(first + i) for i in range(count)]
+    return [allowed[i] if i < len(allowed) else str(i) for i in range(first, first + count)]
 
 
 def _loopback_ifname() -> str:
@@ -394,6 +418,7 @@ def check_devices_here(launch: Launch, slots: list[int]) -> None:
     are emulated on CPU; without this check each worker would start, import torch and die.)"""
     from hetero.backends import get_backend
 
+    offsets = device_offsets(launch.nodes, [n.family for n in launch.nodes])
     noted = set()
     for s in slots:
         node = launch.nodes[s]
@@ -402,19 +427,22 @@ def check_devices_here(launch: Launch, slots: list[int]) -> None:
         backend = get_backend(node.family)
         ok, detail = backend.detect()
         count = backend.device_count() if ok else 0
-        if count < node.num_ranks:
+        need = offsets[s] + node.num_ranks   # slots of this family before it on this host use the first ones
+        if count < need:
             have = detail if not ok else f"only {count} {backend.name} device(s) are visible"
+            shared = f" (devices {offsets[s]}-{need - 1}: earlier node slots here use the first {offsets[s]})" \
+                if offsets[s] else ""
             raise HeteroError(f"group '{node.group}' needs {node.num_ranks} {node.family} device(s) on this machine "
-                              f"(node slot {s}), but {have} (fix: launch on hosts that have "
+                              f"(node slot {s}){shared}, but {have} (fix: launch on hosts that have "
                               f"them; to emulate the cluster on CPU, give the group a device type with 'base: cpu' "
                               f"and a vendor tag of its own, as configs/clusters/local-cpu.yaml does)")
-        if launch.spec.options.engine == "native" and node.group not in noted:
+        if launch.spec.options.engine == "deepspeed" and node.group not in noted:
             noted.add(node.group)
-            # Honest about what runs: the native engine builds its stages on the CPU and never moves
-            # them to the device, so these ranks compute on this host's CPU.
-            print(f"note: group '{node.group}' ({node.family}): the native engine keeps the model on this "
-                  f"host's CPU (it does not place stages on {node.family} devices yet); its step times are "
-                  f"CPU times", file=sys.stderr, flush=True)
+            # Honest about what runs: the DeepSpeed engine is set up with DeepSpeed's CPU accelerator
+            # here, so these ranks compute on this host's CPU.
+            print(f"note: group '{node.group}' ({node.family}): --engine deepspeed keeps the model on this "
+                  f"host's CPU (the native engine places stages on {node.family} devices); its step times "
+                  f"are CPU times", file=sys.stderr, flush=True)
 
 
 def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: dict, dead=None) -> str:

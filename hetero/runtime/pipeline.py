@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from hetero.errors import HeteroError
+from hetero.runtime.device import waiter
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 """Activations and gradients travel on separate tags: with two physical stages interleaved, the
@@ -86,12 +87,19 @@ def stage_peers(layout, me, vstage: int | None = None, num_virtual: int | None =
     return p
 
 
-def timed(fn: Callable[[], object], slowdown: float = 1.0) -> tuple[object, float, float]:
+def timed(fn: Callable[[], object], slowdown: float = 1.0,
+          wait: Callable[[], None] | None = None) -> tuple[object, float, float]:
     """Run ``fn`` as a device ``slowdown`` times slower would: really compute, then wait
-    ``(slowdown - 1) x`` the compute time. Returns (result, start wall time, duration with the wait)."""
+    ``(slowdown - 1) x`` the compute time. Returns (result, start wall time, duration with the wait).
+    ``wait``: blocks until the device has run what was queued, called before and after ``fn`` so
+    that asynchronous (accelerator) work is timed, not its queuing."""
+    if wait:
+        wait()
     wall = time.time()
     t0 = time.perf_counter()
     out = fn()
+    if wait:
+        wait()
     dt = time.perf_counter() - t0
     if slowdown > 1.0:
         time.sleep((slowdown - 1.0) * dt)
@@ -118,16 +126,19 @@ class StageExecutor:
     """Runs one step's schedule on one rank of one stage (its model chunks, when interleaved)."""
 
     def __init__(self, module, comm, peers: list[Peers], *, first: bool, last: bool,
-                 act_shape: tuple[int, ...], slowdown: float = 1.0, autocast_dtype: torch.dtype | None = None):
+                 act_shape: tuple[int, ...], slowdown: float = 1.0, autocast_dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         self.module, self.comm = module, comm
         self.peers = list(peers)  # one per model chunk
         self.first, self.last = first, last  # before chunk 0 / after the last chunk
         self.act_shape = act_shape
         self.slowdown = slowdown
         self.autocast_dtype = autocast_dtype
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        """Where the stage computes: received activations and gradients are placed there."""
 
     def _compute(self, fn: Callable[[], object]):
-        return timed(fn, self.slowdown)
+        return timed(fn, self.slowdown, waiter(self.device))
 
     def _send(self, tensor: torch.Tensor, targets: list[tuple[int, int, int]], tag: int) -> None:
         """Each target its slice of ``tensor`` (flattened)."""
@@ -141,9 +152,9 @@ class StageExecutor:
         numel = math.prod(self.act_shape)
         tp = max(1, len(peers.tp_ranks))
         if tp == 1:
-            return self.comm.recv(torch.empty(self.act_shape, dtype=torch.float32), src, tag)
-        mine = self.comm.recv(torch.empty(numel // tp, dtype=torch.float32), src, tag)
-        full = torch.empty(numel, dtype=torch.float32)
+            return self.comm.recv(torch.empty(self.act_shape, dtype=torch.float32, device=self.device), src, tag)
+        mine = self.comm.recv(torch.empty(numel // tp, dtype=torch.float32, device=self.device), src, tag)
+        full = torch.empty(numel, dtype=torch.float32, device=self.device)
         slots = full.chunk(tp)
         order = sorted(peers.tp_ranks)   # the gather's order; slot i belongs to tp_ranks[i]
         self.comm.all_gather([slots[peers.tp_ranks.index(r)] for r in order], mine, order)
@@ -151,7 +162,7 @@ class StageExecutor:
 
     def _forward(self, x, chunk: int):
         if self.autocast_dtype is not None:
-            with torch.autocast("cpu", dtype=self.autocast_dtype):
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
                 return self.module(x, chunk)
         return self.module(x, chunk)
 

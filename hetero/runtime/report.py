@@ -19,6 +19,10 @@ class Reporter:
                        f"{self.t.world} ranks, engine {ctx.options.engine}, schedule {ctx.plan.schedule}, "
                        f"global batch {ctx.plan.global_batch_size}")
         self.out.print(f"plan: {ctx.plan.one_line()}")
+        by_type: dict[str, list[int]] = {}
+        for r, kind in enumerate(ctx.device_types):
+            by_type.setdefault(kind, []).append(r)
+        self.out.print("computes on: " + ", ".join(f"{kind} (ranks {_spans(ranks)})" for kind, ranks in by_type.items()))
 
     def step(self, r) -> None:
         tps = self.t.tokens_per_step / r.time_s if r.time_s > 0 else 0.0
@@ -60,3 +64,13 @@ class Reporter:
         if losses:
             self.out.print(f"loss {losses[0]} -> {losses[-1]} over {len(losses)} steps; "
                            f"mean step {statistics.fmean(summary['iteration_times_s']) * 1e3:.1f} ms")
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], ranks[0]
+    for prev, r in zip(ranks, ranks[1:] + [None]):
+        if r is None or r != prev + 1:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = r
+    return ", ".join(out)

@@ -70,7 +70,8 @@ class Trainer:
         torch.set_num_threads(max(1, opts.threads))
         self.comm = Collectives.init(rank, self.world, opts.timeout_s,
                                      describe=lambda r: describe_rank(ctx.layout.ranks[r]),
-                                     vendors=[r.vendor for r in ctx.layout.ranks])
+                                     vendors=[r.vendor for r in ctx.layout.ranks],
+                                     device=ctx.device, device_types=ctx.device_types)
         if on_ready:
             on_ready()
         engine_cls = NativeEngine
@@ -78,7 +79,7 @@ class Trainer:
             from hetero.runtime.ds_engine import DeepSpeedEngine
 
             engine_cls = DeepSpeedEngine
-        self.comm.create_groups(engine_cls.rank_sets(ctx))
+        self.comm.create_groups(engine_cls.rank_sets(ctx), mesh_sets=engine_cls.mesh_sets(ctx))
         self.engine = engine_cls(ctx, self.comm)
         self.step = 0
         if opts.load:
@@ -169,7 +170,8 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
                       "schedule_time_s": _mean(steady([r.schedule_s[info.rank] for r in res if r.schedule_s])),
                       "grad_sync_time_s": _mean(steady([r.sync_s[info.rank] for r in res if r.sync_s])),
                       "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
-                      "vendor": info.vendor, "tp_rank": info.tp_rank, "tp_size": info.tp_size})
+                      "vendor": info.vendor, "device": ctx.device_types[info.rank],
+                      "tp_rank": info.tp_rank, "tp_size": info.tp_size})
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
             ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
     scaling = {}
