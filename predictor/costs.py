@@ -48,6 +48,9 @@ from .optime import ROOFLINE, op_cost, op_model_for, stream_split
 OPTIMIZER_BYTES_PER_PARAM = 28
 """Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
 also writes the model-dtype copy (+e)."""
+GRAD_NORM_BYTES_PER_PARAM = 4
+"""The step's gradient-norm pass (clipping needs the global norm before AdamW runs): one read of
+each fp32 gradient."""
 
 
 class StageCostModel:
@@ -252,8 +255,9 @@ class StageCostModel:
 
     def optimizer_time(self, group: str, tp: int, layers, first: bool, last: bool,
                        zero_stage: int = 0, dp: int = 1) -> float:
-        """Adam step of one device's shard: memory-bound over params, grads and states (or, on a
-        CPU profiled with block probes, the measured AdamW seconds per parameter)."""
+        """The optimizer step of one device's shard, the gradient-norm pass and Adam: memory-bound over
+        params, grads and states (or, on a CPU profiled with block probes, the measured seconds per
+        parameter)."""
         key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp)
         hit = self._cache.get(key)
         if hit is None:
@@ -270,7 +274,7 @@ class StageCostModel:
             if measured is not None:
                 hit = self._cache[key] = measured * self._factors[group].compute
             else:
-                per = OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
+                per = GRAD_NORM_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
                 hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
                                           * self._factors[group].compute)
         return hit
@@ -387,7 +391,7 @@ class StageCostModel:
         transfers under ``placement`` (memoised; see :func:`.placement.p2p_links`)."""
         return self._placed(plan, placement)[2]
 
-__all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM"]
+__all__ = ["StageCostModel", "OPTIMIZER_BYTES_PER_PARAM", "GRAD_NORM_BYTES_PER_PARAM"]
 
 
 def _with_calibrated_network(cluster: Cluster, calibration) -> Cluster:

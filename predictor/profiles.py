@@ -345,12 +345,23 @@ class LocalOpModel:
         return self._ratio("edges", model, mbs, seq)
 
     def optimizer_time(self, params: float, hidden: int | None = None) -> float | None:
-        """Seconds of the runtime's AdamW step over ``params`` parameters: the block probes' measured
-        seconds per parameter, interpolated in log(parameters) (the rate grows once the optimizer
-        state leaves the caches), held constant beyond the probes; None without probes, or when they
-        timed another AdamW kernel than the runtime's (a profile written before the runtime took the
-        fused kernel: ``hetero profile`` again). ``hidden`` is accepted for the interface and unused."""
-        pts = sorted((float(b["params"]), float(b["adamw_ms"]) * 1e-3 / float(b["params"]))
+        """Seconds of the runtime's optimizer step over ``params`` parameters, the gradient-norm pass
+        and AdamW: the block probes' measured seconds per parameter, interpolated in log(parameters)
+        (the rate grows once the optimizer state leaves the caches), held constant beyond the probes;
+        None without probes, or when they timed another AdamW kernel than the runtime's (a profile
+        written before the runtime took the fused kernel: ``hetero profile`` again). A probe written
+        before profiles timed the norm pass has it estimated from its AdamW time by bytes read
+        (GRAD_NORM_BYTES_PER_PARAM of the step's OPTIMIZER_BYTES_PER_PARAM). ``hidden`` is accepted
+        for the interface and unused."""
+        from .costs import GRAD_NORM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+
+        def seconds(b):
+            adamw = float(b["adamw_ms"]) * 1e-3
+            norm = b.get("grad_norm_ms")
+            norm = float(norm) * 1e-3 if norm not in (None, "") else adamw * GRAD_NORM_BYTES_PER_PARAM / OPTIMIZER_BYTES_PER_PARAM
+            return adamw + norm
+
+        pts = sorted((float(b["params"]), seconds(b) / float(b["params"]))
                      for b in self.blocks if float(b.get("adamw_ms") or 0) > 0 and float(b.get("params") or 0) > 0
                      and times_runtime_adamw(b))
         if not pts or params <= 0:

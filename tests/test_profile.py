@@ -142,7 +142,8 @@ def test_quick_profile_records_threads_and_block_probes(quick_profile):
     assert meta["threads"] == 1  # hetero launch workers run 1 thread each by default
     assert meta["blocks"], "a CPU profile times the runtime's block"
     b = meta["blocks"][0]
-    for key in ("forward_ms", "backward_ms", "edges_forward_ms", "edges_backward_ms", "adamw_ms", "params"):
+    for key in ("forward_ms", "backward_ms", "edges_forward_ms", "edges_backward_ms", "adamw_ms", "grad_norm_ms",
+                "params"):
         assert b[key] > 0, key
     # the profile timed the kernel the runtime runs on this CPU, the one the predictor reads
     assert b["adamw_kernel"] == profiles.RUNTIME_ADAMW_KERNEL == "fused"
@@ -152,7 +153,7 @@ def test_quick_profile_records_threads_and_block_probes(quick_profile):
 
 def _probe(arch, h, b, s, model):
     """A probe whose measured times are exactly 1.5x (forward) / 1.25x (backward) the op-sum, and
-    edges 2x / 3x; AdamW 3 ns per parameter."""
+    edges 2x / 3x; AdamW 3 ns and the gradient-norm pass 1 ns per parameter."""
     import hetero
     from hetero.predictor import ops as O
     from hetero.predictor.profiles import probe_model_dict
@@ -165,7 +166,8 @@ def _probe(arch, h, b, s, model):
             "backward_ms": 1.25 * t(O.layer_backward_ops(spec, b, s, 1)),
             "edges_forward_ms": 2 * t(O.embedding_forward_ops(spec, b, s, 1) + O.head_forward_ops(spec, b, s, 1)),
             "edges_backward_ms": 3 * t(O.embedding_backward_ops(spec, b, s, 1) + O.head_backward_ops(spec, b, s, 1)),
-            "params": 1_000_000 * h // 256, "adamw_ms": 3e-6 * 1_000_000 * h // 256, "adamw_kernel": "fused"}
+            "params": 1_000_000 * h // 256, "adamw_ms": 3e-6 * 1_000_000 * h // 256,
+            "grad_norm_ms": 1e-6 * 1_000_000 * h // 256, "adamw_kernel": "fused"}
 
 
 def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypatch):
@@ -201,7 +203,11 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
         pytest.approx(probes[1]["forward_ms"] * 1e-3)
     assert rb * sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_backward_ops(fused, 2, 128, 1)) == \
         pytest.approx(probes[1]["backward_ms"] * 1e-3)
-    assert local.optimizer_time(2e6) == pytest.approx(3e-9 * 2e6)
+    assert local.optimizer_time(2e6) == pytest.approx((3e-9 + 1e-9) * 2e6)   # the norm pass and AdamW
+    # probes written before profiles timed the norm pass: estimated from AdamW by bytes read (4 of 28)
+    older = profiles.LocalOpModel(_synthetic(), meta={"blocks": [{k: v for k, v in p.items() if k != "grad_norm_ms"}
+                                                       for p in probes]})
+    assert older.optimizer_time(2e6) == pytest.approx(3e-9 * (1 + 4 / 28) * 2e6)
     # probes that timed another AdamW kernel (a profile older than the runtime's fused one) are not
     # the runtime's optimizer: ignored, the cost model falls back to its bandwidth formula
     stale = profiles.LocalOpModel(_synthetic(), meta={"blocks": [{k: v for k, v in p.items() if k != "adamw_kernel"}
@@ -219,7 +225,7 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
     assert b == pytest.approx(1.25 * opsum(O.layer_backward_ops(model, 2, 128, 1)))
     from hetero.predictor import memory as mem
     params = mem.stage_params(model, 2, 1, True, True)
-    assert cm.optimizer_time("g", 1, (0, 2), True, True) == pytest.approx(2.0 * 3e-9 * params)
+    assert cm.optimizer_time("g", 1, (0, 2), True, True) == pytest.approx(2.0 * 4e-9 * params)
     assert optime.op_model_for("slow", cluster.device_type("g"))[1] == "profile"
 
 

@@ -10,7 +10,7 @@ import torch
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.device import rank_device, torch_device_type, waiter
 from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
-                                  scaled_step, sync_gradients)
+                                  scaled_step, sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -132,7 +132,10 @@ class NativeEngine:
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B * S, timings)
         t_sched = time.perf_counter()
-        sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
+        def squares(groups):  # the norm pass reads every gradient: device compute, slowed like the rest
+            return timed(lambda: weighted_squares(groups), self.ctx.slowdown, waiter(self.device))[0]
+
+        sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size, squares)
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
         norm, finite = math.sqrt(float(total[0])), True
         if self.scaler:
