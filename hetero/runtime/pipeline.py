@@ -119,7 +119,8 @@ class Timings:
     sync_s: float = 0.0
     """Wall time of the data-parallel gradient sync and the global-norm all-reduce."""
     optimizer_s: float = 0.0
-    """Wall time of the optimizer step (clipping and emulated slowdown included)."""
+    """Wall time of the optimizer step: the gradient-norm pass and AdamW with the clip factor
+    (emulated slowdown included)."""
 
 
 class StageExecutor:
