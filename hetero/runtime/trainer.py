@@ -43,7 +43,7 @@ class StepResult:
     sync_s: list[float] = field(default_factory=list)
     """Per rank: gradient sync + global-norm all-reduce."""
     optimizer_s: list[float] = field(default_factory=list)
-    """Per rank: optimizer step (emulated slowdown included)."""
+    """Per rank: optimizer step, the gradient-norm pass and AdamW (emulated slowdown included)."""
     loss_scale: float | None = None
     """fp16: the loss scale this step ran with (None otherwise)."""
     skipped: bool = False
