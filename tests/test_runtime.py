@@ -856,6 +856,25 @@ def test_a_rank_computes_on_its_groups_accelerator_made_current_or_on_the_cpu(mo
         rank_device("nvidia", 2)
 
 
+def test_every_rank_of_a_deepspeed_run_is_said_to_compute_on_the_cpu(tmp_path, monkeypatch):
+    """--engine deepspeed keeps the model on the CPU: a GPU group's ranks are reported (summary
+    "device", "computes on") as computing there, not on the GPUs the native engine would use."""
+    import hetero
+    import hetero.runtime.ds_engine as ds_engine
+    from hetero.runtime.engine import RunContext
+    from hetero.runtime.launcher import prepare
+    from hetero.runtime.spec import RunOptions
+
+    monkeypatch.setattr(ds_engine, "check_deepspeed_plan", lambda plan: None)   # deepspeed itself need not be here
+    cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
+                                                               "nodes": 1, "devices_per_node": 2}]})
+    plan = hetero.load_plan(_plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
+    launch = prepare(cluster, hetero.load_model(GPT), plan, RunOptions(engine="deepspeed"), run_dir=str(tmp_path))
+    ctx = RunContext(launch.spec, 0)
+    assert ctx.device == torch.device("cpu")
+    assert ctx.device_types == ["cpu", "cpu"]
+
+
 def test_the_squared_norm_is_summed_on_the_device_with_each_holder_share():
     """A step's squared gradient norm: every tensor's sum of squares, a tensor held by k ranks
     counted 1/k, within fp32 accumulation of an fp64 sum."""

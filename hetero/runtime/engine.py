@@ -41,9 +41,11 @@ class RunContext:
         self.first, self.last = self.me.holds_ends(self.plan)
         self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
         families = [self.cluster.device_type(r.group).family for r in self.layout.ranks]
-        self.device_types = [torch_device_type(f) for f in families]
-        """Every rank's torch device type (cpu for emulated devices)."""
-        self.device = rank_device(families[rank]) if spec.options.engine == "native" else torch.device("cpu")
+        native = spec.options.engine == "native"
+        self.device_types = [torch_device_type(f) if native else "cpu" for f in families]
+        """Every rank's torch device type (cpu for emulated devices, and for every rank of the
+        DeepSpeed engine)."""
+        self.device = rank_device(families[rank]) if native else torch.device("cpu")
         """Where this rank computes (see :mod:`hetero.runtime.device`; the DeepSpeed engine stays on
         the CPU accelerator)."""
 
