@@ -827,6 +827,20 @@ def test_node_slots_of_a_gpu_group_on_one_host_get_devices_of_their_own(tmp_path
         check_devices_here(launch, [0, 1])
 
 
+def test_node_slots_named_by_different_aliases_of_this_host_share_its_device_numbering():
+    """Slots on this machine take consecutive devices whatever name the cluster gives it (none,
+    localhost, 127.0.0.1, its host name), so two of them never start at the same device."""
+    import socket
+    from types import SimpleNamespace
+
+    from hetero.runtime.launcher import device_offsets
+
+    hosts = [None, "127.0.0.1", "localhost", socket.gethostname(), "elsewhere", "elsewhere"]
+    nodes = [SimpleNamespace(host=h, num_ranks=2) for h in hosts]
+    assert device_offsets(nodes, ["nvidia"] * len(nodes)) == [0, 2, 4, 6, 0, 2]
+    assert device_offsets(nodes, ["nvidia", "amd", "nvidia", "amd", "nvidia", "nvidia"]) == [0, 0, 2, 2, 0, 2]
+
+
 def test_a_rank_computes_on_its_groups_accelerator_made_current_or_on_the_cpu(monkeypatch):
     """GPU groups compute on ``cuda:<LOCAL_RANK>`` (made the current device, which NCCL and the host
     bridge's staging take); emulated (base: cpu) groups on the CPU; a missing device is named."""

@@ -173,7 +173,7 @@ def device_offsets(nodes, families: list[str]) -> list[int]:
     used: dict[tuple, int] = {}
     out = []
     for node, family in zip(nodes, families):
-        key = (node.host or "localhost", family)
+        key = ("localhost" if _is_local(node.host) else node.host, family)   # this machine, whatever its alias
         out.append(used.get(key, 0))
         used[key] = out[-1] + node.num_ranks
     return out
