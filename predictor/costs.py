@@ -266,7 +266,7 @@ class StageCostModel:
                 params /= max(1, dp)
             measured = None
             fn = getattr(self._opm[group], "optimizer_time", None)
-            if fn is not None:  # a CPU profile's measured AdamW step (slowdown applied)
+            if fn is not None:  # a CPU profile's measured norm pass + AdamW step (slowdown applied)
                 try:
                     measured = fn(params, self.model.hidden_size)
                 except Exception:  # noqa: BLE001

@@ -137,8 +137,9 @@ class _Scaled:
         return fn(model, mbs, seq) if fn else (1.0, 1.0)
 
     def optimizer_time(self, params: float, hidden: int | None = None) -> float | None:
-        """The measured AdamW step over ``params`` parameters, times the slowdown (the runtime
-        sleeps (k-1) x the measured optimizer step on an emulated device); None without probes."""
+        """The measured optimizer step (gradient-norm pass + AdamW) over ``params`` parameters, times
+        the slowdown (the runtime sleeps (k-1) x the measured optimizer step on an emulated device);
+        None without probes."""
         fn = getattr(self.model, "optimizer_time", None)
         t = fn(params, hidden) if fn else None
         return None if t is None else t * self.factor

@@ -23,7 +23,7 @@ records in ``<device>.meta.json`` (with the thread count and the load average du
 :meth:`LocalOpModel.layer_ratio` (and :meth:`~LocalOpModel.edge_ratio`
 for the embedding and head) is the measured block time over the operator-sum prediction at the nearest probes (interpolated in log hidden size and log rows), which
 the predictor multiplies into its per-layer times; :meth:`LocalOpModel.optimizer_time` is the
-measured AdamW seconds per parameter, interpolated in log(parameters). Both come from the machine, never from a
+measured gradient-norm pass + AdamW seconds per parameter, interpolated in log(parameters). Both come from the machine, never from a
 particular benchmark.
 
 No torch import here (measuring lives in :mod:`hetero.predictor.profiling`): loading the model only
