@@ -841,6 +841,35 @@ def test_node_slots_named_by_different_aliases_of_this_host_share_its_device_num
     assert device_offsets(nodes, ["nvidia", "amd", "nvidia", "amd", "nvidia", "nvidia"]) == [0, 0, 2, 2, 0, 2]
 
 
+def test_interleaving_two_gpu_stages_of_one_tagless_library_is_refused(tmp_path):
+    """NCCL ignores send/recv tags; interleaved over exactly two physical stages, the same two ranks
+    exchange activations and gradients in both directions in different orders, which only tags keep
+    apart. Such a launch is refused before anything starts; three stages, or two vendors (the host
+    bridge keeps tags), are not."""
+    import hetero
+    from hetero.errors import HeteroError
+    from hetero.runtime.launcher import prepare
+    from hetero.runtime.spec import RunOptions
+
+    cluster = hetero.load_cluster({"name": "gpus", "groups": [
+        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 1, "devices_per_node": 4},
+        {"name": "mi", "device": "MI250X", "nodes": 1, "devices_per_node": 4}]})
+    model = hetero.load_model({**GPT, "num_layers": 12})
+
+    def interleaved(groups):
+        n = len(groups)
+        k = 12 // (2 * n)
+        stages = [{"group": groups[i % n], "layers": [i * k, (i + 1) * k]} for i in range(2 * n)]
+        return hetero.load_plan(_plan([{"micro_batches": 5, "stages": stages}], gbs=10, schedule="interleaved",
+                                      interleave=2))
+
+    with pytest.raises(HeteroError, match=r"interleaved over 2 physical stages of one NCCL vendor \(nvidia\).*"
+                                          r"fix: interleave over 3 or more"):
+        prepare(cluster, model, interleaved(["a100", "a100"]), RunOptions(), run_dir=str(tmp_path / "a"))
+    for ok in (["a100", "a100", "a100"], ["a100", "mi"]):
+        prepare(cluster, model, interleaved(ok), RunOptions(), run_dir=str(tmp_path / "-".join(ok)))
+
+
 def test_a_rank_computes_on_its_groups_accelerator_made_current_or_on_the_cpu(monkeypatch):
     """GPU groups compute on ``cuda:<LOCAL_RANK>`` (made the current device, which NCCL and the host
     bridge's staging take); emulated (base: cpu) groups on the CPU; a missing device is named."""
