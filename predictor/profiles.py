@@ -358,7 +358,7 @@ class LocalOpModel:
         def seconds(b):
             adamw = float(b["adamw_ms"]) * 1e-3
             norm = b.get("grad_norm_ms")
-            norm = float(norm) * 1e-3 if norm not in (None, "") else adamw * GRAD_NORM_BYTES_PER_PARAM / OPTIMIZER_BYTES_PER_PARAM
+            norm = float(norm) * 1e-3 if norm is not None else adamw * GRAD_NORM_BYTES_PER_PARAM / OPTIMIZER_BYTES_PER_PARAM
             return adamw + norm
 
         pts = sorted((float(b["params"]), seconds(b) / float(b["params"]))

@@ -307,7 +307,7 @@ def measure_blocks(probes: list[dict], quick: bool = False,
     import torch
 
     import hetero
-    from hetero.runtime.grads import make_optimizer, scaled_step, sum_of_squares
+    from hetero.runtime.grads import make_optimizer, scaled_step, weighted_squares
     from hetero.runtime.model import build_stage, loss_fn
 
     out = []
@@ -329,7 +329,7 @@ def measure_blocks(probes: list[dict], quick: bool = False,
         steps, norms = [], []
         for i in range(reps + 1):
             t0 = time.perf_counter()
-            float(sum_of_squares(grads))  # the step's gradient-norm pass, as the runtime computes it
+            weighted_squares({1: grads})  # the step's gradient-norm pass, as the runtime computes it
             t1 = time.perf_counter()
             scaled_step(opt, full, 0.5)  # as the runtime steps with clipping active
             if i >= 1:

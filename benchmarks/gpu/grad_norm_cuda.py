@@ -2,8 +2,8 @@
 fp32 gradients (random; the runtime's own stage, every layer): (a) one dot product per tensor, each
 read back (one wait per tensor), (b) one dot product per tensor, summed on the device and read back
 once, (c) torch's multi-tensor norm (hetero.runtime.grads.sum_of_squares on a GPU), read back once;
-and (d) the runtime's whole gradient step on one rank (hetero.runtime.grads.sync_gradients: every
-tensor held by this rank alone, so only the norm). Wall time with the device waited for, median of
+and (d) the runtime's whole gradient step on one rank (hetero.runtime.grads.sync_gradients, then
+weighted_squares: every tensor held by this rank alone, so only the norm). Wall time with the device waited for, median of
 20 after 3 warm-ups. Run from the repository root on a machine with a CUDA GPU:
     python benchmarks/gpu/grad_norm_cuda.py [out.json]"""
 import json
@@ -14,7 +14,7 @@ import time
 import torch
 
 import hetero
-from hetero.runtime.grads import build_buckets, sum_of_squares, sync_gradients
+from hetero.runtime.grads import build_buckets, sum_of_squares, sync_gradients, weighted_squares
 from hetero.runtime.model import build_stage
 
 spec = hetero.load_model("configs/models/gpt2-large.yaml")
@@ -40,7 +40,7 @@ def multi_tensor():
 
 
 def runtime_sync():
-    return sync_gradients(module, buckets, holders, None, 1)
+    return weighted_squares(sync_gradients(module, buckets, holders, None, 1))
 
 
 rows = {}

@@ -108,14 +108,10 @@ class Collectives:
         return self._mesh_groups.get(key) or self.group(key)
 
     # ------------------------------------------------------------------ devices
-    def _comm_device(self) -> torch.device:
-        """Where a tensor must be for the library that carries it: the rank's device with the
-        unified communicator, the host on plain (Gloo) torch.distributed."""
-        return self.hc.device if self.hc is not None else torch.device("cpu")
-
     def _there(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` on the library's device (itself when it is there already)."""
-        dev = self._comm_device()
+        """``tensor`` where the library that carries it takes it (itself when it is there already):
+        the rank's device with the unified communicator, the host on plain (Gloo) torch.distributed."""
+        dev = self.hc.device if self.hc is not None else torch.device("cpu")
         return tensor if tensor.device == dev else tensor.to(dev)
 
     # ------------------------------------------------------------------ collectives

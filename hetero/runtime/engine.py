@@ -134,15 +134,10 @@ class NativeEngine:
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B * S, timings)
         t_sched = time.perf_counter()
-        norm_pass = [0.0]
-
-        def squares(groups):
-            # The norm pass reads every gradient: device compute, slowed like the rest, and counted
-            # with the optimizer step (clipping needs it), where the predictor charges it.
-            sq, _, norm_pass[0] = timed(lambda: weighted_squares(groups), self.ctx.slowdown, waiter(self.device))
-            return sq
-
-        sq = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size, squares)
+        grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
+        # The norm pass reads every gradient: device compute, slowed like the rest, and counted with
+        # the optimizer step (clipping needs it), where the predictor charges it.
+        sq, _, norm_s = timed(lambda: weighted_squares(grads), self.ctx.slowdown, waiter(self.device))
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
         norm, finite = math.sqrt(float(total[0])), True
         if self.scaler:
@@ -159,8 +154,8 @@ class NativeEngine:
         if self.scaler:
             self.step_loss_scale, self.step_skipped = S, not finite
             self.scaler.update(finite)
-        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched - norm_pass[0]
-        timings.optimizer_s += norm_pass[0]
+        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched - norm_s
+        timings.optimizer_s += norm_s
         reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
 

@@ -106,11 +106,11 @@ def weighted_squares(groups: dict[int, list[torch.Tensor]]) -> float:
     return float(torch.stack(terms).sum()) if terms else 0.0
 
 
-def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm, tp_size: int,
-                   squares=weighted_squares) -> float:
-    """Sum gradients over holder sets (see module docstring); returns this rank's share of the
-    squared global norm (to be summed over the world), ``squares(gradients by holder count)``: the
-    engine passes :func:`weighted_squares` timed as device compute (an emulated slowdown applies)."""
+def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm,
+                   tp_size: int) -> dict[int, list[torch.Tensor]]:
+    """Sum gradients over holder sets (see module docstring); returns this rank's full gradients by
+    holder count, whose :func:`weighted_squares` is its share of the squared global norm (to be
+    summed over the world)."""
     params = dict(module.named_parameters())
     by_holders: dict[int, list[torch.Tensor]] = {}   # holder count -> full gradients (each counts 1/count)
     for bucket in buckets:
@@ -136,7 +136,7 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             offset += f.numel()
             by_holders.setdefault(len(holders[name]), []).append(full)
             _set_grad(params[name], full)
-    return squares(by_holders)
+    return by_holders
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
