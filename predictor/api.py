@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 
 from .costs import StageCostModel
-from .memory import in_flight_microbatches
+from .memory import in_flight_microbatches, zero_degrees
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -206,6 +206,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         check_plan(plan, cluster, model)
     cm = cost_model or cost_model_for(cluster, model, calibration)
     recompute, zs = plan.recompute, plan.zero_stage
+    zero_dp = zero_degrees(cm.model, plan) if zs else None   # ZeRO: each stage's sharding degree
     sync = cm.dp_sync_plan(plan, placement)
     links = cm.p2p_links(plan, placement)
     ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
@@ -250,9 +251,9 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             last = i == (V - 1) % phys
             nl = dev_layers[i]
             inflight = in_flight_microbatches(plan.schedule, i, phys, m, v)
-            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, p.replicas,
-                                           inflight, first, last)
-            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, p.replicas)
+            dp = zero_dp[pi][i] if zero_dp else p.replicas
+            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last)
+            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp)
             opt_max = max(opt_max, opt)
             dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)
             stage_preds.append(StagePrediction(

@@ -4,9 +4,9 @@ Model states (ZeRO paper accounting, Rajbhandari et al. 2020): per parameter ``e
 weights and ``e`` of gradients in the model dtype; Adam keeps two fp32 moments (8 bytes); mixed
 precision (fp16/bf16) adds fp32 master weights (4 bytes): 16 bytes/param in both fp32 and mixed
 precision. ZeRO-1 shards the optimizer states (master + moments) over the stage's data-parallel
-degree, ZeRO-2 also the gradients. The DP degree of a stage, for sharding, is the number of
-replicas of its own pipeline shape (``pipeline.replicas``): replicas of other shapes hold other
-layer ranges, so they cannot share shards one-to-one (a documented simplification).
+degree, ZeRO-2 also the gradients. As the runtime shards them (hetero.runtime.zero), every
+parameter's states are split over all ranks holding it, in every pipeline shape, replica and tp
+rank: :func:`zero_degrees` turns those holder counts into each stage's effective degree.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", eq. 2 / 3): per layer per micro-batch, with ``e`` bytes per element, ``m`` = 1 byte per
@@ -116,10 +116,13 @@ def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: 
     return p
 
 
-def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes of ``params`` parameters."""
+def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float = 1,
+                      tp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of ``params`` parameters (one tp rank's of ``tp``)."""
     e = DTYPE_BYTES[dtype]
-    opt_per_param = 8 + (4 if e < 4 else 0)  # Adam m, v (+ fp32 master weights in mixed precision)
+    # Adam m, v, plus fp32 master weights in mixed precision, and under ZeRO on a tp rank, whose
+    # slice of the holders' full tensors cannot be a view of its shards (hetero.runtime.zero).
+    opt_per_param = 8 + (4 if e < 4 or (zero_stage >= 1 and tp > 1) else 0)
     dp = max(1, dp)
     weights = params * e
     grads = params * e / (dp if zero_stage >= 2 else 1)
@@ -169,7 +172,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     stage) and a layer's backward transient, and the framework overhead of the vendor ``family``."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
-    w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp)
+    w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp, tp)
     act = in_flight * (num_layers * activation_bytes_per_layer(model, mbs, s, tp, recompute)
                        + edge_activation_bytes(model, mbs, s, tp, first, last))
     # Two transients that do not coincide; the peak carries the larger. The loss transient is
@@ -208,3 +211,42 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
            "in_flight_microbatches", "loss_transient_bytes", "backward_transient_bytes"]
+
+
+def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
+    """Per pipeline, per physical stage: the degree ``dp`` such that ``stage_params(...) / dp`` is
+    what one of its tp ranks keeps of the ZeRO-sharded states.
+
+    Every parameter is sharded over its holders (hetero.runtime.zero): a layer over the replicas x
+    tp of every pipeline's stage holding it, the word embedding over the first stages (and the last
+    ones, tied), the final norm and head over the last stages. A tp rank of a stage keeps
+    ``sum over its parameters of full count / holders``; ``stage_params`` counts ``full / tp``.
+    One pipeline shape with R replicas gives R for every stage (the textbook data-parallel degree)."""
+    per_layer = model.params_per_layer()
+    holders = [0] * model.num_layers
+    firsts = lasts = wte = 0
+    for p in plan.pipelines:
+        st = p.stages
+        for s in st:
+            for layer in range(*s.layers):
+                holders[layer] += p.replicas * s.tp
+        firsts += p.replicas * st[0].tp
+        lasts += p.replicas * st[-1].tp
+        wte += p.replicas * (st[0].tp + (st[-1].tp if len(st) > 1 and model.tie_embeddings else 0))
+    vh = model.vocab_size * model.hidden_size
+    out = []
+    for p in plan.pipelines:
+        st = p.stages
+        phys = max(1, len(st) // plan.virtual_chunks(p))
+        kept = [0.0] * phys
+        layers = [0] * phys
+        for k, s in enumerate(st):
+            i = k % phys
+            kept[i] += sum(per_layer / holders[layer] for layer in range(*s.layers))
+            layers[i] += s.num_layers
+        kept[0] += vh / wte + (model.embedding_params() - vh) / firsts
+        last = (len(st) - 1) % phys
+        kept[last] += model.head_params() / lasts + (vh / wte if model.tie_embeddings and last != 0 else 0.0)
+        tps = [st[i].tp for i in range(phys)]
+        out.append([stage_params(model, layers[i], tps[i], i == 0, i == last) / kept[i] for i in range(phys)])
+    return out

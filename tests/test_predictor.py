@@ -103,6 +103,27 @@ def test_model_states_zero():
     assert (w, g, o) == (2000, 500, 3000)
 
 
+def test_zero_degrees_count_every_holder_of_a_stage_parameters():
+    """One pipeline shape with R replicas shards over R (the textbook degree); a second shape over
+    the same layers adds its holders; fp32 tp ranks keep 4 more bytes (their slice's copy)."""
+    model = hetero.load_model(GPT | {"num_layers": 4, "tie_embeddings": False})
+    stages = [{"group": "a100", "layers": [0, 2]}, {"group": "a100", "layers": [2, 4]}]
+    one = hetero.load_plan({"global_batch_size": 12, "micro_batch_size": 1,
+                            "pipelines": [{"replicas": 3, "micro_batches": 4, "stages": stages}]})
+    assert M.zero_degrees(model, one) == [[pytest.approx(3.0), pytest.approx(3.0)]]
+    # + a single-stage tp2 pipeline: every parameter gets 2 more holders (its two tp ranks)
+    two = hetero.load_plan({"global_batch_size": 16, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 3, "micro_batches": 4, "stages": stages},
+        {"micro_batches": 4, "stages": [{"group": "a100", "tp": 2, "layers": [0, 4]}]}]})
+    degrees = M.zero_degrees(model, two)
+    # 5 holders of every parameter: a tp1 rank keeps 1/5 (degree 5), a tp2 rank keeps 1/5 of the
+    # full tensors, i.e. 2/5 of its own half (degree 2.5)
+    assert degrees == [[pytest.approx(5.0), pytest.approx(5.0)], [pytest.approx(2.5)]]
+    w, g, o = M.model_state_bytes(1000, "fp32", zero_stage=1, dp=2.5, tp=2)
+    assert (w, g, o) == (4000, 4000, pytest.approx(12 * 1000 / 2.5))
+    assert M.model_state_bytes(1000, "fp32", zero_stage=1, dp=2.5, tp=1)[2] == pytest.approx(8 * 1000 / 2.5)
+
+
 def test_in_flight_microbatches():
     assert [M.in_flight_microbatches("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert M.in_flight_microbatches("1f1b", 0, 4, 2) == 2

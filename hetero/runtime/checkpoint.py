@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hetero.errors import HeteroError
-from hetero.runtime.grads import full_tensor
+from hetero.runtime.grads import full_tensor, local_from_full
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
@@ -73,24 +73,23 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
-def _local_from_full(like, full: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-    return full
-
-
 def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step: int,
                     loss_scale: float | None = None) -> None:
     """Write this rank's share of the plan-independent checkpoint (a collective: every rank calls it);
     ``loss_scale``: the fp16 dynamic loss scale to resume with."""
     state: dict[str, torch.Tensor] = {}
+    # A ZeRO optimizer (hetero.runtime.zero) gathers its slices over every holder set first, the same
+    # collectives in the same order on every rank; the tp gathers below follow.
+    sharded = optimizer.full_state() if hasattr(optimizer, "full_state") else None
     for name, p in module.named_parameters():
         owner = holders[name][0] == rank
         full = full_tensor(p.detach())  # collective inside the tp group: every tp rank takes part
-        st = optimizer.state.get(p, {})
-        moments = {k: full_tensor(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
+        if sharded is not None:
+            st = sharded.get(name, {})
+            moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+        else:
+            st = optimizer.state.get(p, {})
+            moments = {k: full_tensor(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
         if owner:  # host copies: a checkpoint does not depend on where its writer computed
             state[f"model/{name}"] = full.to("cpu", copy=True)
             for k, v in moments.items():
@@ -165,16 +164,24 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
         if f"optim/{name}/step" in available:
             state[f"optim/{name}/step"] = torch.tensor(0.0)
     dcp.load(state, storage_reader=reader)
+    sharded = getattr(optimizer, "load_full_state", None)   # ZeRO: takes its slices of the full states
+    full_states = {}
     with torch.no_grad():
         for name, p in params.items():
-            local = _local_from_full(p, state[f"model/{name}"])
+            local = local_from_full(p, state[f"model/{name}"])
             (p.to_local() if hasattr(p, "to_local") else p).copy_(local)
-            if f"optim/{name}/exp_avg" in state:
+            if f"optim/{name}/exp_avg" not in state:
+                continue
+            if sharded is not None:
+                full_states[name] = {k: state[f"optim/{name}/{k}"] for k in ("exp_avg", "exp_avg_sq", "step")}
+            else:
                 optimizer.state[p] = {   # on the parameter's device, where the fused kernel wants its step
                     "step": state[f"optim/{name}/step"].to(p.device, copy=True),
                     "exp_avg": _wrap_like(p, state[f"optim/{name}/exp_avg"]),
                     "exp_avg_sq": _wrap_like(p, state[f"optim/{name}/exp_avg_sq"]),
                 }
+    if sharded is not None:
+        sharded(full_states)
     return int(state["meta/step"])
 
 

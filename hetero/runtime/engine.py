@@ -80,9 +80,11 @@ class NativeEngine:
     def __init__(self, ctx: RunContext, comm):
         self.ctx, self.comm = ctx, comm
         me, model, opts = ctx.me, ctx.model, ctx.options
-        if ctx.plan.zero_stage and me.rank == 0:
-            print(f"note: zero_stage {ctx.plan.zero_stage} shards optimizer state only with --engine deepspeed; "
-                  f"the native engine keeps it unsharded on every replica", file=sys.stderr, flush=True)
+        if ctx.plan.zero_stage >= 2 and me.rank == 0:
+            print(f"note: zero_stage {ctx.plan.zero_stage}: the native engine shards AdamW state over each "
+                  f"parameter's holders and frees the full gradients after reducing them, but holds them whole "
+                  f"through the step's backward passes (use --engine deepspeed for bucketed ZeRO-2)",
+                  file=sys.stderr, flush=True)
         self.device = ctx.device
         # Built on the CPU (the same seeded initialisation as every other plan and the reference),
         # then moved to the rank's device before it is sharded and the optimizer sees it.
@@ -98,7 +100,16 @@ class NativeEngine:
             apply_tensor_parallel(self.module, self.mesh)
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank)
-        self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
+        self.sharded = None
+        """ZeRO (``zero_stage >= 1``): AdamW state sharded over each holder set (:mod:`hetero.runtime.zero`)."""
+        if ctx.plan.zero_stage >= 1:
+            from hetero.runtime.zero import ShardedAdamW
+
+            self.sharded = ShardedAdamW(self.module, self.buckets, comm, me.rank, me.tp_size, opts.lr,
+                                        opts.weight_decay)
+            self.optimizer = self.sharded.optimizer
+        else:
+            self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
         self.mbs = ctx.plan.mbs(ctx.pipeline)
         self.slice = replica_slice(ctx.plan, me.pipeline, me.replica)
         self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_physical, ctx.pipeline.micro_batches,
@@ -129,12 +140,15 @@ class NativeEngine:
                 cache[mb] = tokens.to(self.device), targets.to(self.device)
             return cache[mb]
 
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B * S, timings)
         t_sched = time.perf_counter()
-        grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
+        if self.sharded:
+            grads = self.sharded.reduce_gradients()
+        else:
+            grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
         # The norm pass reads every gradient: device compute, slowed like the rest, and counted with
         # the optimizer step (clipping needs it), where the predictor charges it.
         sq, _, norm_s = timed(lambda: weighted_squares(grads), self.ctx.slowdown, waiter(self.device))
@@ -145,31 +159,50 @@ class NativeEngine:
         t_sync = time.perf_counter()
 
         def optimizer_step():
-            scaled_step(self.optimizer, self.module, clip_coefficient(norm, self.ctx.options.clip) / S)
+            params = self.sharded.params() if self.sharded else self.module
+            scaled_step(self.optimizer, params, clip_coefficient(norm, self.ctx.options.clip) / S)
 
+        gather_s = 0.0
         if finite:
             _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown, waiter(self.device))
+            if self.sharded:   # communication: counted with the gradient sync
+                t_gather = time.perf_counter()
+                self.sharded.gather_parameters()
+                gather_s = time.perf_counter() - t_gather
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         if self.scaler:
             self.step_loss_scale, self.step_skipped = S, not finite
             self.scaler.update(finite)
-        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched - norm_s
+        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched - norm_s + gather_s
         timings.optimizer_s += norm_s
         reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
+
+    def zero_grad(self) -> None:
+        if self.sharded:
+            self.sharded.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of AdamW state this rank keeps (moments and step counters; ZeRO: its slices)."""
+        from hetero.runtime.zero import optimizer_state_bytes
+
+        return self.sharded.state_bytes() if self.sharded else optimizer_state_bytes(self.optimizer)
 
     # checkpoint hooks
     def save(self, path: str, step: int) -> None:
         from hetero.runtime.checkpoint import save_checkpoint
 
-        save_checkpoint(path, self.module, self.optimizer, self.holders, self.ctx.rank, step,
+        save_checkpoint(path, self.module, self.sharded or self.optimizer, self.holders, self.ctx.rank, step,
                         loss_scale=self.scaler.scale if self.scaler else None)
 
     def load(self, path: str) -> int:
         from hetero.runtime.checkpoint import load_checkpoint
 
-        step = load_checkpoint(path, self.module, self.optimizer, num_layers=self.ctx.model.num_layers)
+        step = load_checkpoint(path, self.module, self.sharded or self.optimizer,
+                               num_layers=self.ctx.model.num_layers)
         if self.scaler:
             from hetero.runtime.checkpoint import saved_loss_scale
 

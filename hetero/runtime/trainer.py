@@ -139,6 +139,11 @@ class Trainer:
     def save(self, path: str) -> None:
         self.engine.save(path, self.step)
 
+    def gather_optimizer_state_bytes(self) -> list[int | None]:
+        """Every rank's bytes of optimizer state (None where the engine does not say); a collective."""
+        fn = getattr(self.engine, "optimizer_state_bytes", None)
+        return self.comm.all_gather_object(fn() if fn else None)
+
     def gather_events(self) -> list | None:
         """Every rank's trace events, on rank 0 (None elsewhere); a collective: all ranks call it."""
         events = self.comm.all_gather_object(self.state.events)
@@ -154,8 +159,9 @@ def steady(values: list[float]) -> list[float]:
     return values[1:] if len(values) > 1 else values
 
 
-def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
-    """The training run summary of SCHEMAS.md (plus optional extra fields)."""
+def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | None = None) -> dict:
+    """The training run summary of SCHEMAS.md (plus optional extra fields); ``state_bytes``: every
+    rank's optimizer state bytes (:meth:`Trainer.gather_optimizer_state_bytes`)."""
     ctx, res = trainer.ctx, trainer.state.results
     times = [r.time_s for r in res]
     st = steady(times)
@@ -172,6 +178,8 @@ def summary_dict(trainer: Trainer, predicted: float | None) -> dict:
                       "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
                       "vendor": info.vendor, "device": ctx.device_types[info.rank],
                       "tp_rank": info.tp_rank, "tp_size": info.tp_size})
+        if state_bytes and state_bytes[info.rank] is not None:
+            ranks[-1]["optimizer_state_bytes"] = int(state_bytes[info.rank])
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
             ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
     scaling = {}

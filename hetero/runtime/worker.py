@@ -93,9 +93,10 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
         trainer.save(opts.save)
     step_box["phase"] = "finishing (summary, trace)"
     events = trainer.gather_events() if opts.trace else None
+    state_bytes = trainer.gather_optimizer_state_bytes()
     if rank == 0:
         predicted = predict_iteration_time(trainer.ctx)
-        summary = summary_dict(trainer, predicted)
+        summary = summary_dict(trainer, predicted, state_bytes)
         if opts.summary:
             _write(opts.summary, json.dumps(summary, indent=2))
         if opts.trace and events is not None:
