@@ -81,3 +81,47 @@ def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_p
     assert len(losses) == STEPS == 5
     assert runs["save"]["losses"] + runs["zero"]["losses"] == pytest.approx(losses, rel=1e-3)
     assert runs["save"]["losses"] + runs["plain"]["losses"] == pytest.approx(losses, rel=1e-3)
+
+
+def _full_state_worker(rank, world_size):
+    import hetero
+    from hetero.runtime.collectives import Collectives
+    from hetero.runtime.grads import Bucket
+    from hetero.runtime.model import build_stage, loss_fn
+    from hetero.runtime.zero import ShardedAdamW
+
+    comm = Collectives.init(rank, world_size, 30.0)
+    spec = hetero.load_model({**GPT, "num_layers": 2})
+    module = build_stage(spec, (0, 2), True, True, seed=0)
+    names = tuple(n for n, _ in module.named_parameters())
+    zero = ShardedAdamW(module, [Bucket((0, 1), names)], comm, rank, 1, lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_length), generator=g)
+    loss_fn(module(tokens), torch.roll(tokens, -1, 1)).backward()
+    summed = {n: comm.all_reduce(p.grad.clone(), (0, 1)) for n, p in module.named_parameters()}
+    zero.reduce_gradients()
+    zero.optimizer.step()
+    zero.gather_parameters()
+    # Every rank gathers every holder set (a collective); only rank 0 keeps what it gathered.
+    states = zero.full_state(keep=lambda name: rank == 0)
+    if rank:
+        return states
+    out = {}
+    for n, st in states.items():
+        for k, t in st.items():
+            # a host copy of its own, not a view pinning the holder set's gathered vector
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (n, k)
+        # one AdamW step from zero moments: exp_avg = (1 - beta1) g of the gradient summed over holders
+        out[n] = (float(st["step"]), float((st["exp_avg"] - 0.1 * summed[n]).abs().max()))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_full_state_keeps_host_copies_of_what_the_caller_writes_only():
+    """A checkpoint's owner takes the full AdamW states of its names, one holder set's gathered
+    moment at a time; ranks that write nothing still take part in every gather."""
+    from _spawn import spawn
+
+    kept, other = spawn(_full_state_worker, 2, timeout=90)
+    assert other == {}
+    assert kept and all(step == 1.0 and err < 1e-6 for step, err in kept.values()), kept

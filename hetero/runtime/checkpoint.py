@@ -79,8 +79,10 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
     ``loss_scale``: the fp16 dynamic loss scale to resume with."""
     state: dict[str, torch.Tensor] = {}
     # A ZeRO optimizer (hetero.runtime.zero) gathers its slices over every holder set first, the same
-    # collectives in the same order on every rank; the tp gathers below follow.
-    sharded = optimizer.full_state() if hasattr(optimizer, "full_state") else None
+    # collectives in the same order on every rank, keeping host copies of the states this rank writes;
+    # the tp gathers below follow.
+    sharded = (optimizer.full_state(keep=lambda n: holders[n][0] == rank) if hasattr(optimizer, "full_state")
+               else None)
     for name, p in module.named_parameters():
         owner = holders[name][0] == rank
         full = full_tensor(p.detach())  # collective inside the tp group: every tp rank takes part
@@ -92,8 +94,8 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
             moments = {k: full_tensor(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
         if owner:  # host copies: a checkpoint does not depend on where its writer computed
             state[f"model/{name}"] = full.to("cpu", copy=True)
-            for k, v in moments.items():
-                state[f"optim/{name}/{k}"] = v.to("cpu", copy=True)
+            for k, v in moments.items():   # ZeRO's are host copies already
+                state[f"optim/{name}/{k}"] = v if sharded is not None else v.to("cpu", copy=True)
             if "step" in st:
                 state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu", copy=True)
     if rank == 0:

@@ -11,10 +11,14 @@ vector, padded to ``k`` equal slices for its ``k`` ranks, and each rank owns one
 3. one AdamW step updates every rank's slice (its moments exist for the slice only);
 4. the updated slices are all-gathered back into every holder's parameters.
 
-A reduce-scatter and an all-gather move what a ring all-reduce moves, so the communication volume
-is that of the unsharded step, and AdamW state per rank drops from 8 to 8 / k bytes per parameter
-held, the saving the predictor charges. Pipelines of different shapes need no special case: the
-holder set already spans every pipeline, tp rank and replica that holds the parameters.
+Where the library reduce-scatters natively (NCCL, HCCL inside one vendor), a reduce-scatter and
+an all-gather move what a ring all-reduce moves, so the communication volume is that of the
+unsharded step. Gloo (plain torch.distributed) and hetero.comm across vendors (a hierarchical
+all-reduce, of which each rank keeps its slice) reduce-scatter by all-reducing the whole vector,
+so there the all-gather comes on top of the unsharded step's volume. AdamW state per rank drops
+from 8 to 8 / k bytes per parameter held, the saving the predictor charges. Pipelines of
+different shapes need no special case: the holder set already spans every pipeline, tp rank and
+replica that holds the parameters.
 
 Where the slice lives. On a rank without tensor parallelism the parameters are re-bound as views
 into the holder set's flat buffer, and AdamW updates a view of its slice: no master copy. A
@@ -156,27 +160,37 @@ class ShardedAdamW:
                                                            if s.flat is None)
 
     # ------------------------------------------------------------------ checkpoints
-    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def full_state(self, keep=None) -> dict[str, dict[str, torch.Tensor]]:
         """Parameter name -> its full AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``), as the
-        unsharded optimizer would hold it; a collective over every holder set (all ranks call it)."""
+        unsharded optimizer would hold it, for the names ``keep`` accepts (default: every name), as
+        host copies; a collective over every holder set (all ranks call it, whatever they keep).
+
+        One gathered moment of one holder set is on the device at a time: the full states of every
+        parameter this rank holds, gathered together, would be the unsharded state again (a tp
+        rank's, that of all its tp ranks together), as the checkpoint is written."""
+        keep = keep or (lambda name: True)
         out: dict[str, dict[str, torch.Tensor]] = {}
         names = {id(p): n for n, p in self.module.named_parameters()}
         for shard in self.shards:
             st = self.optimizer.state.get(shard.master, {})
             if "exp_avg" not in st:
                 continue   # no step taken yet: every holder alike
-            gathered = {}
+            kept = [(name, shape, lo, hi) for name, shape, lo, hi
+                    in zip(shard.bucket.names, shard.shapes, shard.offsets, shard.offsets[1:]) if keep(name)]
+            for name, *_ in kept:
+                out[name] = {"step": torch.as_tensor(st["step"]).to("cpu", copy=True)}
             for key in ("exp_avg", "exp_avg_sq"):
                 flat = torch.empty(len(shard.bucket.ranks) * shard.slice_len, dtype=torch.float32,
                                    device=shard.master.device)
-                gathered[key] = self.comm.all_gather_into(flat, st[key].detach().clone(), shard.bucket.ranks)
-            for name, shape, lo, hi in zip(shard.bucket.names, shard.shapes, shard.offsets, shard.offsets[1:]):
-                out[name] = {k: v[lo:hi].view(shape) for k, v in gathered.items()}
-                out[name]["step"] = st["step"]
+                self.comm.all_gather_into(flat, st[key].detach(), shard.bucket.ranks)   # no alias of flat
+                for name, shape, lo, hi in kept:
+                    out[name][key] = flat[lo:hi].view(shape).to("cpu", copy=True)
+                del flat
         for p in self.local:
             st = self.optimizer.state.get(p, {})
-            if "exp_avg" in st:
-                out[names[id(p)]] = {k: st[k] for k in ("exp_avg", "exp_avg_sq", "step")}
+            if "exp_avg" in st and keep(names[id(p)]):
+                out[names[id(p)]] = {k: torch.as_tensor(st[k]).to("cpu", copy=True)
+                                     for k in ("exp_avg", "exp_avg_sq", "step")}
         return out
 
     def load_full_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
