@@ -232,7 +232,10 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
                 holders[layer] += p.replicas * s.tp
         firsts += p.replicas * st[0].tp
         lasts += p.replicas * st[-1].tp
-        wte += p.replicas * (st[0].tp + (st[-1].tp if len(st) > 1 and model.tie_embeddings else 0))
+        # tied: the last stage's copy has holders of its own unless it runs on the first stage's
+        # devices (interleaved chunks over one physical stage: one copy)
+        own_copy = model.tie_embeddings and (len(st) - 1) % max(1, len(st) // plan.virtual_chunks(p)) != 0
+        wte += p.replicas * (st[0].tp + (st[-1].tp if own_copy else 0))
     vh = model.vocab_size * model.hidden_size
     out = []
     for p in plan.pipelines:

@@ -124,6 +124,39 @@ def test_zero_degrees_count_every_holder_of_a_stage_parameters():
     assert M.model_state_bytes(1000, "fp32", zero_stage=1, dp=2.5, tp=1)[2] == pytest.approx(8 * 1000 / 2.5)
 
 
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("stages,interleave", [
+    ([[0, 1], [1, 4]], 1), ([[0, 1], [1, 2], [2, 3], [3, 4]], 2),
+    ([[0, 2], [2, 4]], 2),   # interleaved chunks over one physical stage: one copy of a tied wte
+])
+def test_zero_degrees_keep_what_the_runtime_holder_sets_give_each_rank(stages, interleave, tied):
+    """Every rank's ZeRO share (its parameters' full sizes over their holder counts, as
+    hetero.runtime.zero shards them) equals stage_params / zero_degrees of its stage."""
+    import math
+
+    pytest.importorskip("torch")
+    from hetero.layout import build_layout
+    from hetero.runtime.grads import param_holders
+    from hetero.runtime.model import stage_param_shapes
+
+    model = hetero.load_model(GPT | {"num_layers": 4, "tie_embeddings": tied})
+    schedule = {"schedule": "interleaved", "interleave": interleave} if interleave > 1 else {}
+    plan = hetero.load_plan({"global_batch_size": 8, "micro_batch_size": 1, "zero_stage": 1, **schedule,
+                             "pipelines": [
+                                 {"micro_batches": 4, "stages": [{"group": "a100", "layers": l} for l in stages]},
+                                 {"micro_batches": 4, "stages": [{"group": "mi250", "tp": 2, "layers": [0, 4]}]}]})
+    layout = build_layout(hetero.load_cluster(CLUSTER), plan)
+    holders = param_holders(model, plan, layout)
+    degrees = M.zero_degrees(model, plan)
+    for r in layout.ranks:
+        chunks = r.chunk_layers(plan)
+        shapes = stage_param_shapes(model, chunks[0], *r.holds_ends(plan), chunks)
+        kept = sum(math.prod(s) / len(holders[n]) for n, s in shapes.items())
+        first, last = r.holds_ends(plan)
+        params = M.stage_params(model, sum(b - a for a, b in chunks), r.tp_size, first, last)
+        assert params / degrees[r.pipeline][r.stage] == pytest.approx(kept, rel=1e-9), r
+
 def test_in_flight_microbatches():
     assert [M.in_flight_microbatches("1f1b", i, 4, 8) for i in range(4)] == [4, 3, 2, 1]
     assert M.in_flight_microbatches("1f1b", 0, 4, 2) == 2
