@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hetero.errors import HeteroError
-from hetero.runtime.grads import full_tensor, local_from_full
+from hetero.runtime.grads import copy_full_into, full_tensor, shard_like
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
@@ -170,8 +170,7 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
     full_states = {}
     with torch.no_grad():
         for name, p in params.items():
-            local = local_from_full(p, state[f"model/{name}"])
-            (p.to_local() if hasattr(p, "to_local") else p).copy_(local)
+            copy_full_into(p, state[f"model/{name}"])
             if f"optim/{name}/exp_avg" not in state:
                 continue
             if sharded is not None:
@@ -211,8 +210,5 @@ def _full_shape(p):
 
 
 def _wrap_like(p, full: torch.Tensor):
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-    return full.to(p.device, copy=True)
+    """``full`` as ``p`` holds it: sharded like a DTensor parameter, else a copy on ``p``'s device."""
+    return shard_like(p, full) if hasattr(p, "to_local") else full.to(p.device, copy=True)

@@ -75,23 +75,22 @@ def full_tensor(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def local_from_full(like, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full`` laid out as ``like`` (its local shard for a DTensor, else ``full``);
-    no communication: every rank holds ``full``."""
+def shard_like(like, full: torch.Tensor):
+    """``full`` laid out as ``like``: a DTensor on ``like``'s mesh and placements (each rank keeps its
+    own shard; no communication, every rank holds ``full``), else ``full`` itself."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return full
 
 
-def _set_grad(p, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        p.grad = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+def copy_full_into(p, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into parameter ``p`` (its local shard, for a DTensor)."""
+    if hasattr(p, "to_local"):
+        p.to_local().copy_(shard_like(p, full).to_local())
     else:
-        p.grad = full
+        p.copy_(full)
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -145,7 +144,7 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             full = flat[offset:offset + f.numel()].view_as(f).clone()
             offset += f.numel()
             by_holders.setdefault(len(holders[name]), []).append(full)
-            _set_grad(params[name], full)
+            params[name].grad = shard_like(params[name], full)
     return by_holders
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetero.runtime.grads import Bucket, full_tensor, local_from_full, make_optimizer
+from hetero.runtime.grads import Bucket, copy_full_into, full_tensor, make_optimizer
 
 
 @dataclass
@@ -47,9 +47,8 @@ class _Shard:
     params: list
     shapes: list[torch.Size]
     """Full (global) shapes, in bucket order."""
-    numel: int
     slice_len: int
-    """Elements per rank: ``ceil(numel / k)``; the flat vector is padded to ``k * slice_len``."""
+    """Elements per rank: ``ceil(elements / k)``; the flat vector is padded to ``k * slice_len``."""
     index: int
     """This rank's place in the holder set (ascending rank order)."""
     master: torch.Tensor
@@ -62,6 +61,20 @@ class _Shard:
     def span(self) -> tuple[int, int]:
         lo = self.index * self.slice_len
         return lo, lo + self.slice_len
+
+    @property
+    def padded(self) -> int:
+        """Length of the flat vector: ``k`` slices."""
+        return len(self.bucket.ranks) * self.slice_len
+
+    def end_to_end(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` (one per parameter, full shapes) flattened end to end in fp32, zero-padded to
+        :attr:`padded`."""
+        parts = [t.float().reshape(-1) for t in tensors]
+        pad = self.padded - self.offsets[-1]
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.float32, device=parts[0].device))
+        return torch.cat(parts)
 
 
 class ShardedAdamW:
@@ -82,17 +95,15 @@ class ShardedAdamW:
                 self.local.extend(ps)
                 continue
             shapes = [p.shape for p in ps]   # DTensor.shape is the global shape
-            numel = sum(math.prod(s) for s in shapes)
-            k = len(bucket.ranks)
-            slice_len = -(-numel // k)
-            index = bucket.ranks.index(rank)
             offsets = [0]
             for s in shapes:
                 offsets.append(offsets[-1] + math.prod(s))
-            shard = _Shard(bucket, ps, shapes, numel, slice_len, index, master=torch.empty(0), offsets=offsets)
+            slice_len = -(-offsets[-1] // len(bucket.ranks))
+            shard = _Shard(bucket, ps, shapes, slice_len, bucket.ranks.index(rank), master=torch.empty(0),
+                           offsets=offsets)
             with torch.no_grad():
                 if tp_size == 1:
-                    flat = torch.zeros(k * slice_len, dtype=torch.float32, device=device)
+                    flat = torch.zeros(shard.padded, dtype=torch.float32, device=device)
                     for p, lo, hi in zip(ps, offsets, offsets[1:]):
                         flat[lo:hi].copy_(p.detach().reshape(-1))
                         p.data = flat[lo:hi].view(p.shape)
@@ -114,12 +125,9 @@ class ShardedAdamW:
             grads = []
             for p in shard.params:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                grads.append(full_tensor(g).detach().float().reshape(-1))
+                grads.append(full_tensor(g).detach())
                 p.grad = None
-            pad = len(shard.bucket.ranks) * shard.slice_len - shard.numel
-            if pad:
-                grads.append(torch.zeros(pad, dtype=torch.float32, device=grads[0].device))
-            flat = torch.cat(grads)
+            flat = shard.end_to_end(grads)
             if self.tp_size > 1:
                 flat.div_(self.tp_size)   # the tp copies of one replica add up to one full gradient
             out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
@@ -141,12 +149,10 @@ class ShardedAdamW:
                 if shard.flat is not None:
                     self.comm.all_gather_into(shard.flat, part, shard.bucket.ranks)
                     continue
-                flat = torch.empty(len(shard.bucket.ranks) * shard.slice_len, dtype=torch.float32,
-                                   device=part.device)
+                flat = torch.empty(shard.padded, dtype=torch.float32, device=part.device)
                 self.comm.all_gather_into(flat, part, shard.bucket.ranks)
                 for p, shape, lo, hi in zip(shard.params, shard.shapes, shard.offsets, shard.offsets[1:]):
-                    local = local_from_full(p, flat[lo:hi].view(shape))
-                    (p.to_local() if hasattr(p, "to_local") else p).copy_(local)
+                    copy_full_into(p, flat[lo:hi].view(shape))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -180,8 +186,7 @@ class ShardedAdamW:
             for name, *_ in kept:
                 out[name] = {"step": torch.as_tensor(st["step"]).to("cpu", copy=True)}
             for key in ("exp_avg", "exp_avg_sq"):
-                flat = torch.empty(len(shard.bucket.ranks) * shard.slice_len, dtype=torch.float32,
-                                   device=shard.master.device)
+                flat = torch.empty(shard.padded, dtype=torch.float32, device=shard.master.device)
                 self.comm.all_gather_into(flat, st[key].detach(), shard.bucket.ranks)   # no alias of flat
                 for name, shape, lo, hi in kept:
                     out[name][key] = flat[lo:hi].view(shape).to("cpu", copy=True)
@@ -206,9 +211,7 @@ class ShardedAdamW:
                 lo, hi = shard.span
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
-                    flat = torch.zeros(len(shard.bucket.ranks) * shard.slice_len, dtype=torch.float32)
-                    for name, a, b in zip(shard.bucket.names, shard.offsets, shard.offsets[1:]):
-                        flat[a:b].copy_(states[name][key].reshape(-1))
+                    flat = shard.end_to_end([states[name][key] for name in shard.bucket.names])
                     st[key] = flat[lo:hi].to(shard.master.device, copy=True)
                 st["step"] = states[shard.bucket.names[0]]["step"].to(shard.master.device, copy=True)
                 self.optimizer.state[shard.master] = st
@@ -222,11 +225,7 @@ class ShardedAdamW:
     @staticmethod
     def _full_flat(shard: _Shard) -> torch.Tensor:
         """The holder set's full parameters end to end, padded (tp: a gather inside the tp group)."""
-        parts = [full_tensor(p.detach()).float().reshape(-1) for p in shard.params]
-        pad = len(shard.bucket.ranks) * shard.slice_len - shard.numel
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.float32, device=parts[0].device))
-        return torch.cat(parts)
+        return shard.end_to_end([full_tensor(p.detach()) for p in shard.params])
 
 
 def optimizer_state_bytes(optimizer) -> int:
