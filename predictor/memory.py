@@ -234,13 +234,14 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
         lasts += p.replicas * st[-1].tp
         # tied: the last stage's copy has holders of its own unless it runs on the first stage's
         # devices (interleaved chunks over one physical stage: one copy)
-        own_copy = model.tie_embeddings and (len(st) - 1) % max(1, len(st) // plan.virtual_chunks(p)) != 0
+        own_copy = model.tie_embeddings and (len(st) - 1) % len(plan.physical_stages(p)) != 0
         wte += p.replicas * (st[0].tp + (st[-1].tp if own_copy else 0))
     vh = model.vocab_size * model.hidden_size
     out = []
     for p in plan.pipelines:
         st = p.stages
-        phys = max(1, len(st) // plan.virtual_chunks(p))
+        devices = plan.physical_stages(p)
+        phys = len(devices)
         kept = [0.0] * phys
         layers = [0] * phys
         for k, s in enumerate(st):
@@ -250,6 +251,6 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
         kept[0] += vh / wte + (model.embedding_params() - vh) / firsts
         last = (len(st) - 1) % phys
         kept[last] += model.head_params() / lasts + (vh / wte if model.tie_embeddings and last != 0 else 0.0)
-        tps = [st[i].tp for i in range(phys)]
-        out.append([stage_params(model, layers[i], tps[i], i == 0, i == last) / kept[i] for i in range(phys)])
+        out.append([stage_params(model, layers[i], s.tp, i == 0, i == last) / kept[i]
+                    for i, s in enumerate(devices)])
     return out
