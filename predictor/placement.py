@@ -107,7 +107,9 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     bytes / tp``). Stages sync at about the same time (after their schedules), so rings of
     different stages that leave the same node are taken to share its NIC: a device's sync lasts at
     least the NIC time of the busiest node its rings cross. Holders in several groups: in-group
-    reduction, then the group leaders over ``network.cross_group`` (host-staged across vendors).
+    reduction, then the group leaders over ``network.cross_group`` (host-staged across vendors);
+    under ZeRO the leaders also all-gather the updated parameters (hetero.comm's cross-group
+    reduce-scatter is a hierarchical all-reduce, so ZeRO saves nothing of it there).
     Tied embeddings (gpt): the last stage holds a copy of the word embedding, summed together with
     the first stages' (Megatron's embedding all-reduce between the first and last stage); the
     learned positions are the first stages' alone.
@@ -165,10 +167,17 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         if len(per_group) > 1:
             link = net.cross_group
             b = nbytes / min(v[1] for v in per_group.values())
-            cross = comm.allreduce(b, len(per_group), link.bandwidth, link.latency)
-            gs = list(per_group)
+            n_groups, gs = len(per_group), list(per_group)
+            cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency)
+            passes = 1
+            if zs >= 1 and len({cm._dev[g].vendor for g in gs}) > 1:
+                # hetero.comm's reduce-scatter across vendors is the hierarchical all-reduce (each rank
+                # keeps its part), and the updated parameters come back by a hierarchical all-gather:
+                # the leaders cross the bridge twice. One vendor: one reduce-scatter + all-gather ring.
+                cross += comm.allgather(b, n_groups, link.bandwidth, link.latency)
+                passes = 2
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
-                cross += comm.staging_time(b)
+                cross += passes * comm.staging_time(b)
             cross *= max(fac[g].communication for g in gs)
         t = (inner + cross) * mult
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)

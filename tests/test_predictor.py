@@ -371,6 +371,34 @@ def test_cross_vendor_dp_sync_stages_through_the_host_once():
     assert times == {(0, 0): pytest.approx(hand), (1, 0): pytest.approx(hand)}
 
 
+def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
+    """ZeRO-1 with holders on two vendors: hetero.comm's cross-vendor reduce-scatter is the
+    hierarchical all-reduce, and the parameters come back by a hierarchical all-gather, so the
+    leaders cross the bridge (and the host) twice. Two groups of one vendor sum in one library ring:
+    reduce-scatter + all-gather cost what the all-reduce costs, so ZeRO adds nothing there."""
+    link = {"bandwidth": "100 GB/s", "latency": 0}
+    network = {"inter_node": link, "cross_group": {"bandwidth": "10 GB/s", "latency": 0}}
+    model = hetero.load_model(GPT)
+    nbytes = model.total_params() * 2
+
+    def sync(second_device, zero_stage):
+        cluster = hetero.load_cluster({**CLUSTER, "network": network, "groups": [
+            {**CLUSTER["groups"][0], "intra_node": link},
+            {**CLUSTER["groups"][1], "device": second_device, "intra_node": link}]})
+        plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "zero_stage": zero_stage,
+                                 "pipelines": [
+            {"replicas": 1, "micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]},
+            {"replicas": 1, "micro_batches": 1, "stages": [{"group": "mi250", "tp": 1, "layers": [0, 36]}]}]})
+        return StageCostModel(cluster, model).dp_sync_times(plan)
+
+    staging = 2 * nbytes / comm.HOST_STAGING_BANDWIDTH
+    all_reduce, all_gather = nbytes / 10e9, nbytes / 2 / 10e9   # 2-rank ring: (n-1)/n of the bytes
+    assert sync("MI250X", 1) == {k: pytest.approx(all_reduce + all_gather + 2 * staging) for k in ((0, 0), (1, 0))}
+    assert sync("MI250X", 0) == {k: pytest.approx(all_reduce + staging) for k in ((0, 0), (1, 0))}
+    assert sync("H100-SXM5-80GB", 1) == sync("H100-SXM5-80GB", 0) == {
+        k: pytest.approx(all_reduce) for k in ((0, 0), (1, 0))}
+
+
 def test_tp_adds_communication(inputs):
     cluster, model, _ = inputs
     cm = StageCostModel(cluster, model)
