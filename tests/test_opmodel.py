@@ -319,6 +319,10 @@ def test_provenance_says_what_the_model_knows_of_each_gpu():
     lodo = default_model().meta["design_selection"]["inner_mean_mape"][default_model().design]
     assert 0.05 < lodo < 0.5
     assert f"leave-one-GPU-out operator MAPE {lodo:.0%}" in prov["H100-SXM5-80GB"]["note"]
+    assert prov["H100-SXM5-80GB"]["note"].startswith("a GPU it was not fitted on")
+    catalog = hetero.load_cluster({"name": "npu", "groups": [
+        {"name": "n", "device": "Ascend-910B", "nodes": 1, "devices_per_node": 1}]}).device_type("n")
+    assert default_model().accuracy_note(catalog).startswith("a device it was not fitted on")   # an NPU
 
 
 def test_h100_operators_measured_with_hetero_profile():

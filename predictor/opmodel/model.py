@@ -203,7 +203,8 @@ class OpModel:
         if add and self.design in FLOOR_DESIGNS:
             how = {"gmean": "geometric mean", "median": "median", "min": "quickest"}[FLOOR_AGGREGATE[self.design]]
             tail += f"; launch floor assumed: the training hosts' {how} ({add * 1e6:.0f} us per elementwise call)"
-        return f"a GPU it was not fitted on: from its specs{tail} (`hetero profile` on it narrows this)"
+        what = "a GPU" if getattr(device, "family", "nvidia") in ("nvidia", "amd") else "a device"
+        return f"{what} it was not fitted on: from its specs{tail} (`hetero profile` on it narrows this)"
 
     def host_overhead(self, op: str, dtype: str, device) -> float:
         """Seconds of host dispatch inside :meth:`predict`'s latency of ``op`` on ``device``.
