@@ -131,8 +131,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     crossed: dict[tuple[int, int], set] = {}
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
 
-    def ring(holders, nbytes, mult):
-        """holders: list of (pi, k, group, tp, replicas); adds mult x the ring time to each holder."""
+    def ring(holders, nbytes):
+        """holders: list of (pi, k, group, tp, replicas); adds the ring time to each holder."""
         per_group: dict[str, list] = {}
         for pi, k, g, tp, r in holders:
             e = per_group.setdefault(g, [0, tp, []])
@@ -161,7 +161,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
                 t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
                      else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
                 inner = max(inner, t)
-                node_load[gn] = node_load.get(gn, 0.0) + t * mult
+                node_load[gn] = node_load.get(gn, 0.0) + t
                 touched.add(gn)
         cross = 0.0
         if len(per_group) > 1:
@@ -179,7 +179,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
                 cross += passes * comm.staging_time(b)
             cross *= max(fac[g].communication for g in gs)
-        t = (inner + cross) * mult
+        t = inner + cross
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
         held[stages_held] = held.get(stages_held, 0.0) + t
         for sk in stages_held:
@@ -201,20 +201,30 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         firsts.append((pi, 0, f.group, f.tp, p.replicas))
         lasts.append((pi, (V - 1) % phys, la.group, la.tp, p.replicas))
     cuts = sorted(cuts)
+    # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
+    # layer range, embedding and head with the same holders are summed before the ring is costed,
+    # so a set's latency terms count once.
+    bucket_bytes: dict[tuple, float] = {}
+
+    def add(holders, nbytes):
+        key = tuple(sorted(set(holders)))
+        bucket_bytes[key] = bucket_bytes.get(key, 0.0) + nbytes
+
     G = cm.layer_grad_bytes()
     for a, b in zip(cuts, cuts[1:]):
-        hs = [(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1]
-        ring(hs, G, b - a)
+        add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], G * (b - a))
     e = cm.e
     copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if cm.model.tie_embeddings else []
     if copies:   # the last stages' copy of the word embedding joins its sum; learned positions do not
         words = cm.model.vocab_size * cm.model.hidden_size
-        ring(firsts + copies, words * e, 1)
+        add(firsts + copies, words * e)
         if cm.model.embedding_params() > words:
-            ring(firsts, (cm.model.embedding_params() - words) * e, 1)
+            add(firsts, (cm.model.embedding_params() - words) * e)
     else:
-        ring(firsts, cm.model.embedding_params() * e, 1)
-    ring(lasts, cm.model.head_params() * e, 1)
+        add(firsts, cm.model.embedding_params() * e)
+    add(lasts, cm.model.head_params() * e)
+    for holders, nbytes in bucket_bytes.items():
+        ring(list(holders), nbytes)
     out = {}
     for pi, p in enumerate(plan.pipelines):
         for k in range(max(1, len(plan.physical_stages(p)))):

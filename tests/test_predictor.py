@@ -371,6 +371,20 @@ def test_cross_vendor_dp_sync_stages_through_the_host_once():
     assert times == {(0, 0): pytest.approx(hand), (1, 0): pytest.approx(hand)}
 
 
+def test_dp_sync_is_one_all_reduce_per_holder_set():
+    """The runtime sums all parameters with one holder set in one bucket (hetero.runtime.grads), so a
+    one-stage plan's sync is one all-reduce of every gradient: the latency counts once, not once per
+    layer."""
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [
+        {**g, "intra_node": {"bandwidth": "100 GB/s", "latency": "10 us"}} for g in CLUSTER["groups"]]})
+    model = hetero.load_model(GPT)
+    plan = hetero.load_plan({"global_batch_size": 4, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
+    hand = comm.allreduce(model.total_params() * 2, 4, 100e9, 10e-6)
+    assert StageCostModel(cluster, model).dp_sync_times(plan) == {(0, 0): pytest.approx(hand)}
+    assert hand < 1.01 * model.total_params() * 2 * 1.5 / 100e9 + 6 * 10e-6   # 36 latencies would be 2.2 ms
+
+
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
     """ZeRO-1 with holders on two vendors: hetero.comm's cross-vendor reduce-scatter is the
     hierarchical all-reduce, and the parameters come back by a hierarchical all-gather, so the
