@@ -251,6 +251,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             last = i == (V - 1) % phys
             nl = dev_layers[i]
             inflight = in_flight_microbatches(plan.schedule, i, phys, m, v)
+            if v > 1 and phys > 1:   # chunks of different sizes: weigh each by its activations
+                inflight = _weighted_in_flight(cm.model, stages, i, phys, plan.schedule, m, v, mbs, recompute)
             dp = zero_dp[pi][i] if zero_dp else p.replicas
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last)
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp)
@@ -293,6 +295,26 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     if timeline:
         pred.events = _trace(plan, pipes, synced, opt_max, overhead)
     return pred
+
+
+def _weighted_in_flight(model, stages, i: int, phys: int, schedule: str, m: int, v: int, mbs: int,
+                       recompute: str) -> float:
+    """Interleaved: device ``i``'s peak of held activations (:func:`.memory.held_peak`, each chunk
+    weighed by its layers' and its edge's bytes) in units of one micro-batch of all its chunks, the
+    unit :func:`.memory.stage_memory` multiplies. Equal chunks give
+    :func:`.memory.in_flight_microbatches`; a device whose early chunks are larger holds more."""
+    from .memory import activation_bytes_per_layer, edge_activation_bytes, held_peak
+
+    V, s = len(stages), model.seq_length
+    weights = []
+    for k in range(i, V, phys):
+        st = stages[k]
+        weights.append(st.num_layers * activation_bytes_per_layer(model, mbs, s, st.tp, recompute)
+                       + edge_activation_bytes(model, mbs, s, st.tp, k == 0, k == V - 1))
+    total = sum(weights)
+    if total <= 0:
+        return in_flight_microbatches(schedule, i, phys, m, v)
+    return held_peak(schedule, i, phys, m, v, tuple(weights)) / total
 
 
 def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[dict]:

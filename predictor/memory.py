@@ -29,7 +29,7 @@ Llama has no dropout, so no masks.
 
 Per schedule, a stage holds ``in_flight`` micro-batches of activations (1F1B: min(p - i, m) at
 stage i of p; GPipe, and interleaved with one chunk per device: m; interleaved: see
-:func:`in_flight_microbatches`).
+:func:`in_flight_microbatches`, and :func:`held_peak` when a device's chunks differ in size).
 
 First stage: token ids (int64). Last stage: final-norm and head inputs, the logits in the model
 dtype and the fp32 log-softmax the cross-entropy keeps, plus the fp32 logits gradient that exists
@@ -45,6 +45,7 @@ tensor bytes).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hetero.specs.model import ModelSpec
@@ -208,9 +209,33 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
     return float(min(p - i, m))
 
 
+@functools.lru_cache(maxsize=1024)
+def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, interleave: int,
+              weights: tuple) -> float:
+    """The largest sum of ``weights[c]`` over the (micro-batch, chunk c) activations device
+    ``stage`` holds at once in the order :mod:`hetero.predictor.schedule` simulates (and the
+    runtime executes): a chunk's activations live from its forward to the end of its backward.
+    ``weights``: one per chunk of the device, in chunk order (e.g. its layers' bytes plus the
+    embedding's on chunk 0 of device 0 and the head's on the last chunk of the last device).
+
+    With equal weights this is :func:`in_flight_microbatches` x the device's total; with chunks of
+    different sizes it is not: the warm-up holds more early chunks than late ones."""
+    from .schedule import device_orders
+
+    p, v = num_stages, interleave
+    held = peak = 0.0
+    for kind, _, vs in device_orders(schedule, p * v, micro_batches, v)[stage]:
+        if kind == "F":
+            held += weights[vs // p]
+            peak = max(peak, held)
+        else:
+            held -= weights[vs // p]
+    return peak
+
+
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
-           "in_flight_microbatches", "loss_transient_bytes", "backward_transient_bytes"]
+           "in_flight_microbatches", "held_peak", "loss_transient_bytes", "backward_transient_bytes"]
 
 
 def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:

@@ -244,6 +244,40 @@ def test_in_flight_memory_is_the_peak_of_the_order_that_runs(schedule, v):
                 assert peak == pytest.approx(M.in_flight_microbatches(schedule, i, p, m, v) * v), (p, m, i)
 
 
+def test_interleaved_memory_weighs_chunks_of_different_sizes():
+    """Interleaved chunks on one device need not be equal: with 7-layer first chunks and 1-layer
+    second chunks the warm-up holds mostly 7-layer activations, so the charge is the order's peak of
+    held layer bytes (each chunk weighed by its size), not the equal-chunk count x all the device's
+    layers, which said a device holding 83 GB of activations needed 48 GB. The head's activations
+    count as often as the last chunk is held: once (its backward follows its forward at once)."""
+    from hetero.predictor.schedule import device_orders
+
+    cluster = hetero.load_cluster(REPO / "configs" / "clusters" / "a100-homogeneous.yaml")
+    model = hetero.load_model(REPO / "configs" / "models" / "llama2-7b.yaml")
+    per_layer = M.activation_bytes_per_layer(model, 1, model.seq_length, 1, "none")
+    for sizes in ([7, 7, 7, 7, 1, 1, 1, 1], [1, 1, 1, 1, 7, 7, 7, 7], [4] * 8):
+        bounds = [0]
+        for n in sizes:
+            bounds.append(bounds[-1] + n)
+        plan = hetero.load_plan({"global_batch_size": 8, "micro_batch_size": 1, "schedule": "interleaved",
+                                 "interleave": 2, "pipelines": [{"replicas": 1, "micro_batches": 8, "stages": [
+                                     {"group": "a100", "tp": 1, "layers": [bounds[k], bounds[k + 1]]}
+                                     for k in range(8)]}]})
+        stages = predict(cluster, model, plan).pipelines[0].stages
+        edges = [M.edge_activation_bytes(model, 1, model.seq_length, 1, vs == 0, vs == 7) for vs in range(8)]
+        for i, seq in enumerate(device_orders("interleaved", 8, 8, 2)):
+            live = peak = 0
+            for kind, _, vs in seq:
+                live += (sizes[vs] * per_layer + edges[vs]) * (1 if kind == "F" else -1)
+                peak = max(peak, live)
+            charged = stages[i].in_flight_microbatches * ((sizes[i] + sizes[i + 4]) * per_layer
+                                                          + edges[i] + edges[i + 4])
+            assert charged == pytest.approx(peak), (sizes, i)
+            if sizes[0] == sizes[4] and i in (1, 2):   # equal chunks, no embedding or head: the count
+                assert stages[i].in_flight_microbatches == pytest.approx(
+                    M.in_flight_microbatches("interleaved", i, 4, 8, 2)), (sizes, i)
+
+
 def test_uneven_stages_bottleneck():
     f, b = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0]
     m = 16
