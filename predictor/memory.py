@@ -4,7 +4,8 @@ Model states (ZeRO paper accounting, Rajbhandari et al. 2020): per parameter ``e
 weights and ``e`` of gradients in the model dtype; Adam keeps two fp32 moments (8 bytes); mixed
 precision (fp16/bf16) adds fp32 master weights (4 bytes): 16 bytes/param in both fp32 and mixed
 precision. ZeRO-1 shards the optimizer states (master + moments) over the stage's data-parallel
-degree, ZeRO-2 also the gradients. As the runtime shards them (hetero.runtime.zero), every
+degree, ZeRO-2 also the gradients (:func:`model_state_bytes`); a stage's peak charges ZeRO-2 as
+ZeRO-1, since the native engine holds gradients whole through backward (:func:`stage_memory`). As the runtime shards them (hetero.runtime.zero), every
 parameter's states are split over all ranks holding it, in every pipeline shape, replica and tp
 rank: :func:`zero_degrees` turns those holder counts into each stage's effective degree.
 
@@ -173,7 +174,12 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     stage) and a layer's backward transient, and the framework overhead of the vendor ``family``."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
-    w, g, o = model_state_bytes(params, model.dtype, zero_stage, dp, tp)
+    # ZeRO-2's gradient sharding is left out of the peak: the peak comes in backward, and the
+    # runtime's native engine holds a stage's gradients whole until the step's backward passes
+    # are done (it frees them once reduced, after the peak). Only DeepSpeed's bucketed ZeRO-2
+    # (--engine deepspeed, one-stage tp1 plans) frees them during backward, so this is on the
+    # safe side there.
+    w, g, o = model_state_bytes(params, model.dtype, min(zero_stage, 1), dp, tp)
     act = in_flight * (num_layers * activation_bytes_per_layer(model, mbs, s, tp, recompute)
                        + edge_activation_bytes(model, mbs, s, tp, first, last))
     # Two transients that do not coincide; the peak carries the larger. The loss transient is

@@ -103,6 +103,17 @@ def test_model_states_zero():
     assert (w, g, o) == (2000, 500, 3000)
 
 
+def test_zero2_peak_keeps_whole_gradients():
+    """The native engine holds a stage's gradients whole through backward (ZeRO-2 frees them once
+    reduced, after the peak), so a ZeRO-2 stage's peak is its ZeRO-1 peak."""
+    model = hetero.load_model(GPT)
+    args = ("nvidia", 1, 1, 4, "none")
+    z1 = M.stage_memory(model, *args, 1, 8, 2, True, False)
+    z2 = M.stage_memory(model, *args, 2, 8, 2, True, False)
+    assert z2.gradients == z1.gradients == M.stage_params(model, 4, 1, True, False) * 2
+    assert z2.total == z1.total
+
+
 def test_zero_degrees_count_every_holder_of_a_stage_parameters():
     """One pipeline shape with R replicas shards over R (the textbook degree); a second shape over
     the same layers adds its holders; fp32 tp ranks keep 4 more bytes (their slice's copy)."""
