@@ -3,8 +3,9 @@
 Every device runs its kernels in the order the schedule prescribes; an op starts when the device
 is free and its input is there: forward of micro-batch j on stage k needs stage k-1's forward of j
 plus the p2p transfer; backward needs stage k+1's backward plus the transfer (the last stage's
-backward needs its own forward). Sends are asynchronous (they do not hold the sender). The
-pipeline time is the end of the last op. Stage times may differ per stage. A device is done with
+backward needs its own forward). Sends are asynchronous (they do not hold the sender), but one
+link (a device pair, one direction) carries one message at a time, in the order they are sent:
+GPipe's burst of forwards over a slow link queues. The pipeline time is the end of the last op. Stage times may differ per stage. A device is done with
 the schedule (its gradients are ready to sync) when its last op has ended and its last send of each
 edge has arrived: the runtime waits for its pending sends before the gradient sync
 (:func:`pipeline_ends`).
@@ -119,8 +120,8 @@ def executed_order(schedule: str, V: int, interleave: int) -> tuple[str, int]:
 def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int, trace: bool):
     """(pipeline time, per-device ready times, trace events or None) of one replica."""
     kind, v = executed_order(schedule, len(fwd), interleave)
-    prog, ndev, sends = _compile(kind, len(fwd), m, v)
-    return _evaluate(prog, ndev, sends, fwd + bwd, p2p + (0.0,), trace)
+    prog, ndev, sends, nlinks = _compile(kind, len(fwd), m, v)
+    return _evaluate(prog, ndev, sends, nlinks, fwd + bwd, p2p + (0.0,), trace)
 
 
 def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> list[list[tuple[str, int, int]]]:
@@ -146,26 +147,33 @@ def _resolved(schedule: str, V: int, m: int, v: int):
 @functools.lru_cache(maxsize=4096)
 def _compile(schedule: str, V: int, m: int, v: int):
     """Ops in a dependency-respecting order (the DAG does not depend on the durations), as tuples
-    (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage);
-    the number of devices; and per (device, edge) the slot of the device's last op sending over
-    that edge, as (device, slot, comm index): a device's sends on one edge arrive in order."""
+    (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage,
+    link index or -1); the number of devices; per (device, edge) the slot of the device's last op
+    sending over that edge, as (device, slot, comm index): a device's sends on one edge arrive in
+    order; and the number of links (sender device, receiver device), each a FIFO of messages."""
     p = V // v
     seqs, order = _resolved(schedule, V, m, v)
     nocomm = V - 1  # index of the appended 0.0
     prog = []
+    dev_of: dict[int, int] = {}
+    links: dict[tuple[int, int], int] = {}
     for d, kind, j, vs in order:
         if kind == "F":
             slot = vs * m + j
             dep, ci = ((vs - 1) * m + j, vs - 1) if vs else (-1, nocomm)
-            prog.append((slot, d, vs, dep, ci, kind, j, vs))
+            prog.append([slot, d, vs, dep, ci, kind, j, vs])
         else:
             slot = (V + vs) * m + j
             if vs == V - 1:
                 dep, ci = vs * m + j, nocomm
             else:
                 dep, ci = (V + vs + 1) * m + j, vs
-            prog.append((slot, d, V + vs, dep, ci, kind, j, vs))
-    return tuple(prog), p, _last_sends(seqs, V, m)
+            prog.append([slot, d, V + vs, dep, ci, kind, j, vs])
+        dev_of[slot] = d
+        dep, ci = prog[-1][3], prog[-1][4]
+        li = links.setdefault((dev_of[dep], d), len(links)) if dep >= 0 and ci != nocomm else -1
+        prog[-1] = tuple(prog[-1]) + (li,)
+    return tuple(prog), p, _last_sends(seqs, V, m), len(links)
 
 
 def _last_sends(seqs, V: int, m: int) -> tuple:
@@ -225,47 +233,45 @@ def _gpipe_virtual(p: int, m: int, v: int):
     return seqs
 
 
-def _ready(free, end, sends, comm) -> tuple:
+def _ready(free, end, arrive, sends, comm) -> tuple:
     """Per device: when it is done with the schedule (last op ended, last sends arrived)."""
     ready = list(free)
     for d, slot, ci in sends:
-        r = end[slot] + comm[ci]
+        r = arrive.get(slot, end[slot] + comm[ci])
         if r > ready[d]:
             ready[d] = r
     return tuple(ready)
 
 
-def _evaluate(prog, ndev: int, sends, durs, comm, trace: bool):
-    """(pipeline time, per-device ready times, trace events or None)."""
+def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool):
+    """(pipeline time, per-device ready times, trace events or None). A message leaves when its
+    producer ends and its link is free (``link``: when each link's last message arrives)."""
     end = [0.0] * (len(durs) * (len(prog) // len(durs) + 1))
     free = [0.0] * ndev
-    if not trace:
-        for slot, d, di, dep, ci, _, _, _ in prog:
-            t = free[d]
-            if dep >= 0:
-                r = end[dep] + comm[ci]
-                if r > t:
-                    t = r
-            t += durs[di]
-            end[slot] = t
-            free[d] = t
-        return max(free), _ready(free, end, sends, comm), None
-    events = []
-    for slot, d, di, dep, ci, kind, j, vs in prog:
+    link = [0.0] * nlinks
+    arrive: dict[int, float] = {}   # producer slot -> when its message arrived
+    events = [] if trace else None
+    for slot, d, di, dep, ci, kind, j, vs, li in prog:
         t = free[d]
         ready = None
         if dep >= 0:
-            r = end[dep] + comm[ci]
-            if comm[ci] > 0:
-                ready = r
+            r = end[dep]
+            if li >= 0:
+                if link[li] > r:
+                    r = link[li]
+                r += comm[ci]
+                link[li] = arrive[dep] = r
+                if comm[ci] > 0:
+                    ready = r
             if r > t:
                 t = r
         start = t
         t += durs[di]
         end[slot] = t
         free[d] = t
-        events.append((d, kind, j, vs, start, t, ready))
-    return max(free), _ready(free, end, sends, comm), events
+        if trace:
+            events.append((d, kind, j, vs, start, t, ready))
+    return max(free), _ready(free, end, arrive, sends, comm), events
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -289,6 +289,20 @@ def test_interleaved_memory_weighs_chunks_of_different_sizes():
                     M.in_flight_microbatches("interleaved", i, 4, 8, 2)), (sizes, i)
 
 
+def test_a_link_carries_one_message_at_a_time():
+    """GPipe sends its forwards in a burst: over a link slower than the compute they queue (one
+    message at a time per direction), so 8 micro-batches of 20 s transfers take 8 x 20 s each way:
+    forwards arrive at 21, 41, ..., 161 (last forward ends 162), backwards end at 164, 166, ... and
+    arrive at 184, 204, ..., 324, the first stage's last backward ends at 326. Overlapping
+    transfers freely would give 67."""
+    assert pipeline_time("gpipe", [1.0, 1.0], [2.0, 2.0], [20.0], 8) == pytest.approx(326.0)
+    for m in (4, 16):   # each direction carries m messages of 5 s on one link; GPipe's do not overlap
+        assert pipeline_time("1f1b", [1.0, 1.0], [2.0, 2.0], [5.0], m) >= m * 5.0 + 1.0 + 2.0
+        assert pipeline_time("gpipe", [1.0, 1.0], [2.0, 2.0], [5.0], m) >= 2 * m * 5.0 + 1.0 + 2.0
+    # a fast link is unaffected: 1F1B's (m + p - 1)(f + b) plus two transfers per hand-off chain
+    assert pipeline_time("1f1b", [1.0, 1.0], [2.0, 2.0], [0.0], 8) == pytest.approx(27.0)
+
+
 def test_uneven_stages_bottleneck():
     f, b = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0]
     m = 16
