@@ -107,10 +107,12 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
 
 
 def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: bool) -> float:
-    """Parameters one tp rank of a stage holds (embedding / head vocabulary-parallel)."""
+    """Parameters one tp rank of a stage holds (word embedding / head vocabulary-parallel; learned
+    positions whole on every tp rank, as Megatron-LM and the runtime keep them)."""
     p = num_layers * model.params_per_layer() / tp
     if first:
-        p += model.embedding_params() / tp
+        words = model.vocab_size * model.hidden_size
+        p += words / tp + (model.embedding_params() - words)
     if last:
         p += model.head_params() / tp
         if model.tie_embeddings and not first:  # the head keeps its own copy of the word embedding

@@ -128,8 +128,12 @@ def test_zero_degrees_count_every_holder_of_a_stage_parameters():
         {"micro_batches": 4, "stages": [{"group": "a100", "tp": 2, "layers": [0, 4]}]}]})
     degrees = M.zero_degrees(model, two)
     # 5 holders of every parameter: a tp1 rank keeps 1/5 (degree 5), a tp2 rank keeps 1/5 of the
-    # full tensors, i.e. 2/5 of its own half (degree 2.5)
-    assert degrees == [[pytest.approx(5.0), pytest.approx(5.0)], [pytest.approx(2.5)]]
+    # full tensors, i.e. 2/5 of its own half (degree 2.5; a little more: it holds the learned
+    # positions whole)
+    assert degrees[0] == [pytest.approx(5.0), pytest.approx(5.0)]
+    tp2_rank = M.stage_params(model, 4, 2, True, True)
+    assert degrees[1] == [pytest.approx(tp2_rank / (model.total_params() / 5))]
+    assert tp2_rank > model.total_params() / 2 and degrees[1][0] == pytest.approx(2.5, rel=0.02)
     w, g, o = M.model_state_bytes(1000, "fp32", zero_stage=1, dp=2.5, tp=2)
     assert (w, g, o) == (4000, 4000, pytest.approx(12 * 1000 / 2.5))
     assert M.model_state_bytes(1000, "fp32", zero_stage=1, dp=2.5, tp=1)[2] == pytest.approx(8 * 1000 / 2.5)
@@ -512,7 +516,11 @@ def test_predict_uses_the_stage_cost_model(inputs):
 
 def test_bad_plan_raises_spec_error(inputs):
     cluster, model, _ = inputs
-    bad = hetero.load_plan(plan_dict(global_batch_size=100))
+    with pytest.raises(SpecError, match="global_batch_size"):   # the arithmetic needs no cluster or model
+        hetero.load_plan(plan_dict(global_batch_size=100))
+    import dataclasses
+
+    bad = dataclasses.replace(hetero.load_plan(plan_dict()), global_batch_size=100)   # built in Python
     with pytest.raises(SpecError):
         predict(cluster, model, bad)
     gap = plan_dict()
