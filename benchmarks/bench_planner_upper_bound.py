@@ -54,6 +54,8 @@ def run_case(cluster_spec, model_name, B):
     elapsed = time.perf_counter() - t0
     best = results[0]
     ub = results.upper_bound_tokens_per_s
+    if any(not v for v in (results.upper_bound_by_group or {}).values()):
+        ub = None   # a group that cannot hold the model alone adds 0: the sum bounds nothing
     return {
         "cluster": cluster.name, "model": model.name, "global_batch_size": B,
         "devices": cluster.num_devices, "best_tokens_per_s": best.prediction.tokens_per_s,
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
         if r["headline"]:
             pct += " ok" if r["pass"] else " FAIL"
         table.add_row(r["cluster"], r["model"], str(r["global_batch_size"]), f"{r['best_tokens_per_s']:,.0f}",
-                      f"{r['upper_bound_tokens_per_s']:,.0f}", pct, f"{r['search_s']:.1f}", escape(r["best_plan"]))
+                      f"{r['upper_bound_tokens_per_s']:,.0f}" if r["upper_bound_tokens_per_s"] else "n/a",
+                      pct, f"{r['search_s']:.1f}", escape(r["best_plan"]))
     Console(width=200).print(table)
     out = Path(args.o)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,13 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
                        f"{s.layer_device_s * 1e3:.2f} ms")
     # 5. upper bound
     ub = getattr(results, "upper_bound_tokens_per_s", None)
-    if ub:
+    alone = getattr(results, "upper_bound_by_group", None) or {}
+    cannot = [g for g, v in alone.items() if not v]
+    if ub and cannot:
+        reasons.append(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of each "
+                       "group's best plan alone (" + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in alone.items())
+                       + " tokens/s) bounds nothing")
+    elif ub:
         reasons.append(f"{best.prediction.tokens_per_s / ub * 100:.1f}% of the upper bound "
                        f"{_fmt_rate(ub)} tokens/s (sum of each group's best plan alone: "
                        + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")"

@@ -75,6 +75,10 @@ def run(args) -> int:
     from rich.table import Table
 
     ub = results.upper_bound_tokens_per_s
+    alone = results.upper_bound_by_group or {}
+    cannot = [g for g, v in alone.items() if not v]
+    if cannot:   # a group that cannot hold the model alone adds 0: the sum bounds nothing
+        ub = None
     table = Table(title=f"{cluster.name} / {model.name}, global batch {args.global_batch_size}", title_justify="left")
     table.add_column("", no_wrap=True)
     table.add_column("tokens/s", justify="right")
@@ -96,9 +100,12 @@ def run(args) -> int:
         row += [room, escape(r.one_line)]
         table.add_row(*row)
     out.print(table)
+    parts = ", ".join(f"{g} {v:,.0f}" for g, v in alone.items())
     if ub:
-        parts = ", ".join(f"{g} {v:,.0f}" for g, v in results.upper_bound_by_group.items())
         out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")
+    elif cannot:
+        out.print(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of the "
+                  f"groups' best plans alone ({parts} tokens/s) bounds nothing")
     out.print("[bold]why[/bold]")
     for reason in results.reasons:
         out.print(f"  - {escape(reason)}")
