@@ -19,10 +19,14 @@ def quick_profile(tmp_path_factory):
 
     from conftest import REPO
 
+    # a full profile cached before: a smoke test (--quick) must leave it as it is
+    (cache / "profiles").mkdir(parents=True)
+    (cache / "profiles" / "cpu.csv").write_text("the full profile\n")
     env = {**os.environ, "HETERO_CACHE_DIR": str(cache)}
     proc = subprocess.run([sys.executable, "-m", "hetero", "profile", "--quick", "-o", str(out)],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert "--quick" in proc.stderr and "is left as it is" in proc.stderr, proc.stderr
     return out, cache
 
 
@@ -43,13 +47,22 @@ def test_quick_profile_writes_schema_records(quick_profile):
             assert r["B"] and r["H"] and r["M"] == r["N"] == r["K"] == ""
 
 
-def test_cache_feeds_local_op_model(quick_profile, monkeypatch):
+def test_quick_profile_leaves_the_cache_alone(quick_profile, monkeypatch):
     from hetero.predictor import profiles
 
     out, cache = quick_profile
     monkeypatch.setenv("HETERO_CACHE_DIR", str(cache))
     assert profiles.cache_path("cpu") == cache / "profiles" / "cpu.csv"
-    assert profiles.cache_path("cpu").read_text() == out.read_text()
+    assert profiles.cache_path("cpu").read_text() == "the full profile\n"
+    assert not (cache / "profiles" / "cpu.meta.json").exists() and out.read_text().startswith("op,device,")
+
+
+def test_cache_feeds_local_op_model(quick_profile, tmp_path, monkeypatch):
+    from hetero.predictor import profiles
+
+    out, _ = quick_profile
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))   # what a full `hetero profile` would cache
+    profiles.write_records(profiles.cache_path("cpu"), profiles.read_records(out))
     model = profiles.local_op_model("cpu")
     assert model is not None and model.num_records > 20
     t = model.predict("linear", {"B": 1, "M": 256, "N": 512, "K": 256}, "fp32", None)
@@ -148,7 +161,6 @@ def test_quick_profile_records_threads_and_block_probes(quick_profile):
     # the profile timed the kernel the runtime runs on this CPU, the one the predictor reads
     assert b["adamw_kernel"] == profiles.RUNTIME_ADAMW_KERNEL == "fused"
     assert profiles.read_meta(profiles.cache_path("cpu").parent.parent.parent / "x.csv") == {}
-    assert (cache / "profiles" / "cpu.meta.json").exists()
 
 
 def _probe(arch, h, b, s, model):

@@ -1,7 +1,9 @@
 """``hetero profile``: operator micro-benchmarks on this machine's device, written as profile records.
 
 The records go to the per-device cache (``$HETERO_CACHE_DIR/profiles/<device>.csv``, read by the
-predictor for cpu-family devices) and, with ``-o``, to a file of your choice. On a CPU the profile
+predictor for cpu-family devices) and, with ``-o``, to a file of your choice. A ``--quick`` run (a
+smoke test on a small grid) never writes the cache: its records would replace the full profile the
+predictor reads; they go to ``-o`` (or stdout) only. On a CPU the profile
 also times the runtime's transformer block and AdamW step at a few shapes (block probes, in the
 ``<device>.meta.json`` sidecar with the thread count and load average), and runs with 1 thread
 unless ``--threads`` says otherwise: ``hetero launch`` workers run 1 thread each by default.
@@ -22,7 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", metavar="FILE", help="cluster file whose own device types (under 'devices:') "
                                                      "--device may name")
     p.add_argument("-o", "--output", metavar="FILE", help="also write the records to FILE (CSV)")
-    p.add_argument("--quick", action="store_true", help="a small grid in a few seconds (smoke tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid in a few seconds (smoke tests): the records go to -o (or stdout) only, "
+                        "the per-device cache the predictor reads is left as it is")
     p.add_argument("--dtype", default=None, metavar="LIST",
                    help="comma-separated dtypes (default: fp32 on CPU, fp32,fp16 on accelerators)")
     p.add_argument("--no-cache", action="store_true", help="do not update the per-device cache")
@@ -102,9 +106,12 @@ def run(args) -> int:
                              "after": list(os.getloadavg()) if load_before else None},
             "blocks": blocks}
     written = []
-    if not args.no_cache:
+    if not args.no_cache and not args.quick:
         written.append(P.write_records(P.cache_path(name), records))
         P.write_meta(P.cache_path(name), meta)
+    elif args.quick and not args.no_cache:
+        err.print(f"--quick (a smoke test): the cached profile {P.cache_path(name)} is left as it is; "
+                  f"run without --quick to update it")
     if args.output:
         written.append(P.write_records(args.output, records))
         P.write_meta(args.output, meta)
