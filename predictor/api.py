@@ -134,7 +134,7 @@ class Prediction:
     bottleneck: tuple[int, int] = (0, 0)
     """(pipeline, stage) of the stage that limits the slowest pipeline (most busy time)."""
     provenance: dict = field(default_factory=dict)
-    """Per device type: {device, groups, source: catalog|profile|calibration, op_model}."""
+    """Per device type: {device, groups, source: catalog|cluster file|profile|calibration, op_model}."""
     events: list | None = field(default=None, repr=False)
     """Chrome-trace events when predicted with ``timeline=True``."""
 

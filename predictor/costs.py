@@ -111,13 +111,16 @@ class StageCostModel:
         return self._factors[group]
 
     def provenance(self) -> dict[str, dict]:
-        """Per device type: where its numbers come from (catalog / profile / calibration) and
-        which operator model ran (learned / roofline / profile)."""
+        """Per device type: where its numbers come from (catalog / cluster file / profile /
+        calibration) and which operator model ran (learned / roofline / profile)."""
         out = {}
         for name, g in self._groups.items():
             if g.device not in out:
                 note = getattr(self._opm[name], "accuracy_note", None)
-                out[g.device] = {"device": g.device, "groups": [], "source": self._prov[name],
+                source = self._prov[name]
+                if source == "catalog" and g.device in self.cluster.devices:   # defined or overridden there
+                    source = "cluster file"
+                out[g.device] = {"device": g.device, "groups": [], "source": source,
                                  "op_model": self._opkind[name], "note": note(self._dev[name]) if note else ""}
             out[g.device]["groups"].append(name)
         return out

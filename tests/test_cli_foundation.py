@@ -128,3 +128,64 @@ def test_json_output_refuses_a_number_that_is_not_finite(capsys):
         with pytest.raises(HeteroError, match="not finite"):
             print_json({"pipelines": [{"forward_time_s": bad}]})
         assert capsys.readouterr().out == ""
+
+
+def verdicts(proc, path):
+    """The stdout lines that judge ``path`` (one per file)."""
+    return [line for line in proc.stdout.splitlines() if line.split()[1:2] == [path]]
+
+
+def test_validate_checks_a_plans_batch_arithmetic_alone_and_gives_one_verdict(tmp_path):
+    data = copy.deepcopy(PLAN)
+    data["global_batch_size"] = 66
+    p = write(tmp_path, "p.yaml", data)
+    proc = run_cli("validate", p)   # no cluster or model needed for the arithmetic
+    assert_bad_input(proc, p, "global_batch_size", "= 64, not global_batch_size=66")
+    assert verdicts(proc, p) == [f"error {p} (plan)"], proc.stdout
+    c, m = write(tmp_path, "c.yaml", CLUSTER), write(tmp_path, "m.yaml", MODEL)
+    for args in ((p, c, m), (p, "--cluster", c, "--model", m)):
+        proc = run_cli("validate", *args)
+        assert_bad_input(proc, "= 64, not global_batch_size=66")
+        assert proc.stderr.count("not global_batch_size=66") == 1, proc.stderr
+        assert verdicts(proc, p) == [f"error {p} (plan) against lab / m"], proc.stdout
+        assert verdicts(proc, c) == [f"ok    {c} (cluster)"] and verdicts(proc, m) == [f"ok    {m} (model)"]
+    good = write(tmp_path, "good.yaml", PLAN)
+    proc = run_cli("validate", good, "--cluster", c, "--model", m)
+    assert proc.returncode == 0, proc.stderr
+    assert verdicts(proc, good) == [f"ok    {good} (plan) fits lab / m"], proc.stdout
+
+
+def test_validate_reports_a_plans_problems_together(tmp_path):
+    data = copy.deepcopy(PLAN)
+    data["pipelines"][1].update(replicas=2, micro_batches=4)   # too many a100 devices, and 48 samples
+    data["global_batch_size"] = 50
+    c, m, p = write(tmp_path, "c.yaml", CLUSTER), write(tmp_path, "m.yaml", MODEL), write(tmp_path, "p.yaml", data)
+    assert_bad_input(run_cli("validate", c, m, p), "group 'a100' has 16 devices", "not global_batch_size=50")
+
+
+def test_validate_refuses_duplicate_keys_and_cpu_devices_with_a_real_vendor(tmp_path):
+    text = "name: x\ngroups:\n  - {name: a, device: cpu, nodes: 1, devices_per_node: 2}\nname: y\n"
+    path = write(tmp_path, "dup.yaml", text)
+    assert_bad_input(run_cli("validate", path), f"{path}: line 4, column 1: duplicate key 'name' (first given at line 1)")
+    data = copy.deepcopy(CLUSTER)
+    data["devices"]["cpu-slow"]["vendor"] = "nvidia"
+    path = write(tmp_path, "c.yaml", data)
+    assert_bad_input(run_cli("validate", path), f"{path}: devices.cpu-slow.vendor", "ambiguous", "emu-a")
+
+
+def test_validate_names_a_device_without_a_peak_for_the_models_dtype(tmp_path):
+    data = copy.deepcopy(CLUSTER)
+    data["devices"]["npu"] = {"vendor": "ascend", "memory": "64 GiB", "memory_bandwidth": "1.6 TB/s",
+                              "peak_flops": {"bf16": "320 TFLOPS"}}
+    data["groups"][1]["device"] = "npu"
+    c, m, p = write(tmp_path, "c.yaml", data), write(tmp_path, "m.yaml", MODEL), write(tmp_path, "p.yaml", PLAN)
+    proc = run_cli("validate", c, m)
+    assert_bad_input(proc, f"{c}: devices.npu.peak_flops: device type 'npu' (group 'mi250'), model 'm': no matrix "
+                           f"peak for an fp32 model", "fix: add 'fp32: <peak> TFLOPS' to peak_flops")
+    assert verdicts(proc, c) == [f"error {c} (cluster) against model m"]
+    proc = run_cli("validate", c, m, p)   # the problem is told once, with the cluster, and the plan is not "ok"
+    assert proc.returncode == 1 and proc.stderr.count("no matrix peak") == 1, proc.stderr
+    assert verdicts(proc, p)[0].startswith(f"error {p} (plan)")
+    assert_bad_input(run_cli("predict", "--cluster", c, "--model", m, "--plan", p), "devices.npu.peak_flops")
+    assert_bad_input(run_cli("plan", "--cluster", c, "--model", m, "--global-batch-size", "64"), "devices.npu.peak_flops")
+    assert run_cli("validate", c, write(tmp_path, "m16.yaml", {**MODEL, "dtype": "bf16"})).returncode == 0

@@ -321,3 +321,211 @@ def test_layout_is_contiguous_per_node_and_keeps_tp_inside_nodes():
         members = layout.ranks[slot.first_rank: slot.first_rank + slot.num_ranks]
         assert all((m.group, m.node) == (slot.group, slot.node) for m in members)
     assert layout.pipeline_ranks(0, 1) and len(layout.pipeline_ranks(0, 1)) == 2
+
+
+# --- review fixes: plan arithmetic alone, catalog overrides, emulation vendors, dtype peaks, YAML ----
+
+def test_plan_batch_arithmetic_is_checked_without_a_cluster_or_model():
+    """replicas x micro_batches x micro_batch_size needs nothing but the plan: a plan alone is refused."""
+    data = copy.deepcopy(PLAN)
+    data["global_batch_size"] = 66
+    expect_error(lambda: hetero.load_plan(data), "global_batch_size", "2x8x2 + 1x16x2 = 64", "not global_batch_size=66",
+                 "fix: change micro_batches or the global batch size")
+    assert hetero.load_plan(PLAN).global_batch_size == 64
+
+
+def test_interleave_needs_the_interleaved_schedule():
+    data = copy.deepcopy(PLAN)
+    data["interleave"] = 2
+    expect_error(lambda: hetero.load_plan(data), "interleave: only the interleaved schedule uses it, and schedule is '1f1b'",
+                 "set 'schedule: interleaved'", "or drop 'interleave'")
+    data["interleave"] = 0   # a bad value too: named once, with the fix
+    expect_error(lambda: hetero.load_plan(data), "interleave: must be >= 1, got 0 (fix: model chunks per device")
+
+
+def test_a_cluster_entry_named_like_a_catalog_device_overrides_it():
+    """SCHEMAS.md: a cluster's ``devices:`` adds to / overrides the catalog. The fields given replace
+    the catalog's, the rest is kept (with or without ``base:`` naming itself)."""
+    a100 = hetero.load_catalog()["A100-SXM4-80GB"]
+    for entry in ({"memory": "40 GiB"}, {"base": "A100-SXM4-80GB", "memory": "40 GiB"}):
+        data = copy.deepcopy(CLUSTER)
+        data["devices"]["A100-SXM4-80GB"] = entry
+        data["devices"]["mine"] = {"base": "A100-SXM4-80GB", "clock": "1 GHz"}   # inherits the override
+        data["groups"][2]["device"] = "mine"
+        c = hetero.load_cluster(data)
+        dev = c.device_type("a100")
+        assert dev.memory == 40 * 2**30 and dev.vendor == "nvidia"
+        assert (dev.memory_bandwidth, dev.peak_flops, dev.compute_units) == \
+            (a100.memory_bandwidth, a100.peak_flops, a100.compute_units)
+        mine = c.device_type("slow")
+        assert mine.memory == 40 * 2**30 and mine.clock == 1e9 and mine.peak_flops == a100.peak_flops
+        assert hetero.load_cluster(c.to_dict()).device_types == c.device_types   # saved as written
+    # a peak of one dtype merges into the catalog's table
+    data = copy.deepcopy(CLUSTER)
+    data["devices"]["A100-SXM4-80GB"] = {"peak_flops": {"bf16": "300 TFLOPS"}}
+    dev = hetero.load_cluster(data).device_type("a100")
+    assert dev.peak_flops["bf16"] == 300e12 and dev.peak_flops["fp32"] == a100.peak_flops["fp32"]
+    # an override is still checked, and a real cycle is still one
+    data["devices"]["A100-SXM4-80GB"] = {"memory": "-1 GiB"}
+    expect_error(lambda: hetero.load_cluster(data), "devices.A100-SXM4-80GB.memory", "is negative")
+    data["devices"] = {"A100-SXM4-80GB": {"base": "x"}, "x": {"base": "A100-SXM4-80GB"}}
+    expect_error(lambda: hetero.load_cluster(data), "inheritance cycle")
+
+
+def test_a_cpu_device_with_a_real_vendor_is_refused_at_validation():
+    """``{base: cpu, vendor: nvidia}`` is neither an emulated device (those carry a tag of their
+    own) nor a real nvidia one (launch would want CUDA): an error with both fixes."""
+    for chain in ({"x": {"base": "cpu", "vendor": "nvidia"}},
+                  {"e": {"base": "cpu", "vendor": "emu-a"}, "x": {"base": "e", "vendor": "amd"}}):
+        data = copy.deepcopy(CLUSTER)
+        data["devices"].update(chain)
+        data["groups"][2]["device"] = "x"
+        vendor = chain["x"]["vendor"]
+        expect_error(lambda: hetero.load_cluster(data), f"devices.x.vendor: vendor '{vendor}'", "is ambiguous",
+                     "'vendor: emu-a'", "drop the 'base: cpu' link")
+    data = copy.deepcopy(CLUSTER)   # the emulation idiom and a plain CPU type stay valid
+    data["devices"]["x"] = {"base": "cpu", "vendor": "cpu", "slowdown": 3.0}
+    data["groups"][2]["device"] = "x"
+    assert hetero.load_cluster(data).device_type("slow").is_emulated
+
+
+BF16_ONLY = {"vendor": "ascend", "memory": "64 GiB", "memory_bandwidth": "1.6 TB/s", "peak_flops": {"bf16": "320 TFLOPS"}}
+
+
+def test_matrix_peaks_never_give_an_fp32_model_a_half_precision_figure():
+    from hetero.specs.device import DeviceType
+
+    npu = DeviceType(vendor="ascend", memory=1e9, memory_bandwidth=1e12, peak_flops={"bf16": 320e12})
+    assert npu.matrix_flops("bf16") == 320e12 and npu.matrix_flops("fp16") == 320e12   # the other half's units
+    assert npu.matrix_peak("fp32") is None
+    with pytest.raises(SpecError, match="no matrix peak for an fp32 model: needs fp32 \\(or tf32\\), lists bf16"):
+        npu.matrix_flops("fp32")
+    tf = DeviceType(vendor="nvidia", memory=1e9, memory_bandwidth=1e12, peak_flops={"tf32": 156e12, "bf16": 312e12})
+    assert tf.matrix_flops("fp32") == 156e12
+    both = DeviceType(vendor="nvidia", memory=1e9, memory_bandwidth=1e12, peak_flops={"fp32": 19.5e12, "fp16": 312e12})
+    assert both.matrix_flops("bf16") == 19.5e12   # as before: a missing half dtype falls back to fp32 first
+
+
+@pytest.mark.parametrize("dtype,ok", [("fp32", False), ("bf16", True), ("fp16", True)])
+def test_a_model_dtype_without_a_usable_peak_is_an_error_naming_the_device(dtype, ok):
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["devices"]["npu"] = BF16_ONLY
+    cluster["groups"][1]["device"] = "npu"
+    model = hetero.load_model({**MODEL, "dtype": dtype})
+    c = hetero.load_cluster(cluster)
+    if ok:
+        assert hetero.load_plan(PLAN, c, model)
+        return
+    expect_error(lambda: hetero.load_plan(PLAN, c, model), "devices.npu.peak_flops: device type 'npu' (group 'mi250')",
+                 "model 'm': no matrix peak for an fp32 model", "add 'fp32: <peak> TFLOPS' to peak_flops",
+                 "or use a model with dtype bf16 or fp16")
+    plan = copy.deepcopy(PLAN)   # a plan that keeps off that group is not refused for it
+    plan["pipelines"] = [plan["pipelines"][1], {**plan["pipelines"][1], "replicas": 1}]
+    plan["pipelines"][1]["stages"] = [{"group": "a100", "tp": 8, "layers": [0, 24]}]
+    assert hetero.load_plan(plan, c, model)
+
+
+def test_every_catalog_device_has_a_peak_for_the_shipped_models():
+    from conftest import CONFIGS
+
+    dtypes = {hetero.load_model(p).dtype for p in (CONFIGS / "models").glob("*.yaml")} | {"fp32", "bf16", "fp16"}
+    for name, device in hetero.load_catalog().items():
+        for dtype in dtypes:
+            assert device.peak_problem(dtype) is None, (name, dtype)
+
+
+def test_provenance_names_the_cluster_file_for_its_own_device_types(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))   # no local profile: numbers from specs
+    data = copy.deepcopy(CLUSTER)
+    data["devices"]["A100-SXM4-80GB"] = {"memory": "40 GiB"}
+    data["devices"]["npu"] = {**BF16_ONLY, "peak_flops": {"fp32": "80 TFLOPS"}}
+    data["groups"][1]["device"] = "npu"
+    data["groups"].append({"name": "h100", "device": "H100-SXM5-80GB", "nodes": 1, "devices_per_node": 8})
+    cluster, model = hetero.load_cluster(data), hetero.load_model(MODEL)
+    prov = hetero.predict(cluster, model, hetero.load_plan(PLAN, cluster, model)).provenance
+    assert prov["A100-SXM4-80GB"]["source"] == "cluster file" and prov["npu"]["source"] == "cluster file"
+
+
+@pytest.mark.parametrize("text,line,key", [
+    ("name: lab\ngroups:\n  - name: a\n    device: cpu\n    nodes: 1\n    devices_per_node: 2\n    nodes: 4\n", 7, "nodes"),
+    ("name: lab\nname: lab2\ngroups: []\n", 2, "name"),
+])
+def test_duplicate_yaml_keys_are_refused_with_their_line(tmp_path, text, line, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    err = expect_error(lambda: hetero.load_cluster(path), f"{path}: line {line}, column ", f"duplicate key '{key}'",
+                       f"keep one '{key}:' in this mapping")
+    assert len(err.problems) == 1
+
+
+def test_the_yaml_loader_stays_safe_and_allows_merge_overrides():
+    import yaml as pyyaml
+
+    from hetero.specs.io import UniqueKeyLoader, load_yaml
+
+    assert issubclass(UniqueKeyLoader, pyyaml.SafeLoader)
+    assert load_yaml("base: &b {nodes: 1, x: 2}\ng: {<<: *b, nodes: 3}\n")["g"] == {"nodes": 3, "x": 2}
+    with pytest.raises(pyyaml.YAMLError):
+        load_yaml("a: !!python/object/apply:os.system ['true']\n")
+
+
+@pytest.mark.parametrize("kind,key,fragment", [
+    ("model", "recompute", "'recompute' is a field of a plan file, not of a model file (fix: move it to the plan file)"),
+    ("model", "groups", "'groups' is a field of a cluster file, not of a model file"),
+    ("plan", "dtype", "'dtype' is a field of a model file, not of a plan file (fix: move it to the model file)"),
+    ("cluster", "zero_stage", "'zero_stage' is a field of a plan file, not of a cluster file"),
+])
+def test_a_field_of_another_file_is_named_as_such(kind, key, fragment):
+    data = copy.deepcopy({"plan": PLAN, "cluster": CLUSTER, "model": MODEL}[kind])
+    data[key] = "full" if key != "groups" else []
+    load = {"plan": hetero.load_plan, "cluster": hetero.load_cluster, "model": hetero.load_model}[kind]
+    err = expect_error(lambda: load(data), fragment)
+    assert "did you mean" not in str(err)
+
+
+def test_file_field_lists_match_the_specs():
+    import dataclasses
+
+    from hetero.specs.cluster import _ClusterFile
+    from hetero.specs.kinds import FIELDS
+    from hetero.specs.model import ModelSpec
+    from hetero.specs.plan import Plan
+
+    for kind, cls in (("cluster", _ClusterFile), ("model", ModelSpec), ("plan", Plan)):
+        assert set(FIELDS[kind]) == {f.name for f in dataclasses.fields(cls) if f.init}, kind
+
+
+@pytest.mark.parametrize("mutate,fragment", [
+    (lambda d: d.update(architecture="mamba"), "'mamba' is not one of 'gpt', 'llama' (fix: choose one of gpt, llama)"),
+    (lambda d: d.update(architecture="lama"), "(fix: did you mean 'llama'?)"),
+    (lambda d: d.update(num_layers=0), "num_layers: must be >= 1, got 0 (fix: give the number of transformer blocks"),
+    (lambda d: d.update(ffn_hidden_size=0), "ffn_hidden_size: must be >= 1, got 0 (fix: give the MLP width"),
+    (lambda d: d.update(norm_eps=-1), "norm_eps: must be in (0, 1), got -1 (fix: "),
+    (lambda d: d.update(norm_eps=0), "norm_eps: must be in (0, 1), got 0 (fix: "),
+    (lambda d: d.update(rope_theta=0), "rope_theta: must be positive, got 0 (fix: "),
+    (lambda d: d.update(dropout=1.5), "dropout: must be in [0, 1), got 1.5 (fix: "),
+])
+def test_model_range_errors_carry_a_fix(mutate, fragment):
+    data = copy.deepcopy(MODEL)
+    mutate(data)
+    expect_error(lambda: hetero.load_model(data), fragment)
+
+
+@pytest.mark.parametrize("mutate,fragment", [
+    (lambda d: d["pipelines"][0].update(replicas=0), "pipelines[0].replicas: must be >= 1, got 0 (fix: "),
+    (lambda d: d["pipelines"][0].update(micro_batches=0), "pipelines[0].micro_batches: must be >= 1, got 0 (fix: "),
+    (lambda d: d["pipelines"][0].update(micro_batch_size=0), "pipelines[0].micro_batch_size: must be >= 1, got 0 (fix: "),
+    (lambda d: d["pipelines"][0]["stages"][0].update(tp=0), "pipelines[0].stages[0].tp: must be >= 1, got 0 (fix: "),
+    (lambda d: d.update(micro_batch_size=0), "micro_batch_size: must be >= 1, got 0 (fix: "),
+])
+def test_plan_range_errors_carry_a_fix(mutate, fragment):
+    data = copy.deepcopy(PLAN)
+    mutate(data)
+    expect_error(lambda: hetero.load_plan(data), fragment)
+
+
+def test_suggestions_need_a_close_name():
+    from hetero.specs.errors import did_you_mean
+
+    assert did_you_mean("recompute", ["dropout", "name"]).startswith("known names")
+    assert did_you_mean("num_layer", ["num_layers", "name"]) == "did you mean 'num_layers'?"

@@ -60,6 +60,10 @@ def load_inputs(args, need_plan: bool = True):
     cluster = attempt(load_cluster, args.cluster)
     model = attempt(load_model, args.model)
     plan = attempt(load_plan, args.plan, cluster, model) if need_plan else None
+    if not need_plan and cluster is not None and model is not None:   # a search may use every group
+        from hetero.specs.cluster import model_problems
+
+        problems.extend(model_problems(cluster, model))
     if problems:
         raise SpecError(problems)
     return cluster, model, plan

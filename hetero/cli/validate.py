@@ -16,62 +16,92 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from hetero.specs.cluster import load_cluster
+    from hetero.specs.cluster import load_cluster, model_problems
     from hetero.specs.device import resolve_devices
     from hetero.specs.errors import Problem, Problems, SpecError
     from hetero.specs.io import read_mapping
     from hetero.specs.kinds import file_kind
     from hetero.specs.model import load_model
-    from hetero.specs.plan import check_plan, load_plan
+    from hetero.specs.plan import load_plan
 
     from ._common import console
 
-    out = console()
-    failed = 0
-    loaded: dict[str, list] = {"cluster": [], "model": [], "plan": []}
     for name in (args.cluster, args.model):
         if name and name not in args.files:
             args.files.append(name)
     given_as = {args.model: "model", args.cluster: "cluster"}   # --cluster / --model say the kind
-    for path in args.files:
+    # Every check runs first, then each file gets one verdict: a plan is "ok" once it passed every
+    # check there is for it (against the cluster and the model when one of each is at hand).
+    results = [{"path": path, "kind": None, "data": None, "source": None, "spec": None, "problems": [],
+                "against": None} for path in dict.fromkeys(args.files)]
+
+    def attempt(result, load) -> None:
         try:
-            data, source = read_mapping(path, "input")
-            kind = given_as.get(path) or file_kind(data)
-            if kind == "cluster":   # the mapping already read, named by its file in errors
-                loaded["cluster"].append((path, load_cluster(data, source=source)))
-            elif kind == "model":
-                loaded["model"].append((path, load_model(data, source=source)))
-            elif kind == "plan":
-                loaded["plan"].append((path, load_plan(data, source=source)))
-            elif kind == "catalog":
-                problems = Problems(source=source)
-                resolve_devices(data.get("devices") or {}, {}, "devices", problems)
+            load()
+        except SpecError as e:
+            result["problems"].extend(e.problems)
+
+    for r in results:
+        def read(r=r):
+            r["data"], r["source"] = read_mapping(r["path"], "input")
+            r["kind"] = given_as.get(r["path"]) or file_kind(r["data"])
+            if r["kind"] == "cluster":   # the mapping already read, named by its file in errors
+                r["spec"] = load_cluster(r["data"], source=r["source"])
+            elif r["kind"] == "model":
+                r["spec"] = load_model(r["data"], source=r["source"])
+            elif r["kind"] == "catalog":
+                problems = Problems(source=r["source"])
+                resolve_devices(r["data"].get("devices") or {}, {}, "devices", problems)
                 problems.raise_if_any()
-            else:
+            elif r["kind"] != "plan":
                 raise SpecError([Problem("", "cannot tell whether this is a cluster, model or plan file",
                                          "a cluster has 'groups', a model 'num_layers', a plan 'pipelines'",
-                                         source)])
-            out.print(f"[green]ok[/green]    {path} ({kind})")
-        except SpecError as e:
-            failed += 1
-            out.print(f"[red]error[/red] {path}")
-            for problem in e.problems:
-                print(f"error: {problem}", file=sys.stderr)
+                                         r["source"])])
+        attempt(r, read)
     # Plans are checked against a cluster and a model when exactly one of each is at hand.
-    clusters = [c for p, c in loaded["cluster"] if not args.cluster or p == args.cluster]
-    models = [m for p, m in loaded["model"] if not args.model or p == args.model]
-    if loaded["plan"]:
-        if len(clusters) == 1 and len(models) == 1:
-            for path, plan in loaded["plan"]:
-                try:
-                    check_plan(plan, clusters[0], models[0], str(path))
-                    out.print(f"[green]ok[/green]    {path} fits {clusters[0].name} / {models[0].name}")
-                except SpecError as e:
-                    failed += 1
-                    out.print(f"[red]error[/red] {path} against {clusters[0].name} / {models[0].name}")
-                    for problem in e.problems:
-                        print(f"error: {problem}", file=sys.stderr)
+    clusters = [r for r in results if r["kind"] == "cluster" and r["spec"] is not None
+                and (not args.cluster or r["path"] == args.cluster)]
+    models = [r for r in results if r["kind"] == "model" and r["spec"] is not None
+              and (not args.model or r["path"] == args.model)]
+    plans = [r for r in results if r["kind"] == "plan" and not r["problems"]]
+    c = m = None
+    if len(clusters) == 1 and len(models) == 1:
+        c, m = clusters[0], models[0]
+        mismatch = model_problems(c["spec"], m["spec"])   # the model's dtype on every group
+        if mismatch:
+            c["problems"].extend(mismatch)
+            c["against"] = f"model {m['spec'].name}"
+    for r in plans:
+        if c is None:
+            attempt(r, lambda r=r: load_plan(r["data"], source=r["source"]))
+            continue
+        r["against"] = f"{c['spec'].name} / {m['spec'].name}"
+        try:
+            load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
+        except SpecError as e:
+            for problem in e.problems:   # each problem goes with the file that holds its fix
+                owner = c if problem.source == c["spec"].source else r
+                if str(problem) not in map(str, owner["problems"]):
+                    owner["problems"].append(problem)
+            if not r["problems"]:   # only the cluster's: this plan cannot run there either
+                r["problems"].append(Problem("", f"cannot run on cluster {c['spec'].name} as it is: see the "
+                                                 f"errors of {c['path']}", f"fix {c['path']}", r["source"]))
+    out = console()
+    failed = 0
+    for r in results:
+        kind = f" ({r['kind']})" if r["kind"] in ("cluster", "model", "plan", "catalog") else ""
+        if r["problems"]:
+            failed += 1
+            against = f" against {r['against']}" if r["against"] else ""
+            out.print(f"[red]error[/red] {r['path']}{kind}{against}")
+            for problem in r["problems"]:
+                print(f"error: {problem}", file=sys.stderr)
         else:
-            out.print("[yellow]note[/yellow]  plans were checked on their own; give one cluster and one model "
-                      "(--cluster/--model) to check them against those")
+            fits = f" fits {r['against']}" if r["against"] else ""
+            out.print(f"[green]ok[/green]    {r['path']}{kind}{fits}")
+    if plans and c is None:
+        broken = [r["path"] for r in results if r["kind"] in ("cluster", "model") and r["spec"] is None]
+        out.print("[yellow]note[/yellow]  plans were checked on their own; " +
+                  (f"fix {', '.join(map(str, broken))} to check them against a cluster and a model" if broken else
+                   "give one cluster and one model (--cluster/--model) to check them against those"))
     return 1 if failed else 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .device import DeviceType, catalog_raw, load_catalog, resolve_devices
-from .errors import Problems, did_you_mean, join_path
+from .errors import Problem, Problems, did_you_mean, join_path
 from .io import read_mapping, write_yaml_atomic
 from .schema import is_missing, load_dataclass, quantity, to_plain
 
@@ -74,6 +74,7 @@ class Group:
 
 @dataclass(frozen=True)
 class _ClusterFile:
+    _file_kind = "cluster"   # a class attribute, not a field: names model / plan fields given here
     name: str
     groups: list[Group]
     devices: dict[str, dict] = field(default_factory=dict)
@@ -129,6 +130,26 @@ class Cluster:
 
     def save(self, path) -> None:
         write_yaml_atomic(path, self.to_dict())
+
+
+def model_problems(cluster: Cluster, model, groups=None) -> list[Problem]:
+    """Problems of training ``model`` on ``cluster`` that neither file shows alone, each named in
+    the cluster file: a device type with no matrix peak for the model's dtype (an fp32 model on a
+    device that lists only bf16). ``groups``: the group names to look at (default: all)."""
+    out: list[Problem] = []
+    seen: set[str] = set()
+    for i, g in enumerate(cluster.groups):
+        if (groups is not None and g.name not in groups) or g.device in seen or g.name not in cluster.device_types:
+            continue
+        seen.add(g.device)
+        bad = cluster.device_type(g.name).peak_problem(model.dtype)
+        if bad:
+            message, fix = bad
+            path = (join_path(join_path("devices", g.device), "peak_flops") if g.device in cluster.devices
+                    else join_path(join_path("groups", i), "device"))
+            out.append(Problem(path, f"device type '{g.device}' (group '{g.name}'), model '{model.name}': {message}",
+                               fix, cluster.source))
+    return out
 
 
 def load_cluster(path_or_dict, source: str | None = None) -> Cluster:

@@ -1,8 +1,9 @@
 """Device types: the numbers the predictor needs about one accelerator, and the catalog of them.
 
 A device type is defined in the built-in catalog (``configs/devices.yaml``) or under a cluster
-file's ``devices:``. An entry may inherit another with ``base:`` and override some fields; the
-emulation idiom is ``{base: cpu, vendor: emu-b, slowdown: 2.0}``: a CPU device with its own vendor
+file's ``devices:``. An entry may inherit another with ``base:`` and override some fields; a cluster
+entry named like a catalog device overrides that device (it inherits the catalog entry, so
+``A100-SXM4-80GB: {memory: 40 GiB}`` changes the memory alone). The emulation idiom is ``{base: cpu, vendor: emu-b, slowdown: 2.0}``: a CPU device with its own vendor
 tag (so it gets its own process group) that computes ``slowdown`` times slower.
 """
 from __future__ import annotations
@@ -11,14 +12,14 @@ import functools
 from dataclasses import dataclass, field
 from importlib import resources
 
-import yaml
-
-from .errors import Problems, SpecError, did_you_mean, join_path
+from .errors import Problem, Problems, SpecError, did_you_mean, join_path
+from .io import load_yaml
 from .schema import is_missing, load_dataclass, quantity
 
 # Vendor families with a real backend. Other tags are allowed only for CPU-emulated devices.
 VENDORS = ("nvidia", "amd", "ascend", "intel", "cpu", "other")
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+HALF_DTYPES = ("fp16", "bf16")
 
 
 MAX_SLOWDOWN = 1000.0
@@ -98,13 +99,44 @@ class DeviceType:
         """The vendor family whose backend runs this device (an emulation tag maps to ``cpu``)."""
         return self.vendor if self.vendor in VENDORS else "cpu"
 
-    def matrix_flops(self, dtype: str) -> float:
-        """Peak matrix FLOP/s for ``dtype`` (fp32 falls back to tf32; slowdown applied)."""
+    def matrix_peak(self, dtype: str) -> float | None:
+        """The listed matrix peak (FLOP/s, slowdown not applied) that a ``dtype`` model runs at, or
+        None when the device lists none that fits: the dtype's own entry; fp32 takes tf32 when fp32
+        is not listed, and never a half-precision or integer figure; any other dtype falls back to
+        fp32, and fp16 / bf16 then to each other's (the same half-precision matrix units)."""
         table = self.peak_flops
-        value = table.get(dtype) or (table.get("tf32") if dtype == "fp32" else None) or table.get("fp32")
+        if table.get(dtype):
+            return table[dtype]
+        if dtype == "fp32":
+            return table.get("tf32")
+        if table.get("fp32"):
+            return table["fp32"]
+        if dtype in HALF_DTYPES:
+            return table.get(HALF_DTYPES[1 - HALF_DTYPES.index(dtype)])
+        return None
+
+    def peak_problem(self, dtype: str) -> tuple[str, str] | None:
+        """``(message, fix)`` when a ``dtype`` model has no usable matrix peak on this device
+        (see :meth:`matrix_peak`), else None."""
+        if self.matrix_peak(dtype) is not None:
+            return None
+        listed = ", ".join(sorted(self.peak_flops)) or "nothing"
+        usable = [d for d in ("fp32", "bf16", "fp16") if self.matrix_peak(d) is not None]
+        need = "fp32 (or tf32)" if dtype == "fp32" else dtype
+        fix = f"add '{dtype}: <peak> TFLOPS' to peak_flops from the datasheet"
+        if usable:
+            fix += f", or use a model with dtype {' or '.join(usable)}"
+        why = " (an fp32 model never runs at a half-precision or integer peak)" if dtype == "fp32" else ""
+        article = "an" if dtype[0] in "aefhilmnorsx" else "a"
+        return f"no matrix peak for {article} {dtype} model: needs {need}, lists {listed}{why}", fix
+
+    def matrix_flops(self, dtype: str) -> float:
+        """Peak matrix FLOP/s for ``dtype`` (fallbacks of :meth:`matrix_peak`; slowdown applied).
+        Raises SpecError when none fits (validation reports it first, naming the device)."""
+        value = self.matrix_peak(dtype)
         if value is None:
-            # Conservative: the lowest listed peak, never an int8/fp8 figure for a float dtype.
-            value = min(table.values())
+            message, fix = self.peak_problem(dtype)
+            raise SpecError([Problem("peak_flops", message, fix, "<device type>")])
         return value / self.slowdown
 
     def vector_flops(self, dtype: str) -> float:
@@ -135,7 +167,11 @@ def _merge(base: dict, override: dict) -> dict:
 
 def resolve_devices(raw: dict[str, dict], known: dict[str, dict], path: str,
                     problems: Problems) -> dict[str, DeviceType]:
-    """Resolve raw device entries (with ``base:`` inheritance) against ``known`` raw entries."""
+    """Resolve raw device entries (with ``base:`` inheritance) against ``known`` raw entries.
+
+    An entry named like a ``known`` one (a cluster's ``A100-SXM4-80GB:`` over the catalog) overrides
+    it: the known entry is its base, so the fields given replace those of the catalog and the rest
+    are kept (``base:`` naming itself says the same)."""
     # name -> merged entry, or None once its problem is recorded (so it is recorded only once).
     merged_raw: dict[str, dict | None] = {}
 
@@ -155,6 +191,8 @@ def resolve_devices(raw: dict[str, dict], known: dict[str, dict], path: str,
                          "write the device's fields as key: value pairs")
             return None
         base = entry.get("base")
+        if name in known and base in (None, name):   # an override of a known (catalog) entry
+            return {**_merge(known[name], entry), "base": name}
         if base is None:
             return dict(entry)
         if base in chain:
@@ -177,33 +215,53 @@ def resolve_devices(raw: dict[str, dict], known: dict[str, dict], path: str,
         device = load_dataclass(DeviceType, merged, join_path(path, name), problems)
         if is_missing(device):
             continue
-        if device.vendor not in VENDORS and _family_of(name, raw, known) != "cpu":
-            problems.add(join_path(join_path(path, name), "vendor"),
-                         f"unknown vendor '{device.vendor}'",
+        root = _family_of(name, raw, known)
+        where = join_path(join_path(path, name), "vendor")
+        if device.vendor not in VENDORS and root != "cpu":
+            problems.add(where, f"unknown vendor '{device.vendor}'",
                          f"use one of {', '.join(VENDORS)}; custom vendor tags are for emulated devices "
                          f"with 'base: cpu'")
+            continue
+        if root == "cpu" and device.vendor in VENDORS and device.vendor != "cpu":
+            # a CPU that says it is an nvidia device: neither a real one (launch would want CUDA)
+            # nor an emulated one (that takes a tag of its own): refuse it here, not at launch
+            problems.add(where, f"vendor '{device.vendor}' on a device inherited from 'cpu' is ambiguous: it runs "
+                                f"on the CPU, but '{device.vendor}' is a real vendor family (its own backend)",
+                         f"to emulate a vendor on the CPU give it a tag of its own (e.g. 'vendor: emu-a'; each tag "
+                         f"gets its own process group); for a real {device.vendor} device drop the 'base: cpu' "
+                         f"link and give its memory, memory_bandwidth and peak_flops")
             continue
         out[name] = device
     return out
 
 
 def _family_of(name: str, raw: dict, known: dict) -> str:
-    """The real vendor at the root of a device's base chain (``cpu`` for emulated devices)."""
+    """The real vendor at the root of a device's base chain (``cpu`` for emulated devices); an
+    entry of ``raw`` that overrides a ``known`` one continues at the known entry."""
     seen = set()
-    while name not in seen:
-        seen.add(name)
-        entry = raw.get(name) or known.get(name) or {}
-        if entry.get("base"):
-            name = entry["base"]
+    key = ("raw", name)
+    while key not in seen:
+        seen.add(key)
+        table = raw if key[0] == "raw" else known
+        entry = table.get(key[1])
+        if table is raw and entry is None:
+            key = ("known", key[1])
             continue
-        return entry.get("vendor", "other")
+        entry = entry if isinstance(entry, dict) else {}
+        base = entry.get("base")
+        if table is raw and key[1] in known and base in (None, key[1]):
+            key = ("known", key[1])
+        elif base:
+            key = ("raw", base)
+        else:
+            return entry.get("vendor", "other")
     return "other"
 
 
 @functools.lru_cache(maxsize=1)
 def _catalog_raw() -> dict[str, dict]:
     text = resources.files(CATALOG_RESOURCE[0]).joinpath(CATALOG_RESOURCE[1]).read_text()
-    data = yaml.safe_load(text) or {}
+    data = load_yaml(text) or {}
     return dict(data.get("devices", {}))
 
 

@@ -56,12 +56,23 @@ class Problems:
         return bool(self.items)
 
 
+SUGGEST_CUTOFF = 0.65
+"""How alike (difflib ratio) a name must be to a known one to be suggested: 'num_layer' and
+'num_layers' are (0.95), 'recompute' and 'dropout' (0.62) or 'mamba' and 'llama' (0.4) are not."""
+
+
+def closest(name: str, candidates) -> str | None:
+    """The candidate ``name`` was most likely meant as, or None when none is alike enough."""
+    close = difflib.get_close_matches(str(name), sorted(str(c) for c in candidates), n=1, cutoff=SUGGEST_CUTOFF)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, candidates) -> str:
     """``"did you mean 'hidden_size'?"`` for the closest candidate, or a list of valid names."""
     candidates = sorted(str(c) for c in candidates)
-    close = difflib.get_close_matches(str(name), candidates, n=1, cutoff=0.5)
+    close = closest(name, candidates)
     if close:
-        return f"did you mean '{close[0]}'?"
+        return f"did you mean '{close}'?"
     shown = ", ".join(candidates[:12]) + (", ..." if len(candidates) > 12 else "")
     return f"known names: {shown}"
 

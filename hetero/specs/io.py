@@ -1,4 +1,4 @@
-"""Reading spec files (YAML, safe loader only) and writing them back atomically."""
+"""Reading spec files (YAML, safe loader only, duplicate keys refused) and writing them back atomically."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,40 @@ from .kinds import MARKERS, wrong_kind
 
 MAX_INPUT_BYTES = 256 * 2**20
 """Input files (specs, run logs, calibrations) larger than this are refused, not read into memory."""
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping (plain YAML keeps the last silently)."""
+
+    def __init__(self, key, first, again):
+        super().__init__(None, None, f"duplicate key '{key}' (first given at line {first.line + 1})", again)
+        self.key = key
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (same tags, nothing executable) that refuses a key given twice in one
+    mapping, naming its line, instead of keeping the last one: ``nodes: 1`` ... ``nodes: 4`` is a
+    mistake, not an override. Keys merged in with ``<<:`` may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark)
+                except TypeError:   # an unhashable key: the base constructor names it
+                    continue
+                if first is not key_node.start_mark:
+                    raise DuplicateKeyError(key, first, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """Parse YAML text safely (:class:`UniqueKeyLoader`): what every spec reader uses."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 class InputFileError(ValueError):
@@ -100,7 +134,12 @@ def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[di
     except InputFileError as e:
         raise SpecError([Problem("", e.message, e.fix, source)]) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except DuplicateKeyError as e:
+        mark = e.problem_mark
+        raise SpecError([Problem(f"line {mark.line + 1}, column {mark.column + 1}", e.problem,
+                                 f"keep one '{e.key}:' in this mapping (YAML would silently keep the last)",
+                                 source)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""

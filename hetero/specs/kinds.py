@@ -15,6 +15,25 @@ MARKERS = {
 }
 """Fields that mark a kind, in the order kinds are told apart (a cluster may have ``devices`` too)."""
 
+FIELDS = {
+    "cluster": ("name", "devices", "groups", "network"),
+    "model": ("name", "architecture", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+              "seq_length", "num_kv_heads", "ffn_hidden_size", "activation", "dtype", "tie_embeddings",
+              "dropout", "attention", "norm_eps", "rope_theta"),
+    "plan": ("global_batch_size", "micro_batch_size", "pipelines", "schedule", "recompute", "zero_stage",
+             "interleave"),
+}
+"""The top-level fields of each kind of spec file (tests keep them equal to the dataclasses')."""
+
+
+def belongs_to(key: str, kind: str) -> str | None:
+    """The other kind of file whose top-level field ``key`` is (``recompute`` in a model file:
+    ``plan``), or None when it is no field of another kind, or one of ``kind``'s own."""
+    if key in FIELDS.get(kind, ()):
+        return None
+    return next((other for other, fields in FIELDS.items() if other != kind and key in fields), None)
+
+
 LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog": "a device catalog"}
 
 

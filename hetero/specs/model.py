@@ -21,6 +21,8 @@ def llama_ffn_size(hidden: int, multiple_of: int = 256) -> int:
 class ModelSpec:
     """A decoder-only transformer. Optional fields are filled with the architecture's defaults."""
 
+    _file_kind = "model"   # a class attribute, not a field: names plan / cluster fields given here
+
     # --- identity ---
     name: str
     architecture: Literal["gpt", "llama"]
@@ -53,9 +55,13 @@ class ModelSpec:
     rope_theta: float = 10000.0
 
     def _check(self, path: str, problems: Problems) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+        for name, what in (("num_layers", "the number of transformer blocks, e.g. 24"),
+                           ("hidden_size", "the model width, e.g. 1024"),
+                           ("num_attention_heads", "the attention head count, e.g. 16"),
+                           ("vocab_size", "the tokenizer's vocabulary size, e.g. 50257"),
+                           ("seq_length", "tokens per sample, e.g. 1024")):
             if getattr(self, name) < 1:
-                problems.add(join_path(path, name), f"must be >= 1, got {getattr(self, name)}", "")
+                problems.add(join_path(path, name), f"must be >= 1, got {getattr(self, name)}", f"give {what}")
         if self.num_attention_heads >= 1 and self.hidden_size % self.num_attention_heads:
             problems.add(join_path(path, "hidden_size"),
                          f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
@@ -66,9 +72,17 @@ class ModelSpec:
                          f"num_kv_heads ({kv}) must divide num_attention_heads ({self.num_attention_heads})",
                          "use a divisor of the head count (e.g. 8 for 64 heads)")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
-            problems.add(join_path(path, "ffn_hidden_size"), "must be >= 1", "")
+            problems.add(join_path(path, "ffn_hidden_size"), f"must be >= 1, got {self.ffn_hidden_size}",
+                         "give the MLP width (e.g. 4 x hidden_size for gpt), or drop it for the architecture's default")
         if not 0.0 <= self.dropout < 1.0:
-            problems.add(join_path(path, "dropout"), f"must be in [0, 1), got {self.dropout}", "")
+            problems.add(join_path(path, "dropout"), f"must be in [0, 1), got {self.dropout}",
+                         "a probability: 0 for none, e.g. 0.1")
+        if not 0.0 < self.norm_eps < 1.0:
+            problems.add(join_path(path, "norm_eps"), f"must be in (0, 1), got {self.norm_eps:g}",
+                         "the small positive constant of LayerNorm / RMSNorm, e.g. 1e-5 (or drop it)")
+        if not self.rope_theta > 0.0:
+            problems.add(join_path(path, "rope_theta"), f"must be positive, got {self.rope_theta:g}",
+                         "the rotary embedding base, e.g. 10000 (or drop it)")
         if self.architecture == "gpt" and self.activation == "swiglu":
             problems.add(join_path(path, "activation"), "swiglu belongs to the llama architecture",
                          "use gelu or relu for gpt, or architecture: llama")

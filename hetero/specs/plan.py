@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .cluster import Cluster
+from .cluster import Cluster, model_problems
 from .errors import Problems, SpecError, did_you_mean, join_path
 from .io import read_mapping, write_yaml_atomic
 from .model import ModelSpec
@@ -76,16 +76,20 @@ class Pipeline:
 
     def _check(self, path: str, problems: Problems) -> None:
         if self.replicas < 1:
-            problems.add(join_path(path, "replicas"), f"must be >= 1, got {self.replicas}", "")
+            problems.add(join_path(path, "replicas"), f"must be >= 1, got {self.replicas}",
+                         "the number of identical copies of this pipeline: 1 or more (drop the pipeline to use none)")
         if self.micro_batches < 1:
-            problems.add(join_path(path, "micro_batches"), f"must be >= 1, got {self.micro_batches}", "")
+            problems.add(join_path(path, "micro_batches"), f"must be >= 1, got {self.micro_batches}",
+                         "micro-batches per replica per iteration: 1 or more")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            problems.add(join_path(path, "micro_batch_size"), f"must be >= 1, got {self.micro_batch_size}", "")
+            problems.add(join_path(path, "micro_batch_size"), f"must be >= 1, got {self.micro_batch_size}",
+                         "samples per micro-batch: 1 or more, or drop it to use the plan's micro_batch_size")
         if not self.stages:
             problems.add(join_path(path, "stages"), "a pipeline needs at least one stage", "add a stage")
         for i, s in enumerate(self.stages):
             if s.tp < 1:
-                problems.add(join_path(join_path(join_path(path, "stages"), i), "tp"), f"must be >= 1, got {s.tp}", "")
+                problems.add(join_path(join_path(join_path(path, "stages"), i), "tp"), f"must be >= 1, got {s.tp}",
+                             "the tensor-parallel degree: 1 for none, else a divisor of the head count")
 
     @property
     def devices_per_replica(self) -> int:
@@ -95,6 +99,8 @@ class Pipeline:
 @dataclass(frozen=True)
 class Plan:
     """How the model is split: pipelines x replicas x stages, batch sizes, schedule, memory options."""
+
+    _file_kind = "plan"   # a class attribute, not a field: names model / cluster fields given here
 
     global_batch_size: int
     micro_batch_size: int
@@ -111,9 +117,11 @@ class Plan:
         if bad_batch:
             problems.add("global_batch_size", *bad_batch)
         if self.micro_batch_size < 1:
-            problems.add("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}", "")
+            problems.add("micro_batch_size", f"must be >= 1, got {self.micro_batch_size}",
+                         "samples per micro-batch: 1 or more")
         if self.interleave < 1:
-            problems.add("interleave", f"must be >= 1, got {self.interleave}", "")
+            problems.add("interleave", f"must be >= 1, got {self.interleave}",
+                         "model chunks per device of the interleaved schedule: 2 or more")
         if not self.pipelines:
             problems.add("pipelines", "a plan needs at least one pipeline", "add a pipeline")
 
@@ -161,16 +169,41 @@ class Plan:
         return " + ".join(parts)
 
 
+def batch_sum_problem(plan: Plan) -> tuple[str, str] | None:
+    """``(message, fix)`` when replicas x micro_batches x micro_batch_size summed over the pipelines
+    is not the global batch size, else None."""
+    total = sum(plan.samples(p) for p in plan.pipelines)
+    if total == plan.global_batch_size:
+        return None
+    terms = " + ".join(f"{p.replicas}x{p.micro_batches}x{plan.mbs(p)}" for p in plan.pipelines)
+    return (f"replicas x micro_batches x micro_batch_size summed over pipelines is {terms} = {total}, "
+            f"not global_batch_size={plan.global_batch_size}",
+            "change micro_batches or the global batch size so they agree")
+
+
 def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | None = None,
               source: str | None = None) -> Plan:
-    """Load a plan; with ``cluster`` and ``model`` also check it against them (all rules)."""
+    """Load a plan and check the rules it can break on its own (stage ranges, batch arithmetic);
+    with ``cluster`` and ``model`` also check it against them (all rules)."""
     data, source = read_mapping(path_or_dict, "plan", source)
     problems = Problems(source=source)
     plan = load_dataclass(Plan, data, "", problems)
+    if not is_missing(plan) and not problems:   # each field fine on its own: the rules across them
+        if cluster is not None and model is not None:
+            try:   # every rule, the batch arithmetic among them, reported together
+                check_plan(plan, cluster, model, source)
+            except SpecError as e:
+                problems.items.extend(e.problems)
+        else:   # the batch arithmetic needs no cluster or model: checked on the plan alone
+            bad_sum = batch_sum_problem(plan)
+            if bad_sum:
+                problems.add("global_batch_size", *bad_sum)
+        if "interleave" in data and plan.schedule != "interleaved":
+            # the other schedules run one model chunk per device: the number would be silently ignored
+            problems.add("interleave", f"only the interleaved schedule uses it, and schedule is '{plan.schedule}'",
+                         "set 'schedule: interleaved' to run model chunks interleaved, or drop 'interleave'")
     problems.raise_if_any()
     assert not is_missing(plan)
-    if cluster is not None and model is not None:
-        check_plan(plan, cluster, model, source)
     return plan
 
 
@@ -201,13 +234,11 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
         if plan.schedule == "interleaved":
             _check_interleave(plan, p, join_path("pipelines", pi), problems)
     _check_capacity(plan, cluster, problems)
-    total = sum(plan.samples(p) for p in plan.pipelines)
-    if total != plan.global_batch_size:
-        terms = " + ".join(f"{p.replicas}x{p.micro_batches}x{plan.mbs(p)}" for p in plan.pipelines)
-        problems.add("global_batch_size",
-                     f"replicas x micro_batches x micro_batch_size summed over pipelines is {terms} = {total}, "
-                     f"not global_batch_size={plan.global_batch_size}",
-                     "change micro_batches or the global batch size so they agree")
+    bad_sum = batch_sum_problem(plan)
+    if bad_sum:
+        problems.add("global_batch_size", *bad_sum)
+    # the model's dtype on the devices the plan uses (named in the cluster file, where the fix goes)
+    problems.items.extend(model_problems(cluster, model, {s.group for p in plan.pipelines for s in p.stages}))
     problems.raise_if_any()
 
 
@@ -288,4 +319,4 @@ def pack_blocks(sizes: list[int], nodes: int, per_node: int) -> list[int] | None
     return where
 
 
-__all__ = ["Plan", "Pipeline", "Stage", "load_plan", "check_plan", "pack_blocks", "SpecError"]
+__all__ = ["Plan", "Pipeline", "Stage", "load_plan", "check_plan", "batch_sum_problem", "pack_blocks", "SpecError"]

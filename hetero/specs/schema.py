@@ -16,7 +16,8 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from .errors import Problems, did_you_mean, join_path
+from .errors import Problems, closest, did_you_mean, join_path
+from .kinds import LABEL, belongs_to
 from .units import UnitError, parse_quantity
 
 _MISSING = object()
@@ -63,9 +64,9 @@ def _convert(value, tp, kind: str | None, path: str, problems: Problems):
                 return _MISSING
         if value in choices:
             return value
+        close = closest(value, choices) if isinstance(value, str) else None
         problems.add(path, f"{value!r} is not one of {', '.join(repr(c) for c in choices)}",
-                     did_you_mean(value, choices) if isinstance(value, str) else
-                     f"choose one of {', '.join(str(c) for c in choices)}")
+                     f"did you mean '{close}'?" if close else f"choose one of {', '.join(str(c) for c in choices)}")
         return _MISSING
     if tp is bool:
         if isinstance(value, bool):
@@ -150,9 +151,15 @@ def load_dataclass(cls, data, path: str, problems: Problems):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     before = len(problems.items)
+    kind = getattr(cls, "_file_kind", None)   # the top of a cluster, model or plan file
     for key in data:
         if key not in fields:
-            problems.add(join_path(path, str(key)), f"unknown field '{key}'", did_you_mean(key, fields))
+            other = belongs_to(str(key), kind) if kind and not path else None
+            if other:
+                problems.add(join_path(path, str(key)), f"'{key}' is a field of {LABEL[other]} file, not of "
+                                                        f"{LABEL[kind]} file", f"move it to the {other} file")
+            else:
+                problems.add(join_path(path, str(key)), f"unknown field '{key}'", did_you_mean(key, fields))
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
