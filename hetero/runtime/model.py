@@ -18,6 +18,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from hetero.specs.model import ModelSpec
@@ -189,8 +190,13 @@ class StageModel(nn.Module):
                 x = block(x)
         if self.last and chunk == len(self.chunks) - 1:
             x = self.final_norm(x)
-            x = F.linear(x, self.wte.weight) if hasattr(self, "wte") and not hasattr(self, "head") \
-                else self.head(x)
+            if hasattr(self, "head"):
+                x = self.head(x)
+            else:
+                w = self.wte.weight
+                if isinstance(w, DTensor):   # vocabulary-parallel: logits sharded on the vocabulary
+                    x = DTensor.from_local(x, w.device_mesh, [Replicate()])
+                x = F.linear(x, w)
         return x
 
 
@@ -233,15 +239,23 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
 
 
 def apply_tensor_parallel(module: StageModel, mesh) -> None:
-    """Shard every block's attention and MLP Megatron-style over ``mesh`` (a 1-D DeviceMesh).
+    """Shard every block's attention and MLP, the word embedding and the LM head Megatron-style
+    over ``mesh`` (a 1-D DeviceMesh).
 
     q/k/v and the MLP up projections are column-parallel (heads / ffn columns split), the output
-    and down projections row-parallel (an all-reduce at their output). Norms, embeddings and the
-    head stay replicated in the tp group: every tp rank computes them, so the residual stream
-    between blocks and stages is replicated.
+    and down projections row-parallel (an all-reduce at their output). The word embedding and the
+    head are vocabulary-parallel: each tp rank keeps its rows of the vocabulary (the embedding's
+    lookups are summed over the tp group; a tied head multiplies by the same rows), the logits
+    stay sharded on the vocabulary and :func:`loss_fn` computes the cross-entropy over the shards
+    (torch's loss_parallel), so no rank holds the full logits. Norms and the learned positions stay
+    replicated, so the residual stream between blocks and stages is replicated.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if hasattr(module, "wte"):
+        parallelize_module(module.wte, mesh, RowwiseParallel(input_layouts=Replicate()))
+    if hasattr(module, "head"):
+        parallelize_module(module.head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     for block in module.layers.values():
         plan = {}
         for path in COLWISE:
@@ -261,5 +275,29 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of one micro-batch (fp32)."""
+    """Mean token cross-entropy of one micro-batch (fp32). Logits sharded on the vocabulary (a
+    DTensor, tensor parallelism) are reduced over the shards; the loss is then a replicated
+    DTensor, whose backward must run under :func:`backward_loss`."""
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss_value(loss: torch.Tensor) -> float:
+    """The loss as a Python float (a replicated DTensor's local value)."""
+    loss = loss.detach()
+    return float(loss.to_local() if isinstance(loss, DTensor) else loss)
+
+
+def backward_loss(loss: torch.Tensor) -> None:
+    """``loss.backward()``; a vocabulary-parallel loss backpropagates under loss_parallel."""
+    if isinstance(loss, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss.backward()
+    else:
+        loss.backward()

@@ -29,6 +29,7 @@ import torch
 
 from hetero.errors import HeteroError
 from hetero.runtime.device import waiter
+from hetero.runtime.model import backward_loss, loss_value
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 """Activations and gradients travel on separate tags: with two physical stages interleaved, the
@@ -187,7 +188,7 @@ class StageExecutor:
                 if last:
                     tgt = get_targets(mb)
                     loss, t0, dt = self._compute(lambda: loss_fn(self._forward(x, chunk), tgt) * loss_scale)
-                    total += float(loss.detach())
+                    total += loss_value(loss)
                     saved[(chunk, mb)] = (x, loss)
                 else:
                     out, t0, dt = self._compute(lambda: self._forward(x, chunk).float())
@@ -198,7 +199,7 @@ class StageExecutor:
             else:
                 x, out = saved.pop((chunk, mb))
                 if last:
-                    _, t0, dt = self._compute(lambda: out.backward())
+                    _, t0, dt = self._compute(lambda: backward_loss(out))
                 else:
                     grad = self._recv(peers.recv_grad_from, peers, GRADIENT_TAG)
                     _, t0, dt = self._compute(lambda: out.backward(grad))
