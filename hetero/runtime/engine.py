@@ -9,8 +9,8 @@ import torch
 
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.device import rank_device, torch_device_type, waiter
-from hetero.runtime.grads import (all_holder_sets, build_buckets, clip_coefficient, make_optimizer, param_holders,
-                                  scaled_step, sync_gradients, weighted_squares)
+from hetero.runtime.grads import (all_holder_sets, all_peer_sets, build_buckets, clip_coefficient, make_optimizer,
+                                  param_holders, scaled_step, sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -70,7 +70,8 @@ class NativeEngine:
     def rank_sets(ctx: RunContext) -> list:
         """Every process group any rank needs (identical list on all ranks)."""
         ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
-        return ctx.tp_groups() + all_holder_sets(ctx._holders)
+        peers = [] if ctx.plan.zero_stage >= 1 else all_peer_sets(ctx._holders, ctx.layout)
+        return ctx.tp_groups() + all_holder_sets(ctx._holders) + peers
 
     @staticmethod
     def mesh_sets(ctx: RunContext) -> list:
@@ -99,7 +100,9 @@ class NativeEngine:
             self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
             apply_tensor_parallel(self.module, self.mesh)
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
-        self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank)
+        # ZeRO shards full tensors over whole holder sets; the plain sync may use tp-rank peers
+        self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
+                                     None if ctx.plan.zero_stage >= 1 else ctx.layout)
         self.sharded = None
         """ZeRO (``zero_stage >= 1``): AdamW state sharded over each holder set (:mod:`hetero.runtime.zero`)."""
         if ctx.plan.zero_stage >= 1:

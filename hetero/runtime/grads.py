@@ -11,16 +11,21 @@ whose stage holds it. With tied embeddings the first and last stages both hold `
 which makes the Megatron embedding all-reduce a case of the same rule. Parameters with the same
 holder set are flattened into one bucket and reduced with one all-reduce over that set.
 
-Sharded tensors. A tp rank's gradient of a column/row-parallel weight is a shard. Each rank first
-gathers the full gradient inside its tp group (``DTensor.full_tensor``), divides it by its tp size
-and all-reduces over the holder set: the tp copies of one replica add up to one full gradient, so
-the result is the sum over replicas whatever their tp degrees. Each rank then keeps its own shard.
-Replicated tensors of a tp group (norms, embeddings, the head) get identical full gradients on
-every tp rank, and follow the same rule.
+Sharded tensors. A tp rank's gradient of a column/row-parallel weight is a shard. When every
+holder of a bucket runs at the same tp degree (replicas of one stage shape, Megatron's data
+parallelism), the shards line up: each rank all-reduces its local shards, and the full gradients of
+its replicated tensors, with the holders of its own tp rank only (``Bucket.peers``), 1/tp of the
+volume. Otherwise (pipelines of different tp degrees hold the parameter) each rank first gathers
+the full gradient inside its tp group (``DTensor.full_tensor``), divides it by its tp size and
+all-reduces over the holder set: the tp copies of one replica add up to one full gradient, so the
+result is the sum over replicas whatever their tp degrees. Each rank then keeps its own shard.
+Replicated tensors of a tp group (norms, positions) get identical full gradients on every tp rank,
+and follow the same rules.
 
-Clipping. After the reduction every holder has the same full gradient of each of its parameters;
-the squared global norm is ``sum over ranks, over held parameters, of |g|^2 / |holders(g)|``, one
-scalar all-reduce over the world, with no double counting of tp shards, replicas or tied copies.
+Clipping. After the reduction every holder has the same full gradient of each of its parameters
+(with ``peers``: the same shard as its peers); the squared global norm is ``sum over ranks, over
+held tensors, of |g|^2 / (ranks holding that tensor)``, one scalar all-reduce over the world, with
+no double counting of tp shards, replicas or tied copies.
 """
 from __future__ import annotations
 
@@ -39,6 +44,32 @@ class Bucket:
     """The holder set: every rank that holds these parameters."""
     names: tuple[str, ...]
     """Global parameter names, in module order."""
+    peers: tuple[int, ...] | None = None
+    """When every holder runs at this rank's tp degree (> 1): the holders at this rank's tp rank,
+    whose shards line up with its own (see the module docstring); else None."""
+
+
+def tp_peer_sets(holder_set: tuple[int, ...], layout) -> dict[int, tuple[int, ...]] | None:
+    """Rank -> the holders at its tp rank, when all of ``holder_set`` runs at one tp degree > 1;
+    else None (different degrees, or no tensor parallelism)."""
+    info = {r.rank: r for r in layout.ranks}
+    sizes = {info[r].tp_size for r in holder_set}
+    if len(sizes) != 1 or sizes == {1}:
+        return None
+    by_tp: dict[int, list[int]] = {}
+    for r in holder_set:
+        by_tp.setdefault(info[r].tp_rank, []).append(r)
+    return {r: tuple(sorted(by_tp[info[r].tp_rank])) for r in holder_set}
+
+
+def all_peer_sets(holders: dict[str, tuple[int, ...]], layout) -> list[tuple[int, ...]]:
+    """Every tp-rank peer set of every holder set (process groups the sync needs; same list on all ranks)."""
+    out = set()
+    for hs in all_holder_sets(holders):
+        peers = tp_peer_sets(hs, layout)
+        if peers:
+            out.update(p for p in peers.values() if len(p) > 1)
+    return sorted(out)
 
 
 def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
@@ -52,16 +83,22 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
     return {k: tuple(sorted(v)) for k, v in holders.items()}
 
 
-def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int) -> list[Bucket]:
+def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int,
+                  layout=None) -> list[Bucket]:
     """This rank's buckets (parameters grouped by holder set), in the order every rank runs them:
     the sorted holder sets of the whole model in rounds of disjoint ranks (:mod:`hetero.syncorder`),
-    so pipelines with staggered stage boundaries sum their gradients at the same time."""
+    so pipelines with staggered stage boundaries sum their gradients at the same time. With the
+    ``layout``, a bucket whose holders share one tp degree gets its tp-rank ``peers``."""
     by_set: dict[tuple[int, ...], list[str]] = {}
     for name in my_names:
         by_set.setdefault(holders[name], []).append(name)
     agreed = all_holder_sets(holders)
     position = {agreed[i]: k for k, i in enumerate(in_sync_order(agreed))}
-    return [Bucket(ranks, tuple(by_set[ranks])) for ranks in sorted(by_set, key=position.__getitem__)]
+    out = []
+    for ranks in sorted(by_set, key=position.__getitem__):
+        peers = tp_peer_sets(ranks, layout) if layout is not None else None
+        out.append(Bucket(ranks, tuple(by_set[ranks]), peers[rank] if peers else None))
+    return out
 
 
 def all_holder_sets(holders: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -130,6 +167,9 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
                 if g is not None:
                     by_holders.setdefault(1, []).append(g.detach())
             continue
+        if bucket.peers is not None:
+            _sync_shards(bucket, params, holders, comm, by_holders)
+            continue
         fulls = []
         for name in bucket.names:
             p = params[name]
@@ -146,6 +186,38 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             by_holders.setdefault(len(holders[name]), []).append(full)
             params[name].grad = shard_like(params[name], full)
     return by_holders
+
+
+def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: dict) -> None:
+    """A bucket whose holders share one tp degree: this rank's local shards (and the full
+    gradients of its replicated tensors) summed over its tp-rank peers, in place."""
+    from torch.distributed.tensor import DTensor
+
+    locals_, counts = [], []
+    for name in bucket.names:
+        p = params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        dt = isinstance(g, DTensor)
+        if dt and g.placements != p.placements:
+            # e.g. a vocabulary-parallel embedding's gradient comes back replicated: lay it out as
+            # the parameter (a local slice, no communication) so the peers' shards line up
+            g = p.grad = g.redistribute(p.device_mesh, p.placements)
+        locals_.append(g.to_local() if dt else g)
+        # a shard is held by the peers; a replicated tensor (plain, or a DTensor such as a
+        # row-parallel bias) by every holder at every tp rank
+        sharded = dt and any(pl.is_shard() for pl in g.placements)
+        counts.append(len(bucket.peers) if sharded else len(holders[name]))
+    flat = torch.cat([t.detach().float().reshape(-1) for t in locals_])
+    if len(bucket.peers) > 1:   # one replica: its shards are the sum already
+        comm.all_reduce(flat, bucket.peers)
+    offset = 0
+    for t, count in zip(locals_, counts):
+        part = flat[offset:offset + t.numel()].view_as(t)
+        offset += t.numel()
+        t.detach().copy_(part)
+        by_holders.setdefault(count, []).append(t.detach())
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
