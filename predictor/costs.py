@@ -329,7 +329,10 @@ class StageCostModel:
                 if same_node is None:
                     same_node = g.nodes == 1
                 if same_node:
+                    # NVLink-class links are per device: the slices travel on parallel device pairs,
+                    # the busiest sender (forward: ceil(b / a) slices of 1/b) or receiver sets the time
                     link = g.intra_node
+                    nbytes = act * max(-(-tp_b // tp_a) / tp_b, -(-tp_a // tp_b) / tp_a)
                 else:
                     link = self.cluster.network.inter_node
                     nbytes *= max(1, streams)
