@@ -699,6 +699,29 @@ def test_cli_json_and_timeline(tmp_path, inputs):
             assert f"{s.p2p_time_s * 1e3:.2f} ms" in r.stdout
 
 
+def test_cli_names_network_links_left_at_their_defaults(tmp_path):
+    """A cluster file without `network:` is priced on default links; the table says which ones (only
+    those the plan can use: between nodes of a group, between groups) and how to set them."""
+    import yaml
+
+    c, m, p = _write_inputs(tmp_path)
+    r = _cli("predict", "--cluster", c, "--model", m, "--plan", p)
+    assert r.returncode == 0 and "network." not in r.stdout, r.stdout   # CLUSTER gives both links
+    bare = {k: v for k, v in CLUSTER.items() if k != "network"}
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump(bare))
+    r = _cli("predict", "--cluster", str(tmp_path / "bare.yaml"), "--model", m, "--plan", p)
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    assert "network.inter_node: default 25 GB/s, 10 us" in text and "network.cross_group: default 12.5 GB/s" in text
+    one = {**bare, "groups": [{**CLUSTER["groups"][0], "nodes": 1}]}
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    one_plan = {"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"replicas": 1, "micro_batches": 2, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]}
+    (tmp_path / "one-plan.yaml").write_text(yaml.safe_dump(one_plan))
+    r = _cli("predict", "--cluster", str(tmp_path / "one.yaml"), "--model", m, "--plan", str(tmp_path / "one-plan.yaml"))
+    assert r.returncode == 0 and "network." not in r.stdout, r.stdout   # one node: no link between nodes
+
+
 def test_launch_bound_stages_are_reported(tmp_path, inputs):
     """A tiny model on a GPU is paced by the host's kernel dispatch; `hetero predict` says so (with
     the host and device times), and a large one is not flagged."""

@@ -95,6 +95,23 @@ def run(args) -> int:
     for dev, info in pred.provenance.items():
         out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
                   f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
+    for line in _default_links(cluster):
+        out.print(f"[dim]provenance[/dim] {line}")
     if args.timeline:
         out.print(f"timeline written to {args.timeline}")
     return 0
+
+
+def _default_links(cluster) -> list[str]:
+    """The network links this cluster file leaves at their defaults, where the plan's traffic can use
+    them (between nodes of a group: a group of several nodes; between groups: several groups)."""
+    from hetero.specs.cluster import Network
+
+    default, net, out = Network(), cluster.network, []
+    for name, used in (("inter_node", any(g.nodes > 1 for g in cluster.groups)),
+                       ("cross_group", len(cluster.groups) > 1)):
+        link = getattr(net, name)
+        if used and link == getattr(default, name):
+            out.append(f"network.{name}: default {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us "
+                       f"(the cluster file does not give it; set network.{name} to your fabric's figures)")
+    return out
