@@ -401,6 +401,26 @@ def test_cli_plan_reports_no_bound_when_a_group_cannot_hold_the_model_alone(caps
     assert "% bound" not in text and "of the upper bound" not in text
 
 
+def test_cli_notes_a_local_cpu_plan_that_needs_more_memory_than_this_machine(capsys, monkeypatch):
+    """Each emulated CPU device is checked against its device type's memory (64 GiB for the
+    catalog's CPU); llama2-7b on local-cpu fits each device but not this machine, and both
+    `hetero plan` and `hetero predict` say so; the tiny example does not raise the note."""
+    import os
+
+    from hetero.cli import main
+
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 2 ** 20 if name == "SC_PHYS_PAGES" else real(name))
+    host = real("SC_PAGE_SIZE") * 2 ** 20 / 2 ** 30   # pretend this machine has 4 GiB (4 KiB pages)
+    assert main(["plan", "--cluster", str(CLUSTERS / "local-cpu.yaml"), "--model", str(MODELS / "llama2-7b.yaml"),
+                 "--global-batch-size", "8", "--top-k", "1"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"this machine has {host:.1f} GiB" in text and "set 'memory' in the cluster" in text, text
+    assert main(["predict", "--cluster", str(CLUSTERS / "local-cpu.yaml"), "--model", str(MODELS / "tiny.yaml"),
+                 "--plan", str(CLUSTERS.parent / "plans" / "tiny-local-cpu-pp.yaml")]) == 0
+    assert "this machine has" not in capsys.readouterr().out
+
+
 def test_cli_plan_infeasible_exits_1_with_the_reason(capsys):
     from hetero.cli import main
 

@@ -96,3 +96,29 @@ def load_calibration_arg(path, cluster):
     calibration = load_calibration(path)   # a missing or bad file: a CalibrationError naming it
     warn_if_calibration_unused(calibration, cluster, path)
     return calibration
+
+
+def host_memory_note(cluster, plan, prediction) -> str | None:
+    """A note when a local CPU emulation (every group one node on this machine: ``hosts`` absent
+    or localhost) is predicted to need more memory in all than this machine has. CPU devices take
+    their capacity from their device type (the catalog's generic CPU socket unless the cluster file
+    sets ``memory``), so each may fit while all of them together do not fit here."""
+    import os
+
+    local = all(g.nodes == 1 and all(h in ("localhost", "127.0.0.1") for h in (g.hosts or ["localhost"]))
+                for g in cluster.groups)
+    if not local or any(cluster.device_type(g.name).family != "cpu" for g in cluster.groups):
+        return None
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    need = sum(pp.replicas * s.tp * s.peak_memory_bytes
+               for pp, p in zip(prediction.pipelines, plan.pipelines)
+               for s in pp.stages[:len(plan.physical_stages(p))])
+    if need <= host:
+        return None
+    gib = 2 ** 30
+    return (f"the plan's processes need {need / gib:.1f} GiB in all, this machine has {host / gib:.1f} GiB "
+            f"(each CPU device is checked against its device type's memory; set 'memory' in the cluster "
+            f"file's device types to plan for this machine)")

@@ -43,7 +43,7 @@ def headroom(prediction) -> dict[str, float]:
 def run(args) -> int:
     from hetero.planner import search
 
-    from ._common import console, load_calibration_arg, load_inputs, print_json
+    from ._common import console, host_memory_note, load_calibration_arg, load_inputs, print_json
 
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
@@ -106,6 +106,9 @@ def run(args) -> int:
     elif cannot:
         out.print(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of the "
                   f"groups' best plans alone ({parts} tokens/s) bounds nothing")
+    note = host_memory_note(cluster, best.plan, best.prediction)
+    if note:
+        out.print(f"[bold]note[/bold] {note}")
     out.print("[bold]why[/bold]")
     for reason in results.reasons:
         out.print(f"  - {escape(reason)}")

@@ -30,7 +30,7 @@ def _ms(x: float) -> str:
 def run(args) -> int:
     from hetero.predictor import predict
 
-    from ._common import console, load_calibration_arg, load_inputs, print_json
+    from ._common import console, host_memory_note, load_calibration_arg, load_inputs, print_json
 
     cluster, model, plan = load_inputs(args)
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
@@ -97,6 +97,9 @@ def run(args) -> int:
                   f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
     for line in _default_links(cluster):
         out.print(f"[dim]provenance[/dim] {line}")
+    note = host_memory_note(cluster, plan, pred)
+    if note:
+        out.print(f"[bold]note[/bold] {note}")
     if args.timeline:
         out.print(f"timeline written to {args.timeline}")
     return 0
