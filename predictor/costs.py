@@ -62,6 +62,9 @@ class StageCostModel:
         self.calibration = calibration
         self.dtype = model.dtype
         self.e = O.DTYPE_BYTES[model.dtype]
+        # Gradients are summed in fp32 under bf16 (Megatron-LM forces accumulate_allreduce_grads_in_fp32
+        # for bf16; hetero's runtime keeps fp32 parameters under autocast); fp16 sums in fp16 (Megatron)
+        self.grad_e = 4 if model.dtype == "bf16" else self.e
         self._groups = {g.name: g for g in cluster.groups}
         self._dev = {name: cluster.device_type(name) for name in self._groups}
         self._factors: dict[str, CalibrationFactors] = {}
@@ -356,8 +359,8 @@ class StageCostModel:
         return da.vendor != db.vendor and da.family != "cpu" and db.family != "cpu"
 
     def layer_grad_bytes(self) -> float:
-        """Gradient bytes of one transformer layer (all tp shards together), in the model dtype."""
-        return float(self._params_per_layer * self.e)
+        """Gradient bytes of one transformer layer (all tp shards together), as summed (fp32 under bf16)."""
+        return float(self._params_per_layer * self.grad_e)
 
     def dp_sync_time(self, plan, placement: str = "packed") -> float:
         """Data-parallel gradient synchronisation of ``plan`` (seconds; slowest device)."""

@@ -213,7 +213,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     G = cm.layer_grad_bytes()
     for a, b in zip(cuts, cuts[1:]):
         add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], G * (b - a))
-    e = cm.e
+    e = cm.grad_e
     copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if cm.model.tie_embeddings else []
     if copies:   # the last stages' copy of the word embedding joins its sum; learned positions do not
         words = cm.model.vocab_size * cm.model.hidden_size

@@ -415,7 +415,7 @@ def test_tied_embedding_sum_with_the_last_stage_leaves_out_the_positions():
     plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
         {"replicas": 1, "micro_batches": 2, "stages": [{"group": "a100", "tp": 1, "layers": [0, 18]},
                                                        {"group": "a100", "tp": 1, "layers": [18, 36]}]}]})
-    hand = model.vocab_size * model.hidden_size * 2 / 100e9
+    hand = model.vocab_size * model.hidden_size * 4 / 100e9   # bf16: gradients summed in fp32
     times = StageCostModel(cluster, model).dp_sync_times(plan)
     assert times == {(0, 0): pytest.approx(hand), (0, 1): pytest.approx(hand)}
 
@@ -432,7 +432,7 @@ def test_cross_vendor_dp_sync_stages_through_the_host_once():
     plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
         {"replicas": 1, "micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]},
         {"replicas": 1, "micro_batches": 1, "stages": [{"group": "mi250", "tp": 1, "layers": [0, 36]}]}]})
-    nbytes = model.total_params() * 2
+    nbytes = model.total_params() * 4   # bf16: gradients summed in fp32
     hand = nbytes / 10e9 + 2 * nbytes / comm.HOST_STAGING_BANDWIDTH
     times = StageCostModel(cluster, model).dp_sync_times(plan)
     assert times == {(0, 0): pytest.approx(hand), (1, 0): pytest.approx(hand)}
@@ -447,9 +447,13 @@ def test_dp_sync_is_one_all_reduce_per_holder_set():
     model = hetero.load_model(GPT)
     plan = hetero.load_plan({"global_batch_size": 4, "micro_batch_size": 1, "pipelines": [
         {"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
-    hand = comm.allreduce(model.total_params() * 2, 4, 100e9, 10e-6)
+    hand = comm.allreduce(model.total_params() * 4, 4, 100e9, 10e-6)   # bf16: gradients summed in fp32
     assert StageCostModel(cluster, model).dp_sync_times(plan) == {(0, 0): pytest.approx(hand)}
-    assert hand < 1.01 * model.total_params() * 2 * 1.5 / 100e9 + 6 * 10e-6   # 36 latencies would be 2.2 ms
+    assert hand < 1.01 * model.total_params() * 4 * 1.5 / 100e9 + 6 * 10e-6   # 36 latencies would be 2.2 ms
+    # fp16 sums in fp16 (Megatron's default; only bf16 is forced to fp32)
+    fp16 = hetero.load_model({**GPT, "dtype": "fp16"})
+    assert StageCostModel(cluster, fp16).dp_sync_times(plan) == {
+        (0, 0): pytest.approx(comm.allreduce(fp16.total_params() * 2, 4, 100e9, 10e-6))}
 
 
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
@@ -460,7 +464,7 @@ def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
     link = {"bandwidth": "100 GB/s", "latency": 0}
     network = {"inter_node": link, "cross_group": {"bandwidth": "10 GB/s", "latency": 0}}
     model = hetero.load_model(GPT)
-    nbytes = model.total_params() * 2
+    nbytes = model.total_params() * 4   # bf16: gradients summed in fp32
 
     def sync(second_device, zero_stage):
         cluster = hetero.load_cluster({**CLUSTER, "network": network, "groups": [
