@@ -10,7 +10,9 @@ def add_parser(sub) -> None:
         description="Build one torchrun per node from the cluster and the plan's rank layout (different "
                     "process counts per node and device type, static rendezvous with explicit node ranks, "
                     "per-vendor visible devices) and run the training workers. On one machine every node "
-                    "slot runs here, rendezvous on 127.0.0.1. Arguments after `--` go to every worker.")
+                    "slot runs here, rendezvous on 127.0.0.1; over several machines run one call per node "
+                    "slot (--node-rank R on its machine), rendezvous at node slot 0's host or --master-addr, "
+                    "port 29500 unless --master-port. Arguments after `--` go to every worker.")
     p.add_argument("--cluster", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--plan", required=True)
@@ -20,8 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
     p.add_argument("--dry-run", action="store_true", help="print every node's command and environment, run nothing")
     p.add_argument("--node-rank", type=int, help="run only this node slot (multi-node: one call per host)")
-    p.add_argument("--master-addr", help="rendezvous address (default 127.0.0.1 for local runs)")
-    p.add_argument("--master-port", type=int)
+    p.add_argument("--master-addr", help="rendezvous address: node slot 0's machine (default 127.0.0.1 when every "
+                                          "node slot runs here, else node slot 0's host from the cluster's 'hosts')")
+    p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one when every node slot "
+                                                   "runs here in this call, else 29500)")
     p.add_argument("--data", metavar="FILE", help="tokens (.npy, .bin uint16, .int32.bin) or text (byte tokens); "
                                                   "default: seeded synthetic stream")
     p.add_argument("--engine", choices=("native", "deepspeed"), default="native")
@@ -81,10 +85,14 @@ def _check_numbers(args) -> None:
     need(args.threads >= 1, "--threads", args.threads, "give at least 1 thread per worker")
     if args.master_port is not None:
         need(1 <= args.master_port <= 65535, "--master-port", args.master_port, "give a TCP port in 1..65535")
-    if args.data:
-        need(os.path.isfile(args.data), "--data", args.data, "give a token or text file")
-    if args.load:
-        need(os.path.isdir(args.load), "--load", args.load, "give a checkpoint directory written by --save")
+    # --data's contents (dtype, ids, length) are checked by the launcher's prepare, against the model
+    if args.data and not os.path.isfile(args.data):
+        what = "not found" if not os.path.exists(args.data) else "not a file"
+        raise HeteroError(f"--data {args.data}: {what} (fix: give the path of a token file (.npy, .bin, "
+                          f".int32.bin) or a text file)")
+    if args.load and not os.path.isdir(args.load):
+        what = "not found" if not os.path.exists(args.load) else "a file, not a checkpoint directory"
+        raise HeteroError(f"--load {args.load}: {what} (fix: give a checkpoint directory written by --save)")
     for flag, value, fix in (("--save", args.save, "give a directory for the checkpoint's files"),
                              ("--run-dir", args.run_dir, "give a directory, or leave --run-dir out for a "
                                                          "temporary one")):
@@ -151,7 +159,7 @@ def run(args) -> int:
         if options.inject_failure[1] >= world:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
-                     run_dir=args.run_dir)
+                     run_dir=args.run_dir, separate=args.node_rank is not None)
     out = console()
     try:
         if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):

@@ -15,13 +15,16 @@ Sources:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from hetero.errors import HeteroError
 from hetero.specs.plan import Plan
+
+SCAN_CHUNK = 1 << 24
+"""Token ids checked per slice of a file (memory-mapped: a big file is read once, slice by slice)."""
 
 
 class TokenSource:
@@ -29,11 +32,11 @@ class TokenSource:
 
     def __init__(self, vocab_size: int, seq_length: int, seed: int, path: str | None = None):
         self.vocab, self.seq, self.seed = vocab_size, seq_length, seed
-        self.tokens = _load_tokens(path, vocab_size) if path else None
-        if self.tokens is not None and len(self.tokens) < seq_length + 2:
-            raise HeteroError(f"--data {path}: {len(self.tokens)} tokens, fewer than seq_length + 2 = {seq_length + 2}")
+        self.tokens = check_token_file(path, vocab_size, seq_length) if path else None
 
     def sample(self, i: int) -> torch.Tensor:
+        import torch
+
         n = self.seq + 1
         if self.tokens is not None:
             span = len(self.tokens) - n
@@ -47,29 +50,62 @@ class TokenSource:
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``[first, first + count)`` as (inputs, targets), each (count, seq_length)."""
+        import torch
+
         s = torch.stack([self.sample(first + k) for k in range(count)])
         return s[:, :-1].contiguous(), s[:, 1:].contiguous()
 
 
-def _load_tokens(path: str, vocab: int) -> np.ndarray:
-    import os
+def check_token_file(path: str, vocab: int, seq_length: int) -> np.ndarray:
+    """The token ids of a ``--data`` file (memory-mapped, 1-D), checked before any training: a file,
+    of an integer dtype, every id in ``0 .. vocab - 1``, at least ``seq_length + 2`` ids (one
+    sample of ``seq_length + 1`` and a start to draw). The launcher calls it before it starts a
+    process; each error names the file and the fix."""
+    def bad(what: str, fix: str) -> HeteroError:
+        return HeteroError(f"--data {path}: {what} (fix: {fix})")
 
     if not os.path.exists(path):
-        raise HeteroError(f"--data {path}: no such file")
-    if path.endswith(".npy"):
-        arr = np.load(path, mmap_mode="r")
-    elif path.endswith((".int32.bin", ".i32")):
-        arr = np.memmap(path, dtype=np.int32, mode="r")
-    elif path.endswith(".bin"):
-        arr = np.memmap(path, dtype=np.uint16, mode="r")
-    else:
-        if vocab < 256:
-            raise HeteroError(f"--data {path}: byte-level text needs vocab_size >= 256, the model has {vocab}")
-        with open(path, "rb") as f:
-            arr = np.frombuffer(f.read(), dtype=np.uint8)
-    arr = np.asarray(arr).reshape(-1)
-    if arr.size and int(arr.max()) >= vocab:
-        raise HeteroError(f"--data {path}: token id {int(arr.max())} >= vocab_size {vocab}")
+        raise bad("not found", "give the path of a token file (.npy, .bin, .int32.bin) or a text file")
+    if not os.path.isfile(path):
+        raise bad("not a file", "give a token file (.npy, .bin, .int32.bin) or a text file, not a directory")
+    try:
+        if path.endswith(".npy"):
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            dtype = np.int32 if path.endswith((".int32.bin", ".i32")) else \
+                np.uint16 if path.endswith(".bin") else np.uint8
+            if dtype is np.uint8 and vocab < 256:
+                raise bad(f"byte-level text needs vocab_size >= 256, the model has {vocab}",
+                          "give a token file (.npy, .bin) of ids below vocab_size")
+            size = os.path.getsize(path)
+            if size % np.dtype(dtype).itemsize:
+                raise bad(f"{size} bytes, not a whole number of {np.dtype(dtype).name} token ids",
+                          "write raw uint16 ids as .bin, int32 as .int32.bin")
+            arr = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+    except (ValueError, OSError) as e:   # a damaged or pickled .npy, a file that cannot be mapped
+        raise bad(f"not a readable token array ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                  "save the ids with numpy.save as a 1-D integer array") from None
+    if not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        raise bad(f"token ids of dtype {arr.dtype}, not integers",
+                  "save the ids as integers, e.g. numpy.save(path, ids.astype(numpy.int32))")
+    arr = arr.reshape(-1)
+    need = seq_length + 2
+    if arr.size < need:
+        raise bad(f"{arr.size} token ids, fewer than one sample needs (seq_length + 2 = {need})",
+                  f"give a file of at least {need} ids, or a model with a shorter seq_length")
+    signed = np.issubdtype(arr.dtype, np.signedinteger)
+    for first in range(0, arr.size, SCAN_CHUNK):
+        chunk = np.asarray(arr[first:first + SCAN_CHUNK])
+        low, high = (int(chunk.min()) if signed else 0), int(chunk.max())
+        if low < 0 or high >= vocab:
+            at = first + int(np.argmax((chunk < 0) | (chunk >= vocab)))
+            value = int(arr[at])
+            if value < 0:
+                raise bad(f"token id {value} at position {at} is negative; ids are 0 .. vocab_size - 1 = {vocab - 1}",
+                          "re-tokenize, or save the ids in an unsigned or wider dtype if they were wrapped "
+                          "(e.g. ids above 32767 saved as int16)")
+            raise bad(f"token id {value} at position {at} is not below the model's vocab_size {vocab}",
+                      "tokenize with the model's vocabulary, or raise vocab_size in the model file")
     return arr
 
 

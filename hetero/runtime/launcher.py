@@ -6,11 +6,22 @@ rendezvous with an explicit ``--node-rank`` (torchrun then numbers ranks node by
 node-rank order, which is the layout's order), the vendor's visible-devices variable, and the run
 file (the rank -> group / pipeline / stage map) in ``HETERO_RUN_SPEC``.
 
-On one machine (every used host is this one) the launcher runs all node slots itself, each as
-``python -m torch.distributed.run ...`` in its own session, rendezvous on 127.0.0.1. It watches
-the workers' pid / ready / done / error files: a rank that fails, dies, or never arrives ends the
-job with an error that names the rank and its stage, and every process of the job is ended (by
-process id) before returning.
+Every node slot runs torchrun through :mod:`hetero.runtime.torchrun_loopback` (slot 0 hosts the
+rendezvous store and keeps it until the others are done; failures are said in one line, not in
+torchelastic's tracebacks).
+
+One machine or several (:func:`machine_keys`): node slots on named hosts are on those hosts (this
+machine by any of its names counts once); slots of emulated (``base: cpu``) device types without
+hosts run on the launching machine; every node of accelerators without hosts is a machine of its
+own, except a single one, which is taken to be this machine (a GPU beside emulated CPU groups).
+
+On one machine the launcher runs all node slots itself, each in its own session, rendezvous on
+127.0.0.1 (a free port unless given). A launch over several machines runs one node slot per call
+(``--node-rank R`` on each), rendezvous at node slot 0's host or ``--master-addr``, port 29500 (as
+torchrun) unless ``--master-port``: every call must arrive at the same address and port. The
+launcher watches the workers' pid / ready / done / error files: a rank that fails, dies, or never
+arrives ends the job with an error that names the rank and its stage, and every process of the
+job is ended (by process id) before returning.
 """
 from __future__ import annotations
 
@@ -26,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from hetero.errors import HeteroError
+from hetero.errors import HeteroError, Problem
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 
@@ -36,6 +47,11 @@ LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
                    "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 WORKER_MODULE = "hetero.runtime.worker"
+NODE_LAUNCHER_MODULE = "hetero.runtime.torchrun_loopback"
+DEFAULT_PORT = 29500
+"""Rendezvous port of a launch whose node slots start in calls of their own (torchrun's default)."""
+THIS_MACHINE = "localhost"
+"""The machine key of node slots that run on the launching machine."""
 
 
 STARTUP_GRACE_S = 30.0
@@ -61,17 +77,13 @@ class NodeCommand:
     torchrun_args: list[str]
     family: str = "cpu"
     """Vendor family of the group's device type (whose backend its workers use)."""
-    loopback_store: bool = False
-    """Slot 0 of a launch on 127.0.0.1: torchrun through :mod:`hetero.runtime.torchrun_loopback`,
-    so its rendezvous store listens on the loopback interface only (torchrun's own binds every
-    interface)."""
+    machine: str | None = THIS_MACHINE
+    """Where it runs: its host, ``localhost`` (this machine), or None (a node the cluster names no host for)."""
 
     def argv(self, local: bool) -> list[str]:
-        if self.loopback_store:
-            head = [sys.executable if local else "python", "-m", "hetero.runtime.torchrun_loopback"]
-        else:
-            head = [sys.executable, "-m", "torch.distributed.run"] if local else ["torchrun"]
-        return head + self.torchrun_args
+        """torchrun through :mod:`hetero.runtime.torchrun_loopback` (slot 0 hosts the rendezvous store:
+        on a loopback address it listens there only, where torchrun's own would bind every interface)."""
+        return [sys.executable if local else "python", "-m", NODE_LAUNCHER_MODULE] + self.torchrun_args
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
@@ -89,6 +101,7 @@ class Launch:
     master_addr: str
     master_port: int
     local: bool
+    """Every node slot runs on this machine (else one call per slot, ``--node-rank``, on its machine)."""
     owns_run_dir: bool = False
     """The run directory was made for this launch (no ``run_dir`` given): :meth:`remove_run_dir` removes it."""
 
@@ -103,6 +116,64 @@ def _is_local(host: str | None) -> bool:
     return host in LOCAL_HOSTS or host == socket.gethostname() or host == socket.getfqdn()
 
 
+def machine_keys(nodes, families: list[str]) -> list:
+    """Per node slot, the machine it runs on: :data:`THIS_MACHINE` for a host that is this machine
+    (whatever its alias) and for an emulated (CPU) group without hosts, the host name for another
+    host, and ``(group, node)`` for a node of accelerators that the cluster does not name, which is
+    a machine of its own, unless it is the only one (then it is this machine: a GPU node beside
+    emulated groups)."""
+    keys: list = []
+    for node, family in zip(nodes, families):
+        if node.host is not None:
+            keys.append(THIS_MACHINE if _is_local(node.host) else node.host)
+        elif family == "cpu":
+            keys.append(THIS_MACHINE)
+        else:
+            keys.append((getattr(node, "group", None), getattr(node, "node", None)))
+    unnamed = {k for k in keys if isinstance(k, tuple)}
+    if len(unnamed) == 1:
+        keys = [THIS_MACHINE if isinstance(k, tuple) else k for k in keys]
+    return keys
+
+
+def _machine_text(key) -> str:
+    """A machine key in words: its host, or ``group/node`` for a node the cluster names no host for."""
+    return key if isinstance(key, str) else f"{key[0]}/{key[1]}"
+
+
+def _rendezvous(cluster, layout: RankLayout, machines: list, master_addr: str | None, master_port: int | None,
+                separate: bool) -> tuple[str, int]:
+    """(address, port) of the static rendezvous. One machine: 127.0.0.1 and a free port unless given
+    (:data:`DEFAULT_PORT` when the slots start in calls of their own, which must agree on it). Several:
+    ``--master-addr`` or the host of node slot 0, never a loopback address, port :data:`DEFAULT_PORT`."""
+    distinct = list(dict.fromkeys(machines))
+    if len(distinct) == 1:
+        return master_addr or "127.0.0.1", master_port or (DEFAULT_PORT if separate else free_port())
+    port = master_port or DEFAULT_PORT
+    names = [_machine_text(k) for k in distinct]
+    spans = f"the plan runs on {len(names)} machines ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})"
+    first = layout.nodes[0]
+    where = f"node slot 0 ({first.group}/{first.node})"
+    if master_addr:
+        if master_addr in LOOPBACK:
+            raise HeteroError(f"--master-addr {master_addr}: {spans}, which cannot reach a loopback address "
+                              f"(fix: give the address of {where}'s machine that the others reach)")
+        return master_addr, port
+    index = cluster.group_names.index(first.group)
+    if first.host is None:
+        raise HeteroError(str(Problem(
+            f"groups[{index}].hosts",
+            f"{spans} and the cluster names no host for {where}, where the rendezvous listens",
+            f"list each group's machines under 'hosts:', one per node, or give --master-addr with the address "
+            f"of {where}'s machine (port {DEFAULT_PORT} unless --master-port)", cluster.source)))
+    if first.host in LOOPBACK:
+        raise HeteroError(str(Problem(
+            f"groups[{index}].hosts[{first.node}]", f"{first.host!r} holds the rendezvous ({where}), but {spans}, "
+            f"which cannot reach a loopback address", "name that machine by an address the others reach, "
+            "or give --master-addr", cluster.source)))
+    return first.host, port
+
+
 def free_port(addr: str = "127.0.0.1") -> int:
     """A TCP port free on ``addr`` now (loopback by default)."""
     with socket.socket() as s:
@@ -111,8 +182,9 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 
 def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | None = None,
-            master_port: int | None = None, run_dir: str | None = None) -> Launch:
-    """Check the plan, lay out ranks, write the run file and build every node's command."""
+            master_port: int | None = None, run_dir: str | None = None, separate: bool = False) -> Launch:
+    """Check the plan (and the ``--data`` file), lay out ranks, write the run file and build every
+    node's command. ``separate``: each node slot is started by a call of its own (``--node-rank``)."""
     from hetero.specs.plan import check_plan
 
     check_plan(plan, cluster, model)
@@ -127,12 +199,15 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         from hetero.runtime.ds_engine import check_deepspeed_plan
 
         check_deepspeed_plan(plan)
+    if options.data:
+        from hetero.runtime.data import check_token_file
+
+        check_token_file(options.data, model.vocab_size, model.seq_length)
     layout = build_layout(cluster, plan)
-    local = all(_is_local(n.host) for n in layout.nodes)
-    addr = master_addr or ("127.0.0.1" if local else layout.nodes[0].host)
-    if addr is None:
-        raise HeteroError("the cluster spans several nodes without 'hosts': give --master-addr")
-    port = master_port or (free_port() if local else 29500)
+    families = [cluster.device_type(n.group).family for n in layout.nodes]
+    machines = machine_keys(layout.nodes, families)
+    local = len(set(machines)) == 1
+    addr, port = _rendezvous(cluster, layout, machines, master_addr, master_port, separate)
     owns_run_dir = not run_dir
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetero-run-")
     os.makedirs(run_dir, exist_ok=True)
@@ -143,7 +218,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     spec_path = os.path.join(options.run_dir, "run.json")
     spec.save(spec_path)
     commands = []
-    first_device = device_offsets(layout.nodes, [cluster.device_type(n.group).family for n in layout.nodes])
+    first_device = device_offsets(layout.nodes, families)
     for slot, node in enumerate(layout.nodes):
         env = {SPEC_ENV: spec_path, SLOT_ENV: str(slot)}
         family = cluster.device_type(node.group).family
@@ -162,7 +237,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         commands.append(NodeCommand(slot=slot, group=node.group, node=node.node, host=node.host,
                                     first_rank=node.first_rank, num_ranks=node.num_ranks, env=env,
                                     torchrun_args=args, family=family,
-                                    loopback_store=slot == 0 and addr in LOOPBACK))
+                                    machine=node.host or (THIS_MACHINE if machines[slot] == THIS_MACHINE else None)))
     return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
                   master_port=port, local=local, owns_run_dir=owns_run_dir)
 
@@ -191,13 +266,14 @@ def _check_tagless_interleave(cluster, plan, index: int, pipeline, options: RunO
 
 
 def device_offsets(nodes, families: list[str]) -> list[int]:
-    """Per node slot: its first device on its host. Slots of one vendor family on the same host
-    (a multi-node group launched on one machine) take consecutive devices instead of all starting
-    at device 0; each slot's workers see theirs renumbered from 0 (the visible-devices variable)."""
+    """Per node slot: its first device on its machine (:func:`machine_keys`). Slots of one vendor
+    family on the same machine (a multi-node group launched on one machine) take consecutive devices
+    instead of all starting at device 0; each slot's workers see theirs renumbered from 0 (the
+    visible-devices variable)."""
     used: dict[tuple, int] = {}
     out = []
-    for node, family in zip(nodes, families):
-        key = ("localhost" if _is_local(node.host) else node.host, family)   # this machine, whatever its alias
+    for node, family, machine in zip(nodes, families, machine_keys(nodes, families)):
+        key = (machine, family)
         out.append(used.get(key, 0))
         used[key] = out[-1] + node.num_ranks
     return out
@@ -231,13 +307,15 @@ def dry_run_text(launch: Launch) -> str:
         lines.append(f"#   {describe_rank(r)}  node {r.group}/{r.node} local_rank {r.local_rank}")
     for cmd in launch.nodes:
         last = cmd.first_rank + cmd.num_ranks - 1
-        lines.append(f"\n# node slot {cmd.slot}: group {cmd.group} node {cmd.node} host {cmd.host or 'localhost'}, "
+        host = cmd.machine or "not named in the cluster file"
+        lines.append(f"\n# node slot {cmd.slot}: group {cmd.group} node {cmd.node} host {host}, "
                      f"ranks {cmd.first_rank}-{last} ({cmd.num_ranks} processes)")
         for k, v in cmd.env.items():
             lines.append(f"export {k}={shlex.quote(v)}")
         lines.append(shlex.join(cmd.argv(local=False)))
         if not launch.local:
-            lines.append(f"# or, on {cmd.host}: hetero launch ... --node-rank {cmd.slot}")
+            lines.append(f"# or, on that machine: hetero launch ... --master-addr {launch.master_addr} "
+                         f"--master-port {launch.master_port} --node-rank {cmd.slot}")
     return "\n".join(lines)
 
 
@@ -360,12 +438,14 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     elif launch.local:
         slots = list(range(len(launch.nodes)))
     else:
-        hosts = sorted({n.host or "?" for n in launch.nodes})
-        raise HeteroError(f"this run spans hosts {', '.join(hosts)}: run `hetero launch ... --node-rank R` on each "
-                          f"(see --dry-run for every node's command)")
+        machines = list(dict.fromkeys(n.machine or f"{n.group}/{n.node}" for n in launch.nodes))
+        raise HeteroError(f"this run spans machines {', '.join(machines)}: run `hetero launch ... --node-rank R` "
+                          f"on each, node slot R's machine (see --dry-run for every node's command)")
     check_devices_here(launch, slots)
     if launch.master_addr not in LOOPBACK:
-        print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback)")
+        where = ("node slot 0's store runs here and listens on every interface" if 0 in slots
+                 else "node slot 0's machine")
+        print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback: {where})")
     job = _Job(launch, slots)
     timeout = launch.spec.options.timeout_s
     layout = launch.layout
@@ -477,8 +557,14 @@ def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: 
         phase = e.get("phase", "training")
         when = f"at step {e.get('step')}" if phase == "training" else f"while {phase}"
         lines.append(f"{e.get('where', 'rank %s' % e.get('rank'))} failed {when}: {e.get('message')}")
+
+    def slot_of(rank: int) -> int:
+        return next(n.slot for n in job.launch.nodes if n.first_rank <= rank < n.first_rank + n.num_ranks)
+
+    # torchrun ends the other workers of a node slot when one fails: those are not deaths to report
+    failed_slots = {slot_of(e["rank"]) for e in errors if isinstance(e.get("rank"), int)}
     for r in dead:
-        if not any(e.get("rank") == r for e in errors):
+        if not any(e.get("rank") == r for e in errors) and slot_of(r) not in failed_slots:
             lines.append(f"{describe_rank(layout.ranks[r])} died without reporting (killed or crashed)")
     if not lines:
         for s, code in failed.items():

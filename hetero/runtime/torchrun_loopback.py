@@ -1,34 +1,68 @@
-"""torchrun whose rendezvous store listens on the loopback interface only.
-
-torchrun's static rendezvous opens its store server (a ``TCPStore``) on every interface
-(``*:port``), and torch offers no bind address for it. A local launch must not be reachable from
-the network, so the node launcher of slot 0 runs this module in place of ``torch.distributed.run``:
-it binds a socket to ``--master-addr`` (127.0.0.1) and ``--master-port`` itself, starts the store
-server on that socket (``TCPStore(master_listen_fd=...)``, multi-tenant), then runs torchrun in
-this process. torchrun's rendezvous asks for a multi-tenant store on the same port and gets the
-running server instead of binding a new one (torch keeps one server per port per process).
+"""hetero's torchrun: the node launcher that ``hetero launch`` runs for every node slot.
 
     python -m hetero.runtime.torchrun_loopback <torchrun arguments>
+
+It is ``torchrun`` (run in this process) with three differences, all about the rendezvous store
+and what a node slot prints:
+
+- Node slot 0 hosts the static rendezvous store itself (a multi-tenant ``TCPStore``: torchrun's
+  rendezvous asks for one on the same port and gets this server instead of binding a new one; torch
+  keeps one server per port per process). On a loopback ``--master-addr`` (a local launch) the
+  store listens on that address only: torchrun's own listens on every interface and torch offers
+  no bind address, so the socket is bound here and handed over (``master_listen_fd``). On any
+  other address it listens where torchrun's would.
+- After a successful run node slot 0 keeps the store until every other node slot has checked out
+  (a key each sets once its own torchrun returned; at most :data:`CHECKOUT_WAIT_S`). torchelastic's
+  exit barrier otherwise races the store's shutdown (pytorch/pytorch#69520): slot 0 passes the
+  barrier and exits, closing the store under a slot that is still waiting on it, which then logs
+  a C++ stack and "Error waiting on exit barrier" after a run that succeeded.
+- Failures are said in one line at most, not in torchelastic's tracebacks: a worker that reported
+  its own error (``rank<r>.error.json`` beside the run file) is left to that report and to the
+  launcher's; a worker that ended without one (a signal, an exit status of its own) is named in one
+  line; a node slot stopped by a signal (the launcher ending the job) says nothing.
 """
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import sys
+import time
+
+CHECKOUT_WAIT_S = 30.0
+"""Longest node slot 0 keeps the store for the other slots to check out after its own run succeeded
+(they check out right after their exit barrier: normally well under a second)."""
+CHECKOUT_KEY = "hetero/checkout/{slot}"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+_NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
+          "Error waiting on exit barrier", "Got termination signal")
+"""torchelastic log lines this wrapper replaces: the agent being stopped, the failure summary that
+precedes ChildFailedError, and the exit-barrier race."""
+_NOISY_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+
+
+def torchrun_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name`` in a torchrun argument list (``--x=v`` or ``--x v``, dashes or underscores)."""
+    value = None
+    spellings = (name, name.replace("-", "_"))
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module"):
+            break   # the worker module and its own arguments follow
+        for spelling in spellings:
+            if arg.startswith(spelling + "="):
+                value = arg.split("=", 1)[1]
+            elif arg == spelling and i + 1 < len(argv):
+                value = argv[i + 1]
+    return value
 
 
 def master_endpoint(argv: list[str]) -> tuple[str, int]:
-    """(``--master-addr``, ``--master-port``) of a torchrun argument list (``--x=v`` or ``--x v``)."""
-    found: dict[str, str] = {}
-    for i, arg in enumerate(argv):
-        for name in ("--master-addr", "--master-port", "--master_addr", "--master_port"):
-            key = name.replace("_", "-")
-            if arg.startswith(name + "="):
-                found[key] = arg.split("=", 1)[1]
-            elif arg == name and i + 1 < len(argv):
-                found[key] = argv[i + 1]
-    if "--master-addr" not in found or "--master-port" not in found:
+    """(``--master-addr``, ``--master-port``) of a torchrun argument list."""
+    addr, port = torchrun_option(argv, "--master-addr"), torchrun_option(argv, "--master-port")
+    if addr is None or port is None:
         raise SystemExit("torchrun_loopback: give --master-addr and --master-port")
-    return found["--master-addr"], int(found["--master-port"])
+    return addr, int(port)
 
 
 def bind_store(addr: str, port: int):
@@ -38,20 +72,106 @@ def bind_store(addr: str, port: int):
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
-    sock.listen(128)
+    try:
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     store = TCPStore(addr, port, is_master=True, multi_tenant=True, master_listen_fd=sock.fileno(),
                      wait_for_workers=False)
     return store, sock
 
 
-def main(argv: list[str] | None = None) -> None:
+def host_store(addr: str, port: int):
+    """Node slot 0's store server: on ``addr`` only when it is a loopback address, else on every
+    interface as torchrun's own (the caller printed that address)."""
+    if addr in LOOPBACK:
+        return bind_store(addr, port)
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, is_master=True, multi_tenant=True, wait_for_workers=False), None
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NOISE)
+
+
+def _say(slot: str, text: str) -> None:
+    print(f"[hetero torchrun] node slot {slot}: {text}", file=sys.stderr, flush=True)
+
+
+def _reported(rank: int) -> bool:
+    """The worker of ``rank`` left an error report beside the run file (it printed its own message)."""
+    from hetero.runtime.spec import SPEC_ENV
+
+    spec = os.environ.get(SPEC_ENV)
+    return bool(spec) and os.path.exists(os.path.join(os.path.dirname(spec), f"rank{rank}.error.json"))
+
+
+def _name_unreported(slot: str, error) -> None:
+    """One line for the first worker that failed (torchelastic's root cause) when it left no report;
+    the node slot's other workers were then ended by torchrun itself (SIGTERM), which is no news."""
+    rank, failure = error.get_first_failure()
+    if _reported(rank):
+        return
+    how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+           else f"exited with status {failure.exitcode}")
+    _say(slot, f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how} without reporting an error")
+
+
+def _check_out(store, slot: int, nnodes: int, addr: str, port: int) -> None:
+    """After a successful run: slot 0 waits (bounded) for the others' check-out keys, the others set theirs."""
+    from datetime import timedelta
+
+    if slot == 0:
+        keys = [CHECKOUT_KEY.format(slot=s) for s in range(1, nnodes)]
+        deadline = time.monotonic() + CHECKOUT_WAIT_S
+        while keys and time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.02)
+        return
+    from torch.distributed import TCPStore
+
+    client = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+    client.set(CHECKOUT_KEY.format(slot=slot), "1")
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    keep = bind_store(*master_endpoint(argv))  # noqa: F841 - the server lives as long as this process
+    addr, port = master_endpoint(argv)
+    slot_text = torchrun_option(argv, "--node-rank") or "0"
+    slot, nnodes = int(slot_text), int((torchrun_option(argv, "--nnodes") or "1").split(":")[-1])
+    store = None
+    if slot == 0:
+        try:
+            store, _sock = host_store(addr, port)   # noqa: F841 - both live as long as this process
+        except Exception as e:  # noqa: BLE001 - said in one line: the port is taken, the address is not here
+            _say(slot_text, f"cannot host the rendezvous store on {addr}:{port}: {str(e).splitlines()[0]} "
+                            f"(fix: give a free --master-port, and a --master-addr of this machine)")
+            return 1
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).addFilter(_DropNoise())
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    torchrun(argv)
+    try:
+        torchrun(argv)
+    except SignalException as e:   # stopped (the launcher ending the job): its workers were ended too
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        _name_unreported(slot_text, e)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a rendezvous that failed, a store that went away
+        _say(slot_text, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        return 1
+    try:
+        _check_out(store, slot, nnodes, addr, port)
+    except Exception:  # noqa: BLE001 - the run succeeded; a check-out nobody waits for any more is moot
+        pass
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
