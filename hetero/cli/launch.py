@@ -13,11 +13,12 @@ def add_parser(sub) -> None:
                     "slot runs here, rendezvous on 127.0.0.1; over several machines run one call per node "
                     "slot (--node-rank R on its machine), rendezvous at node slot 0's host or --master-addr, "
                     "port 29500 unless --master-port. Arguments after `--` go to every worker.")
-    p.add_argument("--cluster", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--plan", required=True)
+    p.add_argument("--cluster", required=True, help="cluster file (YAML, SCHEMAS.md)")
+    p.add_argument("--model", required=True, help="model file (YAML)")
+    p.add_argument("--plan", required=True, help="plan file (YAML; `hetero plan -o` writes one)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and the synthetic token stream (default 0)")
     p.add_argument("--summary", metavar="OUT.json", help="write the run summary (SCHEMAS.md) here")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
     p.add_argument("--dry-run", action="store_true", help="print every node's command and environment, run nothing")
@@ -28,13 +29,15 @@ def add_parser(sub) -> None:
                                                    "runs here in this call, else 29500)")
     p.add_argument("--data", metavar="FILE", help="tokens (.npy, .bin uint16, .int32.bin) or text (byte tokens); "
                                                   "default: seeded synthetic stream")
-    p.add_argument("--engine", choices=("native", "deepspeed"), default="native")
+    p.add_argument("--engine", choices=("native", "deepspeed"), default="native",
+                   help="native: hetero's pipeline/tp/dp engine (default); deepspeed: DeepSpeed ZeRO for "
+                        "one-stage tp1 plans (CPU accelerator)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SEC",
                    help="communicator timeout: a silent peer ends the job with an error naming it (default 60)")
     p.add_argument("--inject-failure", metavar="STEP:RANK", help="that rank exits at that (1-based) step")
     p.add_argument("--elastic", action="store_true", help="(reserved for elastic reconfiguration; not yet)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--loss-scale", type=float, metavar="S",
                    help="fp16 models: initial dynamic loss scale (default 65536; halved and the step skipped "
@@ -46,7 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
                                      "directory, removed when the run ends; a dry run keeps it for its commands)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 

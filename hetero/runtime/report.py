@@ -48,6 +48,7 @@ class Reporter:
         measured = summary.get("median_iteration_time_s")
         pred = summary.get("predicted_iteration_time_s")
         cmp = Table(title="predicted vs measured")
+        notes: list[str] = []
         for col in ("", "iteration time", "tokens/s"):
             cmp.add_column(col, justify="right")
         tokens = self.t.tokens_per_step
@@ -57,9 +58,15 @@ class Reporter:
             err = (pred - measured) / measured * 100 if measured else float("nan")
             cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
             cmp.add_row("error", f"{err:+.1f} %", "")
+            if err < -50:
+                notes.append("the measured step is mostly per-step framework overhead the prediction leaves out "
+                             "(a model this small does little compute per step); `hetero calibrate` on run logs "
+                             "fits that overhead, and a larger model is predicted closer")
         else:
             cmp.add_row("predicted", "n/a (predictor not available)", "")
         self.out.print(cmp)
+        for note in notes:
+            self.out.print(f"[bold]note[/bold] {note}")
         losses = ["nan" if x is None else f"{x:.4f}" for x in summary["losses"]]  # null: not finite
         if losses:
             self.out.print(f"loss {losses[0]} -> {losses[-1]} over {len(losses)} steps; "
