@@ -84,7 +84,7 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     ub = getattr(results, "upper_bound_tokens_per_s", None)
     alone = getattr(results, "upper_bound_by_group", None) or {}
     cannot = [g for g, v in alone.items() if not v]
-    if ub and cannot:
+    if cannot:
         reasons.append(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of each "
                        "group's best plan alone (" + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in alone.items())
                        + " tokens/s) bounds nothing")

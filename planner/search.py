@@ -11,7 +11,8 @@ result types and the three steps it chains.
    source of truth; a short hill climb refines the top few.
 
 With ``upper_bound``, each group is also searched alone: the sum of those throughputs bounds what
-the whole cluster can reach.
+the whole cluster can reach. When a group cannot hold the model alone it adds 0 and the sum bounds
+nothing: the bound is then None (the per-group figures stay in ``upper_bound_by_group``).
 """
 from __future__ import annotations
 
@@ -173,6 +174,8 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
                 ub += ub_by_group[g.name]
             scored.sort(key=lambda x: -x[0])
             scored = _dedupe(scored)
+            if any(v <= 0 for v in ub_by_group.values()):
+                ub = None   # a group that cannot hold the model alone adds 0: the sum bounds nothing
     fitting = [x for x in scored if x[0] > 0]
     if not fitting:
         raise PlannerError(infeasible_message(cluster, model, B, opts, cost_model, calibration))

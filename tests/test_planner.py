@@ -399,6 +399,10 @@ def test_cli_plan_reports_no_bound_when_a_group_cannot_hold_the_model_alone(caps
     assert rc == 0
     assert "no upper bound: mi250x, ascend cannot hold the model alone" in text, text
     assert "% bound" not in text and "of the upper bound" not in text
+    assert main(["plan", "--cluster", str(CLUSTERS / "mixed-vendor.yaml"), "--model", str(MODELS / "llama2-70b.yaml"),
+                 "--global-batch-size", "512", "--top-k", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[0]["prediction"]["upper_bound_tokens_per_s"] is None
 
 
 def test_cli_notes_a_local_cpu_plan_that_needs_more_memory_than_this_machine(capsys, monkeypatch):

@@ -74,11 +74,9 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    ub = results.upper_bound_tokens_per_s
+    ub = results.upper_bound_tokens_per_s   # None when a group cannot hold the model alone
     alone = results.upper_bound_by_group or {}
     cannot = [g for g, v in alone.items() if not v]
-    if cannot:   # a group that cannot hold the model alone adds 0: the sum bounds nothing
-        ub = None
     table = Table(title=f"{cluster.name} / {model.name}, global batch {args.global_batch_size}", title_justify="left")
     table.add_column("", no_wrap=True)
     table.add_column("tokens/s", justify="right")
