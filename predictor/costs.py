@@ -63,7 +63,8 @@ class StageCostModel:
         self.dtype = model.dtype
         self.e = O.DTYPE_BYTES[model.dtype]
         # Gradients are summed in fp32 under bf16 (Megatron-LM forces accumulate_allreduce_grads_in_fp32
-        # for bf16; hetero's runtime keeps fp32 parameters under autocast); fp16 sums in fp16 (Megatron)
+        # for bf16; hetero's runtime keeps fp32 parameters under autocast). fp16 is charged Megatron's
+        # default, fp16 sums (what the vTrain runs calibrate); hetero's runtime sums those in fp32 too.
         self.grad_e = 4 if model.dtype == "bf16" else self.e
         self._groups = {g.name: g for g in cluster.groups}
         self._dev = {name: cluster.device_type(name) for name in self._groups}

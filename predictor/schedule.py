@@ -4,8 +4,12 @@ Every device runs its kernels in the order the schedule prescribes; an op starts
 is free and its input is there: forward of micro-batch j on stage k needs stage k-1's forward of j
 plus the p2p transfer; backward needs stage k+1's backward plus the transfer (the last stage's
 backward needs its own forward). Sends are asynchronous (they do not hold the sender), but one
-link (a device pair, one direction) carries one message at a time, in the order they are sent:
-GPipe's burst of forwards over a slow link queues. The pipeline time is the end of the last op. Stage times may differ per stage. A device is done with
+link (a device pair, one direction) carries one message at a time, in the order the receiver
+takes them: point-to-point messages (NCCL, Gloo) move once both sides have posted them, so the
+receiver's order of receives sets the link's. GPipe's burst of forwards over a slow link queues.
+(With interleaving over two devices the receiver may take a later-sent message first; a FIFO in
+send order would differ by up to 6% on random stage times.) The pipeline time is the end of the
+last op. Stage times may differ per stage. A device is done with
 the schedule (its gradients are ready to sync) when its last op has ended and its last send of each
 edge has arrived: the runtime waits for its pending sends before the gradient sync
 (:func:`pipeline_ends`).
@@ -150,7 +154,8 @@ def _compile(schedule: str, V: int, m: int, v: int):
     (slot, device, duration index, dependency slot or -1, comm index, kind, micro-batch, vstage,
     link index or -1); the number of devices; per (device, edge) the slot of the device's last op
     sending over that edge, as (device, slot, comm index): a device's sends on one edge arrive in
-    order; and the number of links (sender device, receiver device), each a FIFO of messages."""
+    order; and the number of links (sender device, receiver device), each a queue of messages in
+    the receiver's order (the module docstring)."""
     p = V // v
     seqs, order = _resolved(schedule, V, m, v)
     nocomm = V - 1  # index of the appended 0.0

@@ -716,7 +716,7 @@ def test_cli_names_network_links_left_at_their_defaults(tmp_path):
     r = _cli("predict", "--cluster", str(tmp_path / "bare.yaml"), "--model", m, "--plan", p)
     text = " ".join(r.stdout.split())
     assert r.returncode == 0, r.stderr
-    assert "network.inter_node: default 25 GB/s, 10 us" in text and "network.cross_group: default 12.5 GB/s" in text
+    assert "network.inter_node: 25 GB/s, 10 us, the default" in text and "network.cross_group: 12.5 GB/s" in text
     one = {**bare, "groups": [{**CLUSTER["groups"][0], "nodes": 1}]}
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
     one_plan = {"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
@@ -724,6 +724,9 @@ def test_cli_names_network_links_left_at_their_defaults(tmp_path):
     (tmp_path / "one-plan.yaml").write_text(yaml.safe_dump(one_plan))
     r = _cli("predict", "--cluster", str(tmp_path / "one.yaml"), "--model", m, "--plan", str(tmp_path / "one-plan.yaml"))
     assert r.returncode == 0 and "network." not in r.stdout, r.stdout   # one node: no link between nodes
+    # the same one-group plan on the two-group cluster crosses no group boundary
+    r = _cli("predict", "--cluster", str(tmp_path / "bare.yaml"), "--model", m, "--plan", str(tmp_path / "one-plan.yaml"))
+    assert r.returncode == 0 and "network.cross_group" not in r.stdout and "network.inter_node" in r.stdout
 
 
 def test_launch_bound_stages_are_reported(tmp_path, inputs):

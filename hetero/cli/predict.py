@@ -95,7 +95,7 @@ def run(args) -> int:
     for dev, info in pred.provenance.items():
         out.print(f"[dim]provenance[/dim] {dev} ({', '.join(info['groups'])}): numbers from {info['source']}, "
                   f"operator model {info['op_model']}" + (f";\n  {info['note']}" if info.get("note") else ""))
-    for line in _default_links(cluster):
+    for line in _default_links(cluster, plan):
         out.print(f"[dim]provenance[/dim] {line}")
     note = host_memory_note(cluster, plan, pred)
     if note:
@@ -105,16 +105,17 @@ def run(args) -> int:
     return 0
 
 
-def _default_links(cluster) -> list[str]:
-    """The network links this cluster file leaves at their defaults, where the plan's traffic can use
-    them (between nodes of a group: a group of several nodes; between groups: several groups)."""
+def _default_links(cluster, plan) -> list[str]:
+    """The network links at their default figures that the plan's traffic can use (between nodes of
+    a group: a group of several nodes; between groups: a plan over several groups)."""
     from hetero.specs.cluster import Network
 
+    used = {s.group for p in plan.pipelines for s in p.stages}
     default, net, out = Network(), cluster.network, []
-    for name, used in (("inter_node", any(g.nodes > 1 for g in cluster.groups)),
-                       ("cross_group", len(cluster.groups) > 1)):
+    for name, crossed in (("inter_node", any(cluster.group(g).nodes > 1 for g in used)),
+                          ("cross_group", len(used) > 1)):
         link = getattr(net, name)
-        if used and link == getattr(default, name):
-            out.append(f"network.{name}: default {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us "
-                       f"(the cluster file does not give it; set network.{name} to your fabric's figures)")
+        if crossed and link == getattr(default, name):
+            out.append(f"network.{name}: {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us, the default "
+                       f"(set network.{name} in the cluster file to your fabric's figures)")
     return out

@@ -154,11 +154,12 @@ def weighted_squares(groups: dict[int, list[torch.Tensor]]) -> float:
 
 def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm,
                    tp_size: int) -> dict[int, list[torch.Tensor]]:
-    """Sum gradients over holder sets (see module docstring); returns this rank's full gradients by
-    holder count, whose :func:`weighted_squares` is its share of the squared global norm (to be
+    """Sum gradients over holder sets (see module docstring); returns this rank's summed gradients
+    (full tensors, or its local shards where the bucket has tp-rank peers) by the number of ranks
+    holding each, whose :func:`weighted_squares` is its share of the squared global norm (to be
     summed over the world)."""
     params = dict(module.named_parameters())
-    by_holders: dict[int, list[torch.Tensor]] = {}   # holder count -> full gradients (each counts 1/count)
+    by_holders: dict[int, list[torch.Tensor]] = {}   # ranks holding it -> gradients (each counts 1/ranks)
     for bucket in buckets:
         if len(bucket.ranks) == 1 and tp_size == 1:
             # Held by this rank alone: nothing to sum, no copies; only its share of the norm.

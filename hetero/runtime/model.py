@@ -178,7 +178,8 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """Tokens (B, T) into the first stage, else hidden states (B, T, h); returns hidden states,
-        or logits (B, T, vocab) out of the last stage. ``chunk``: which model chunk to run."""
+        or logits (B, T, vocab) out of the last stage (under tensor parallelism a DTensor sharded on
+        the vocabulary, for :func:`loss_fn`). ``chunk``: which model chunk to run."""
         if self.first and chunk == 0:
             tokens = x
             x = self.wte(tokens)

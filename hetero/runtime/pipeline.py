@@ -8,8 +8,9 @@ Tensor parallelism inside a stage keeps the residual stream replicated on every 
 hand-off between a stage of tp ``a`` and the next of tp ``b`` is a scatter-gather (Megatron-LM's
 scatter-gather optimisation): receiver tp rank ``j`` takes slice ``j`` of ``b`` of the flattened
 activation from sender tp rank ``j % a``, and the receiving stage all-gathers the slices among its
-tp ranks. One activation's bytes cross the link per replica, whatever the tp sizes -- the bytes
-the predictor charges -- instead of ``b`` full copies. Gradients go back the same way: stage ``s``
+tp ranks. One activation's bytes cross between the stages per replica, whatever the tp sizes,
+instead of ``b`` full copies (inside a node the slices take parallel device pairs, which the
+predictor charges as such). Gradients go back the same way: stage ``s``
 tp rank ``i`` takes slice ``i`` of ``a`` from stage ``s+1`` tp rank ``i % b``, then all-gathers.
 Both tp sizes divide the hidden size, so the slices are equal.
 
