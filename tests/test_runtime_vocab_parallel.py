@@ -44,6 +44,9 @@ def _worker(rank, world, model_dict):
     for name, p in split.named_parameters():
         if name in ("wte.weight", "head.weight"):
             out["rows"][name] = p.to_local().shape[0]
+            # the gradient is the rank's rows too: no whole vocabulary x hidden tensor per rank
+            out.setdefault("grad_rows", {})[name] = (p.grad.placements == p.placements,
+                                                     p.grad.to_local().shape == p.to_local().shape)
         full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         if not torch.allclose(full, whole_grads[name].grad, rtol=1e-4, atol=1e-6):
             out["grads_equal"] = False
@@ -58,6 +61,7 @@ def test_tp_splits_embedding_and_head_over_the_vocabulary(model):
     for r in results:
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         assert r["logits_sharded"] and r["grads_equal"]
+        assert all(same_layout and same_shape for same_layout, same_shape in r["grad_rows"].values()), r["grad_rows"]
     # 101 rows over 2 ranks: 51 + 50 (torch's uneven Shard(0)), no rank holds the whole vocabulary
     for name in results[0]["rows"]:
         assert sorted(r["rows"][name] for r in results) == [50, 51], name

@@ -202,8 +202,8 @@ def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: 
         g = p.grad
         dt = isinstance(g, DTensor)
         if dt and g.placements != p.placements:
-            # e.g. a vocabulary-parallel embedding's gradient comes back replicated: lay it out as
-            # the parameter (a local slice, no communication) so the peers' shards line up
+            # a DTensor op may hand back a gradient laid out unlike its parameter (e.g. replicated):
+            # lay it out as the parameter (a local slice, no communication) so the peers' shards line up
             g = p.grad = g.redistribute(p.device_mesh, p.placements)
         locals_.append(g.to_local() if dt else g)
         # a shard is held by the peers; a replicated tensor (plain, or a DTensor such as a

@@ -182,7 +182,8 @@ class StageModel(nn.Module):
         the vocabulary, for :func:`loss_fn`). ``chunk``: which model chunk to run."""
         if self.first and chunk == 0:
             tokens = x
-            x = self.wte(tokens)
+            w = self.wte.weight
+            x = vocab_parallel_lookup(tokens, w) if isinstance(w, DTensor) else self.wte(tokens)
             if hasattr(self, "wpe"):
                 x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         a, b = self.chunks[chunk]
@@ -256,8 +257,10 @@ def apply_tensor_parallel(module: StageModel, mesh) -> None:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if hasattr(module, "wte"):
-        parallelize_module(module.wte, mesh, RowwiseParallel(input_layouts=Replicate()))
+    if hasattr(module, "wte"):   # rows split over the vocabulary; looked up by vocab_parallel_lookup
+        from torch.distributed.tensor import distribute_tensor
+
+        module.wte.weight = nn.Parameter(distribute_tensor(module.wte.weight.detach(), mesh, [Shard(0)]))
     if hasattr(module, "head"):
         parallelize_module(module.head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     for block in module.layers.values():
@@ -276,6 +279,24 @@ def _has(module: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def vocab_parallel_lookup(tokens: torch.Tensor, weight) -> torch.Tensor:
+    """Embedding lookup with ``weight`` split over the vocabulary (a DTensor sharded on rows), as
+    Megatron-LM's VocabParallelEmbedding: each tp rank looks up the tokens in its rows (zeros
+    elsewhere) and the partial results are summed over the tp group. Backward passes the
+    (replicated) output gradient straight to each rank's rows, so the weight's gradient is its shard,
+    never a whole vocabulary x hidden tensor."""
+    from torch.distributed.tensor import Partial
+
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    rows = -(-weight.shape[0] // mesh.size())   # torch's Shard(0): the first ranks take ceil(V / t)
+    start = mesh.get_local_rank() * rows
+    outside = (tokens < start) | (tokens >= start + local.shape[0])
+    out = F.embedding((tokens - start).masked_fill(outside, 0), local)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
