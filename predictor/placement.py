@@ -132,12 +132,18 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
 
     def ring(holders, nbytes):
-        """holders: list of (pi, k, group, tp, replicas); adds the ring time to each holder."""
+        """holders: list of (pi, k, group, tp, replicas); adds the ring time to each holder.
+
+        Holders of one tp degree sum shards, each tp rank with its peers (hetero.runtime.grads:
+        rings of replicas over bytes / tp). Holders of different tp degrees, and any tp under ZeRO
+        (hetero.runtime.zero shards full tensors), sum full tensors over every holder rank."""
+        tps = {h[3] for h in holders}
+        full = len(tps) > 1 or (zs >= 1 and max(tps) > 1)
         per_group: dict[str, list] = {}
         for pi, k, g, tp, r in holders:
-            e = per_group.setdefault(g, [0, tp, []])
-            e[0] += r
-            e[1] = min(e[1], tp)
+            e = per_group.setdefault(g, [0, 1 if full else tp, []])
+            e[0] += r * tp if full else r
+            e[1] = min(e[1], 1 if full else tp)
             e[2].append((pi, k))
         inner, touched = 0.0, set()
         for g, (n, tp, stages) in per_group.items():
