@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 
 from .costs import StageCostModel
-from .memory import in_flight_microbatches, zero_degrees
+from .memory import (activation_bytes_per_layer, edge_activation_bytes, held_peak, in_flight_microbatches,
+                     zero_degrees)
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -303,8 +304,6 @@ def _weighted_in_flight(model, stages, i: int, phys: int, schedule: str, m: int,
     weighed by its layers' and its edge's bytes) in units of one micro-batch of all its chunks, the
     unit :func:`.memory.stage_memory` multiplies. Equal chunks give
     :func:`.memory.in_flight_microbatches`; a device whose early chunks are larger holds more."""
-    from .memory import activation_bytes_per_layer, edge_activation_bytes, held_peak
-
     V, s = len(stages), model.seq_length
     weights = []
     for k in range(i, V, phys):

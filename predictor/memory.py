@@ -5,9 +5,10 @@ weights and ``e`` of gradients in the model dtype; Adam keeps two fp32 moments (
 precision (fp16/bf16) adds fp32 master weights (4 bytes): 16 bytes/param in both fp32 and mixed
 precision. ZeRO-1 shards the optimizer states (master + moments) over the stage's data-parallel
 degree, ZeRO-2 also the gradients (:func:`model_state_bytes`); a stage's peak charges ZeRO-2 as
-ZeRO-1, since the native engine holds gradients whole through backward (:func:`stage_memory`). As the runtime shards them (hetero.runtime.zero), every
-parameter's states are split over all ranks holding it, in every pipeline shape, replica and tp
-rank: :func:`zero_degrees` turns those holder counts into each stage's effective degree.
+ZeRO-1, since the native engine holds gradients whole through backward (:func:`stage_memory`). As
+the runtime shards them (hetero.runtime.zero), every parameter's states are split over all ranks
+holding it, in every pipeline shape, replica and tp rank: :func:`zero_degrees` turns those holder
+counts into each stage's effective degree.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", eq. 2 / 3): per layer per micro-batch, with ``e`` bytes per element, ``m`` = 1 byte per
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from hetero.specs.model import ModelSpec
 
 from .ops import DTYPE_BYTES
-from .schedule import executed_order, interleave_group
+from .schedule import device_orders, executed_order, interleave_group
 
 MiB = 2**20
 FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * MiB, "intel": 512 * MiB,
@@ -228,8 +229,6 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 
     With equal weights this is :func:`in_flight_microbatches` x the device's total; with chunks of
     different sizes it is not: the warm-up holds more early chunks than late ones."""
-    from .schedule import device_orders
-
     p, v = num_stages, interleave
     held = peak = 0.0
     for kind, _, vs in device_orders(schedule, p * v, micro_batches, v)[stage]:

@@ -139,11 +139,12 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         (hetero.runtime.zero shards full tensors), sum full tensors over every holder rank."""
         tps = {h[3] for h in holders}
         full = len(tps) > 1 or (zs >= 1 and max(tps) > 1)
-        per_group: dict[str, list] = {}
+        per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
-            e = per_group.setdefault(g, [0, 1 if full else tp, []])
-            e[0] += r * tp if full else r
-            e[1] = min(e[1], 1 if full else tp)
+            ranks, split = (r * tp, 1) if full else (r, tp)
+            e = per_group.setdefault(g, [0, split, []])
+            e[0] += ranks
+            e[1] = min(e[1], split)
             e[2].append((pi, k))
         inner, touched = 0.0, set()
         for g, (n, tp, stages) in per_group.items():

@@ -164,20 +164,17 @@ def _compile(schedule: str, V: int, m: int, v: int):
     links: dict[tuple[int, int], int] = {}
     for d, kind, j, vs in order:
         if kind == "F":
-            slot = vs * m + j
+            slot, di = vs * m + j, vs
             dep, ci = ((vs - 1) * m + j, vs - 1) if vs else (-1, nocomm)
-            prog.append([slot, d, vs, dep, ci, kind, j, vs])
         else:
-            slot = (V + vs) * m + j
+            slot, di = (V + vs) * m + j, V + vs
             if vs == V - 1:
                 dep, ci = vs * m + j, nocomm
             else:
                 dep, ci = (V + vs + 1) * m + j, vs
-            prog.append([slot, d, V + vs, dep, ci, kind, j, vs])
         dev_of[slot] = d
-        dep, ci = prog[-1][3], prog[-1][4]
-        li = links.setdefault((dev_of[dep], d), len(links)) if dep >= 0 and ci != nocomm else -1
-        prog[-1] = tuple(prog[-1]) + (li,)
+        li = links.setdefault((dev_of[dep], d), len(links)) if ci != nocomm else -1
+        prog.append((slot, d, di, dep, ci, kind, j, vs, li))
     return tuple(prog), p, _last_sends(seqs, V, m), len(links)
 
 
@@ -238,11 +235,11 @@ def _gpipe_virtual(p: int, m: int, v: int):
     return seqs
 
 
-def _ready(free, end, arrive, sends, comm) -> tuple:
+def _ready(free, arrive, sends) -> tuple:
     """Per device: when it is done with the schedule (last op ended, last sends arrived)."""
     ready = list(free)
-    for d, slot, ci in sends:
-        r = arrive.get(slot, end[slot] + comm[ci])
+    for d, slot, _ in sends:
+        r = arrive[slot]   # every send has its receive in the program, which set its arrival
         if r > ready[d]:
             ready[d] = r
     return tuple(ready)
@@ -276,7 +273,7 @@ def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool):
         free[d] = t
         if trace:
             events.append((d, kind, j, vs, start, t, ready))
-    return max(free), _ready(free, end, arrive, sends, comm), events
+    return max(free), _ready(free, arrive, sends), events
 
 
 @functools.lru_cache(maxsize=1 << 16)
