@@ -175,18 +175,22 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
         for name in bucket.names:
             p = params[name]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            fulls.append(full_tensor(g).detach().float())
-        flat = torch.cat([f.reshape(-1) for f in fulls])
-        if tp_size > 1:
-            flat.div_(tp_size)
-        comm.all_reduce(flat, bucket.ranks)
-        offset = 0
-        for name, f in zip(bucket.names, fulls):
-            full = flat[offset:offset + f.numel()].view_as(f).clone()
-            offset += f.numel()
+            fulls.append(full_tensor(g))
+        for name, part in zip(bucket.names, _summed(fulls, bucket.ranks, comm, tp_size)):
+            full = part.clone()
             by_holders.setdefault(len(holders[name]), []).append(full)
             params[name].grad = shard_like(params[name], full)
     return by_holders
+
+
+def _summed(tensors: list[torch.Tensor], ranks: tuple[int, ...], comm, divide: int = 1) -> list[torch.Tensor]:
+    """``tensors`` in fp32 laid end to end in one buffer, divided by ``divide``, summed over
+    ``ranks`` in one all-reduce; returns views of the sum shaped like each tensor."""
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+    if divide > 1:
+        flat.div_(divide)
+    comm.all_reduce(flat, ranks)   # nothing to sum over one rank: a no-op there
+    return [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
 
 def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: dict) -> None:
@@ -210,13 +214,7 @@ def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: 
         # row-parallel bias) by every holder at every tp rank
         sharded = dt and any(pl.is_shard() for pl in g.placements)
         counts.append(len(bucket.peers) if sharded else len(holders[name]))
-    flat = torch.cat([t.detach().float().reshape(-1) for t in locals_])
-    if len(bucket.peers) > 1:   # one replica: its shards are the sum already
-        comm.all_reduce(flat, bucket.peers)
-    offset = 0
-    for t, count in zip(locals_, counts):
-        part = flat[offset:offset + t.numel()].view_as(t)
-        offset += t.numel()
+    for t, count, part in zip(locals_, counts, _summed(locals_, bucket.peers, comm)):
         t.detach().copy_(part)
         by_holders.setdefault(count, []).append(t.detach())
 

@@ -12,6 +12,7 @@ any split of the model, any tp degree, gives the weights of the single-device mo
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -299,16 +300,22 @@ def vocab_parallel_lookup(tokens: torch.Tensor, weight) -> torch.Tensor:
     return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
+def _vocab_parallel(t: torch.Tensor):
+    """torch's loss_parallel context for a DTensor sharded on the vocabulary (forward and backward of
+    the cross-entropy), else nothing."""
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of one micro-batch (fp32). Logits sharded on the vocabulary (a
     DTensor, tensor parallelism) are reduced over the shards; the loss is then a replicated
     DTensor, whose backward must run under :func:`backward_loss`."""
-    if isinstance(logits, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
-            return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    with _vocab_parallel(logits):
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def loss_value(loss: torch.Tensor) -> float:
@@ -319,10 +326,5 @@ def loss_value(loss: torch.Tensor) -> float:
 
 def backward_loss(loss: torch.Tensor) -> None:
     """``loss.backward()``; a vocabulary-parallel loss backpropagates under loss_parallel."""
-    if isinstance(loss, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        with loss_parallel():
-            loss.backward()
-    else:
+    with _vocab_parallel(loss):
         loss.backward()
