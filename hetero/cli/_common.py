@@ -105,8 +105,9 @@ def host_memory_note(cluster, plan, prediction) -> str | None:
     sets ``memory``), so each may fit while all of them together do not fit here."""
     import os
 
-    local = all(g.nodes == 1 and all(h in ("localhost", "127.0.0.1") for h in (g.hosts or ["localhost"]))
-                for g in cluster.groups)
+    from hetero.runtime.launcher import is_this_machine
+
+    local = all(g.nodes == 1 and all(is_this_machine(h) for h in (g.hosts or [None])) for g in cluster.groups)
     if not local or any(cluster.device_type(g.name).family != "cpu" for g in cluster.groups):
         return None
     try:

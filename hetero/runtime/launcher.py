@@ -40,9 +40,8 @@ from dataclasses import asdict, dataclass
 from hetero.errors import HeteroError, Problem
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
+from hetero.runtime.torchrun_loopback import LOOPBACK
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-"""Master addresses whose rendezvous store is bound to the loopback interface only."""
 LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
                    "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
@@ -112,7 +111,8 @@ class Launch:
             shutil.rmtree(self.spec.options.run_dir, ignore_errors=True)
 
 
-def _is_local(host: str | None) -> bool:
+def is_this_machine(host: str | None) -> bool:
+    """Whether a node's ``host`` (None: not named) is the machine running this process."""
     return host in LOCAL_HOSTS or host == socket.gethostname() or host == socket.getfqdn()
 
 
@@ -125,7 +125,7 @@ def machine_keys(nodes, families: list[str]) -> list:
     keys: list = []
     for node, family in zip(nodes, families):
         if node.host is not None:
-            keys.append(THIS_MACHINE if _is_local(node.host) else node.host)
+            keys.append(THIS_MACHINE if is_this_machine(node.host) else node.host)
         elif family == "cpu":
             keys.append(THIS_MACHINE)
         else:

@@ -34,6 +34,7 @@ CHECKOUT_WAIT_S = 30.0
 (they check out right after their exit barrier: normally well under a second)."""
 CHECKOUT_KEY = "hetero/checkout/{slot}"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Master addresses whose rendezvous store is bound to the loopback interface only (the launcher's too)."""
 
 _NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
           "Error waiting on exit barrier", "Got termination signal")
