@@ -70,6 +70,16 @@ def test_validate_reports_every_error_of_a_file(tmp_path):
     assert_bad_input(proc, "groups[0].nodes", "groups[1].devices_per_node", "nework")
 
 
+def test_validate_names_a_misplaced_field_and_the_files_other_errors_at_once(tmp_path):
+    data = {**MODEL, "groups": [], "zero_stage": 1, "dropout": 1.5}   # a cluster and a plan field
+    m = write(tmp_path, "m.yaml", data)
+    proc = run_cli("validate", m)
+    assert_bad_input(proc, f"{m}: groups: 'groups' is a field of a cluster file, not of a model file",
+                     f"{m}: zero_stage: 'zero_stage' is a field of a plan file", f"{m}: dropout: must be in [0, 1)")
+    assert len(proc.stderr.splitlines()) == 3, proc.stderr
+    assert proc.stdout.splitlines() == [f"error {m} (model)"]
+
+
 @pytest.mark.parametrize("text,fragment", [
     ("groups: [unclosed", "not valid YAML"),
     ("- just\n- a list\n", "expected a YAML mapping"),

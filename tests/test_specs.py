@@ -483,6 +483,32 @@ def test_a_field_of_another_file_is_named_as_such(kind, key, fragment):
     assert "did you mean" not in str(err)
 
 
+def test_a_misplaced_field_does_not_hide_the_files_other_errors():
+    """A field of another kind of file is named together with the range errors and the rules across
+    fields, not instead of them (one run shows everything to fix)."""
+    model = {**MODEL, "network": {"inter_node": {"bandwidth": "100 GB/s"}}, "dropout": 1.5}
+    err = expect_error(lambda: hetero.load_model(model), "network: 'network' is a field of a cluster file",
+                       "dropout: must be in [0, 1), got 1.5")
+    assert len(err.problems) == 2
+    plan = {**PLAN, "dtype": "bf16", "micro_batch_size": 0}
+    expect_error(lambda: hetero.load_plan(plan), "'dtype' is a field of a model file", "micro_batch_size: must be >= 1")
+    plan = {**PLAN, "dtype": "bf16", "global_batch_size": 66}   # the batch arithmetic is judged too
+    expect_error(lambda: hetero.load_plan(plan), "'dtype' is a field of a model file", "not global_batch_size=66")
+    cluster = {**copy.deepcopy(CLUSTER), "recompute": "full"}
+    cluster["groups"][0]["nodes"] = 0
+    expect_error(lambda: hetero.load_cluster(cluster), "'recompute' is a field of a plan file",
+                 "groups[0].nodes: must be >= 1")
+
+
+def test_one_misplaced_field_does_not_change_the_kind_of_a_file():
+    from hetero.specs.kinds import file_kind
+
+    assert file_kind({**MODEL, "groups": []}) == "model"
+    assert file_kind({**CLUSTER, "num_layers": 2}) == "cluster"
+    assert file_kind({**PLAN, "groups": []}) == "plan"
+    assert file_kind({"groups": [], "num_layers": 2}) == "cluster"   # a tie: the order of the markers
+
+
 def test_file_field_lists_match_the_specs():
     import dataclasses
 

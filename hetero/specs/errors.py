@@ -44,9 +44,23 @@ class Problems:
 
     source: str = "<dict>"
     items: list[Problem] = field(default_factory=list)
+    misplaced: int = 0
+    """How many of ``items`` name a top-level field of another kind of file (``recompute`` in a model
+    file). Such a field cannot be a misspelling of one of this file's own, so every other check still
+    runs on the values that are there: see :meth:`blocking`."""
 
     def add(self, path: str, message: str, fix: str = "") -> None:
         self.items.append(Problem(path, message, fix, self.source))
+
+    def add_misplaced(self, path: str, message: str, fix: str = "") -> None:
+        """Record a field that belongs to another kind of file (counted in :attr:`misplaced`)."""
+        self.add(path, message, fix)
+        self.misplaced += 1
+
+    def blocking(self) -> bool:
+        """True when a problem other than a misplaced field was found: then a value is missing or out
+        of range, and the rules across fields are not judged on it."""
+        return len(self.items) > self.misplaced
 
     def raise_if_any(self) -> None:
         if self.items:

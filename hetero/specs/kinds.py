@@ -40,11 +40,16 @@ LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog"
 def file_kind(data: dict) -> str:
     """``plan``, ``cluster``, ``model``, ``catalog`` or ``unknown`` for a parsed spec mapping. A
     catalog holds ``devices`` alone: a file with other fields beside it is a cluster with a typo
-    (``group:``), which the loader's own field check names better."""
-    for kind, fields in MARKERS.items():
-        if any(f in data for f in fields) and (kind != "catalog" or set(data) <= set(fields)):
-            return kind
-    return "unknown"
+    (``group:``), which the loader's own field check names better. Where the markers of several
+    kinds are there, the kind with the most of its own top-level fields wins (ties: the order of
+    :data:`MARKERS`), so one misplaced field (``groups:`` in a model file) does not turn the file
+    into another kind whose loader would call every other field misplaced."""
+    candidates = [kind for kind, fields in MARKERS.items()
+                  if any(f in data for f in fields) and (kind != "catalog" or set(data) <= set(fields))]
+    if not candidates:
+        return "unknown"
+    return max(candidates, key=lambda kind: (sum(f in data for f in FIELDS.get(kind, MARKERS[kind])),
+                                             -candidates.index(kind)))
 
 
 def wrong_kind(data: dict, expected: str, source: str) -> Problem | None:

@@ -188,7 +188,7 @@ def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | N
     data, source = read_mapping(path_or_dict, "plan", source)
     problems = Problems(source=source)
     plan = load_dataclass(Plan, data, "", problems)
-    if not is_missing(plan) and not problems:   # each field fine on its own: the rules across them
+    if not is_missing(plan) and not problems.blocking():   # fields fine on their own: the rules across them
         if cluster is not None and model is not None:
             try:   # every rule, the batch arithmetic among them, reported together
                 check_plan(plan, cluster, model, source)

@@ -150,14 +150,16 @@ def load_dataclass(cls, data, path: str, problems: Problems):
         return _MISSING
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    before = len(problems.items)
+    before, misplaced = len(problems.items), 0
     kind = getattr(cls, "_file_kind", None)   # the top of a cluster, model or plan file
     for key in data:
         if key not in fields:
             other = belongs_to(str(key), kind) if kind and not path else None
             if other:
-                problems.add(join_path(path, str(key)), f"'{key}' is a field of {LABEL[other]} file, not of "
-                                                        f"{LABEL[kind]} file", f"move it to the {other} file")
+                problems.add_misplaced(join_path(path, str(key)), f"'{key}' is a field of {LABEL[other]} file, "
+                                                                  f"not of {LABEL[kind]} file",
+                                       f"move it to the {other} file")
+                misplaced += 1
             else:
                 problems.add(join_path(path, str(key)), f"unknown field '{key}'", did_you_mean(key, fields))
     kwargs = {}
@@ -170,7 +172,9 @@ def load_dataclass(cls, data, path: str, problems: Problems):
         value = _convert(data[name], hints[name], f.metadata.get("kind"), join_path(path, name), problems)
         if value is not _MISSING:
             kwargs[name] = value
-    if len(problems.items) > before:
+    # A misplaced field is no misspelling of one of cls's own (those would be missing or left at a
+    # default): the object is built and its range checks run, so the file's other errors show too.
+    if len(problems.items) - before > misplaced:
         return _MISSING
     obj = cls(**kwargs)
     check = getattr(obj, "_check", None)
