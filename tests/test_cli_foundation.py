@@ -199,3 +199,46 @@ def test_validate_names_a_device_without_a_peak_for_the_models_dtype(tmp_path):
     assert_bad_input(run_cli("predict", "--cluster", c, "--model", m, "--plan", p), "devices.npu.peak_flops")
     assert_bad_input(run_cli("plan", "--cluster", c, "--model", m, "--global-batch-size", "64"), "devices.npu.peak_flops")
     assert run_cli("validate", c, write(tmp_path, "m16.yaml", {**MODEL, "dtype": "bf16"})).returncode == 0
+
+
+def test_validate_an_examples_index_gives_each_entry_a_verdict(tmp_path):
+    """Names are files in clusters/, models/ and plans/ beside the index; each plan is checked against
+    its cluster and model, and a problem of a file several entries name is told once."""
+    import shutil
+
+    for kind, name in (("clusters", "local-cpu"), ("models", "tiny"), ("plans", "local-cpu-tiny")):
+        (tmp_path / kind).mkdir()
+        shutil.copy(CONFIGS / kind / f"{name}.yaml", tmp_path / kind)
+    plan = yaml.safe_load((CONFIGS / "plans" / "local-cpu-tiny.yaml").read_text())
+    plan["pipelines"][0]["stages"][0]["tp"] = 64   # more than a node holds
+    write(tmp_path / "plans", "wide.yaml", plan)
+    cluster = yaml.safe_load((CONFIGS / "clusters" / "local-cpu.yaml").read_text())
+    cluster["groups"][0]["nodes"] = 0
+    write(tmp_path / "clusters", "broken.yaml", cluster)
+    index = write(tmp_path, "examples.yaml", {"examples": [
+        {"cluster": "local-cpu", "model": "tiny", "plan": "local-cpu-tiny"},
+        {"cluster": "local-cpu", "model": "tiny", "plan": "local-cpu-tinny"},
+        {"cluster": "local-cpu", "model": "tiny", "plan": "wide"},
+        {"cluster": "broken", "model": "tiny", "plan": "local-cpu-tiny"},
+        {"cluster": "broken", "model": "tiny", "plan": "wide"},
+        {"cluster": "local-cpu", "model": "tiny"},
+        {"cluster": "clusters/local-cpu.yaml", "model": "tiny", "plan": "wide"},
+    ]})
+    proc = run_cli("validate", index)
+    assert_bad_input(proc, f"{index}: examples[1].plan: no plan named 'local-cpu-tinny'", "did you mean 'local-cpu-tiny'?",
+                     "wide.yaml: pipelines[0].stages[0].tp: tp=64 exceeds", "broken.yaml: groups[0].nodes: must be >= 1",
+                     f"{index}: examples[5].plan: required field is missing",
+                     f"{index}: examples[6].cluster: 'clusters/local-cpu.yaml' is not a cluster name")
+    assert proc.stderr.count("groups[0].nodes") == 1, proc.stderr
+    assert verdicts(proc, index) == [
+        f"error {index} (examples) 6 of 7 entries fail",
+        f"ok    {index} examples[0] (example) plan local-cpu-tiny fits local-cpu / tiny",
+        f"error {index} examples[1] (example) plan local-cpu-tinny against local-cpu / tiny",
+        f"error {index} examples[2] (example) plan wide against local-cpu / tiny",
+        f"error {index} examples[3] (example) plan local-cpu-tiny against broken / tiny",
+        f"error {index} examples[4] (example) plan wide against broken / tiny",
+        f"error {index} examples[5] (example)",
+        f"error {index} examples[6] (example) plan wide against clusters/local-cpu.yaml / tiny"]
+    proc = run_cli("predict", "--cluster", index, "--model", str(tmp_path / "models" / "tiny.yaml"),
+                   "--plan", str(tmp_path / "plans" / "local-cpu-tiny.yaml"))
+    assert_bad_input(proc, f"{index}: this looks like an examples index file (it has 'examples'), not a cluster file")

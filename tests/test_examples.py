@@ -46,3 +46,15 @@ def test_example_validates_and_predicts(example):
             assert set(stage) == STAGE_KEYS
             assert 0 < stage["peak_memory_bytes"] <= stage["memory_capacity_bytes"]
             assert stage["forward_time_s"] > 0 and stage["backward_time_s"] > stage["forward_time_s"] * 0.5
+
+
+def test_validate_checks_the_examples_index_entry_by_entry():
+    """`hetero validate configs/*.yaml` takes the index as a kind of its own: one verdict per entry."""
+    files = sorted(str(p) for p in CONFIGS.glob("*.yaml"))
+    proc = run_cli("validate", *files)
+    assert proc.returncode == 0, proc.stderr
+    index = str(CONFIGS / "examples.yaml")
+    lines = [line for line in proc.stdout.splitlines() if line.split()[1:2] == [index]]
+    assert lines[0] == f"ok    {index} (examples) {len(EXAMPLES)} entries"
+    assert lines[1:] == [f"ok    {index} examples[{i}] (example) plan {e['plan']} fits {e['cluster']} / {e['model']}"
+                         for i, e in enumerate(EXAMPLES)]

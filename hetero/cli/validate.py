@@ -1,14 +1,19 @@
-"""``hetero validate FILE...``: check cluster, model and plan files; report every problem at once."""
+"""``hetero validate FILE...``: check cluster, model and plan files and examples indexes; report every
+problem at once."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help="check cluster / model / plan files",
+    p = sub.add_parser("validate", help="check cluster / model / plan files and examples indexes",
                        description="Check cluster, model and plan files. The kind of each file is told by its "
                                    "fields. A plan is checked against a cluster and a model when one of each is "
-                                   "given (as files in the list or with --cluster/--model).")
+                                   "given (as files in the list or with --cluster/--model). An examples index "
+                                   "(configs/examples.yaml: a list of {cluster, model, plan} names, files in the "
+                                   "clusters/, models/ and plans/ folders beside it) gets one verdict per entry: "
+                                   "its files exist and its plan fits its cluster and model.")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--cluster", help="cluster file to check plans against")
     p.add_argument("--model", help="model file to check plans against")
@@ -16,15 +21,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from rich.markup import escape
+
     from hetero.specs.cluster import load_cluster, model_problems
     from hetero.specs.device import resolve_devices
     from hetero.specs.errors import Problem, Problems, SpecError
+    from hetero.specs.examples import read_examples
     from hetero.specs.io import read_mapping
     from hetero.specs.kinds import file_kind
     from hetero.specs.model import load_model
     from hetero.specs.plan import load_plan
 
-    from ._common import console
+    from ._common import console, load_inputs
 
     for name in (args.cluster, args.model):
         if name and name not in args.files:
@@ -33,13 +41,13 @@ def run(args) -> int:
     # Every check runs first, then each file gets one verdict: a plan is "ok" once it passed every
     # check there is for it (against the cluster and the model when one of each is at hand).
     results = [{"path": path, "kind": None, "data": None, "source": None, "spec": None, "problems": [],
-                "against": None} for path in dict.fromkeys(args.files)]
+                "against": None, "examples": []} for path in dict.fromkeys(args.files)]
 
-    def attempt(result, load) -> None:
+    def attempt(problems: list, load) -> None:
         try:
             load()
         except SpecError as e:
-            result["problems"].extend(e.problems)
+            problems.extend(e.problems)
 
     for r in results:
         def read(r=r):
@@ -53,11 +61,18 @@ def run(args) -> int:
                 problems = Problems(source=r["source"])
                 resolve_devices(r["data"].get("devices") or {}, {}, "devices", problems)
                 problems.raise_if_any()
+            elif r["kind"] == "examples":
+                index_problems, r["examples"] = read_examples(r["data"], r["source"])
+                r["problems"].extend(index_problems)
             elif r["kind"] != "plan":
                 raise SpecError([Problem("", "cannot tell whether this is a cluster, model or plan file",
-                                         "a cluster has 'groups', a model 'num_layers', a plan 'pipelines'",
-                                         r["source"])])
-        attempt(r, read)
+                                         "a cluster has 'groups', a model 'num_layers', a plan 'pipelines', "
+                                         "an examples index 'examples'", r["source"])])
+        attempt(r["problems"], read)
+        for example in r["examples"]:   # each entry as `predict --cluster C --model M --plan P` reads it
+            if example.complete:
+                inputs = argparse.Namespace(**{kind: str(path) for kind, path in example.paths.items()})
+                attempt(example.problems, lambda inputs=inputs: load_inputs(inputs))
     # Plans are checked against a cluster and a model when exactly one of each is at hand.
     clusters = [r for r in results if r["kind"] == "cluster" and r["spec"] is not None
                 and (not args.cluster or r["path"] == args.cluster)]
@@ -73,7 +88,7 @@ def run(args) -> int:
             c["against"] = f"model {m['spec'].name}"
     for r in plans:
         if c is None:
-            attempt(r, lambda r=r: load_plan(r["data"], source=r["source"]))
+            attempt(r["problems"], lambda r=r: load_plan(r["data"], source=r["source"]))
             continue
         r["against"] = f"{c['spec'].name} / {m['spec'].name}"
         try:
@@ -87,18 +102,34 @@ def run(args) -> int:
                 r["problems"].append(Problem("", f"cannot run on cluster {c['spec'].name} as it is: see the "
                                                  f"errors of {c['path']}", f"fix {c['path']}", r["source"]))
     out = console()
+    told: set[str] = set()   # a file several entries of an index name: its problems are told once
+
+    def verdict(ok: bool, subject: str, detail: str, problems) -> None:
+        status = "[green]ok[/green]   " if ok else "[red]error[/red]"
+        out.print(f"{status} {escape(subject)}{escape(detail)}")
+        for problem in problems:
+            if str(problem) not in told:
+                told.add(str(problem))
+                print(f"error: {problem}", file=sys.stderr)
+
     failed = 0
     for r in results:
-        kind = f" ({r['kind']})" if r["kind"] in ("cluster", "model", "plan", "catalog") else ""
-        if r["problems"]:
+        kind = f" ({r['kind']})" if r["kind"] in ("cluster", "model", "plan", "catalog", "examples") else ""
+        bad_examples = [e for e in r["examples"] if e.problems]
+        if r["kind"] == "examples" and r["examples"]:
+            kind += (f" {len(bad_examples)} of {len(r['examples'])} entries fail" if bad_examples
+                     else f" {len(r['examples'])} entries")
+        if r["problems"] or bad_examples:
             failed += 1
-            against = f" against {r['against']}" if r["against"] else ""
-            out.print(f"[red]error[/red] {r['path']}{kind}{against}")
-            for problem in r["problems"]:
-                print(f"error: {problem}", file=sys.stderr)
+            verdict(False, str(r["path"]), kind + (f" against {r['against']}" if r["against"] else ""), r["problems"])
         else:
-            fits = f" fits {r['against']}" if r["against"] else ""
-            out.print(f"[green]ok[/green]    {r['path']}{kind}{fits}")
+            verdict(True, str(r["path"]), kind + (f" fits {r['against']}" if r["against"] else ""), [])
+        for e in r["examples"]:
+            detail = " (example)"
+            if e.entry is not None:
+                names = f" plan {e.entry.plan} {{}} {e.entry.cluster} / {e.entry.model}"
+                detail += names.format("against" if e.problems else "fits")
+            verdict(not e.problems, f"{r['path']} {e.where}", detail, e.problems)
     if plans and c is None:
         broken = [r["path"] for r in results if r["kind"] in ("cluster", "model") and r["spec"] is None]
         out.print("[yellow]note[/yellow]  plans were checked on their own; " +

@@ -12,8 +12,10 @@ MARKERS = {
     "cluster": ("groups",),
     "model": ("num_layers", "architecture", "hidden_size"),
     "catalog": ("devices",),
+    "examples": ("examples",),
 }
-"""Fields that mark a kind, in the order kinds are told apart (a cluster may have ``devices`` too)."""
+"""Fields that mark a kind, in the order kinds are told apart (a cluster may have ``devices`` too).
+``examples``: the examples index (:mod:`hetero.specs.examples`)."""
 
 FIELDS = {
     "cluster": ("name", "devices", "groups", "network"),
@@ -34,7 +36,8 @@ def belongs_to(key: str, kind: str) -> str | None:
     return next((other for other, fields in FIELDS.items() if other != kind and key in fields), None)
 
 
-LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog": "a device catalog"}
+LABEL = {"plan": "a plan", "cluster": "a cluster", "model": "a model", "catalog": "a device catalog",
+         "examples": "an examples index"}
 
 
 def file_kind(data: dict) -> str:
