@@ -108,14 +108,16 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
 
 
 def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: bool) -> float:
-    """Parameters one tp rank of a stage holds (word embedding / head vocabulary-parallel; learned
-    positions whole on every tp rank, as Megatron-LM and the runtime keep them)."""
-    p = num_layers * model.params_per_layer() / tp
+    """Parameters one tp rank of a stage holds: the matrices split over tp (word embedding and head
+    vocabulary-parallel); norms, row-parallel biases and learned positions whole on every tp rank,
+    as Megatron-LM and the runtime keep them."""
+    rep = model.tp_replicated_per_layer()
+    p = num_layers * ((model.params_per_layer() - rep) / tp + rep)
     if first:
-        words = model.vocab_size * model.hidden_size
-        p += words / tp + (model.embedding_params() - words)
+        p += model.vocab_size * model.hidden_size / tp + model.position_params()
     if last:
-        p += model.head_params() / tp
+        norm = model.final_norm_params()
+        p += norm + (model.head_params() - norm) / tp
         if model.tie_embeddings and not first:  # the head keeps its own copy of the word embedding
             p += model.vocab_size * model.hidden_size / tp
     return p
@@ -126,7 +128,7 @@ def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float 
     """(weights, gradients, optimizer) bytes of ``params`` parameters (one tp rank's of ``tp``)."""
     e = DTYPE_BYTES[dtype]
     # Adam m, v, plus fp32 master weights in mixed precision, and under ZeRO on a tp rank, whose
-    # slice of the holders' full tensors cannot be a view of its shards (hetero.runtime.zero).
+    # slice is a copy: its DTensor shards cannot be re-bound to views of a flat buffer (hetero.runtime.zero).
     opt_per_param = 8 + (4 if e < 4 or (zero_stage >= 1 and tp > 1) else 0)
     dp = max(1, dp)
     weights = params * e
@@ -251,24 +253,38 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
 
     Every parameter is sharded over its holders (hetero.runtime.zero): a layer over the replicas x
     tp of every pipeline's stage holding it, the word embedding over the first stages (and the last
-    ones, tied), the final norm and head over the last stages. A tp rank of a stage keeps
-    ``sum over its parameters of full count / holders``; ``stage_params`` counts ``full / tp``.
-    One pipeline shape with R replicas gives R for every stage (the textbook data-parallel degree)."""
-    per_layer = model.params_per_layer()
+    ones, tied), the final norm and head over the last stages. A tp rank keeps ``full count /
+    holders`` of a tensor split over tp; of a tensor every tp rank holds whole (norms, row-parallel
+    biases, positions), ``t x full / holders`` when all its holders run at one tp degree ``t`` (each
+    tp rank shards its own copy over its peers), else ``full / holders`` (full tensors sharded over
+    every holder). One pipeline shape with R replicas gives R for every stage (the textbook
+    data-parallel degree)."""
+    split, rep = model.params_per_layer() - model.tp_replicated_per_layer(), model.tp_replicated_per_layer()
     holders = [0] * model.num_layers
+    degrees: list[set] = [set() for _ in range(model.num_layers)]
     firsts = lasts = wte = 0
+    first_tp, last_tp = set(), set()
     for p in plan.pipelines:
         st = p.stages
         for s in st:
             for layer in range(*s.layers):
                 holders[layer] += p.replicas * s.tp
+                degrees[layer].add(s.tp)
         firsts += p.replicas * st[0].tp
         lasts += p.replicas * st[-1].tp
+        first_tp.add(st[0].tp)
+        last_tp.add(st[-1].tp)
         # tied: the last stage's copy has holders of its own unless it runs on the first stage's
         # devices (interleaved chunks over one physical stage: one copy)
         own_copy = model.tie_embeddings and (len(st) - 1) % len(plan.physical_stages(p)) != 0
         wte += p.replicas * (st[0].tp + (st[-1].tp if own_copy else 0))
+
+    def whole(tps: set) -> int:   # the t of a tensor every tp rank holds whole (see the docstring)
+        return next(iter(tps)) if len(tps) == 1 else 1
+
+    per_layer = [(split + rep * whole(degrees[layer])) / holders[layer] for layer in range(model.num_layers)]
     vh = model.vocab_size * model.hidden_size
+    norm = model.final_norm_params()
     out = []
     for p in plan.pipelines:
         st = p.stages
@@ -278,11 +294,12 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
         layers = [0] * phys
         for k, s in enumerate(st):
             i = k % phys
-            kept[i] += sum(per_layer / holders[layer] for layer in range(*s.layers))
+            kept[i] += sum(per_layer[layer] for layer in range(*s.layers))
             layers[i] += s.num_layers
-        kept[0] += vh / wte + (model.embedding_params() - vh) / firsts
+        kept[0] += vh / wte + model.position_params() * whole(first_tp) / firsts
         last = (len(st) - 1) % phys
-        kept[last] += model.head_params() / lasts + (vh / wte if model.tie_embeddings and last != 0 else 0.0)
+        kept[last] += ((model.head_params() - norm + norm * whole(last_tp)) / lasts
+                       + (vh / wte if model.tie_embeddings and last != 0 else 0.0))
         out.append([stage_params(model, layers[i], s.tp, i == 0, i == last) / kept[i]
                     for i, s in enumerate(devices)])
     return out

@@ -132,13 +132,15 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
 
     def ring(holders, nbytes):
-        """holders: list of (pi, k, group, tp, replicas); adds the ring time to each holder.
+        """holders: list of (pi, k, group, tp, replicas); nbytes: (bytes split over tp, bytes every tp
+        rank holds whole); adds the ring time to each holder.
 
-        Holders of one tp degree sum shards, each tp rank with its peers (hetero.runtime.grads:
-        rings of replicas over bytes / tp). Holders of different tp degrees, and any tp under ZeRO
-        (hetero.runtime.zero shards full tensors), sum full tensors over every holder rank."""
+        Holders of one tp degree sum (ZeRO: shard) their own tensors, each tp rank with its peers
+        (hetero.runtime.grads, hetero.runtime.zero: rings of replicas over split / tp + whole
+        bytes). Holders of different tp degrees sum full tensors over every holder rank."""
+        split_bytes, whole_bytes = nbytes
         tps = {h[3] for h in holders}
-        full = len(tps) > 1 or (zs >= 1 and max(tps) > 1)
+        full = len(tps) > 1
         per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
             ranks, split = (r * tp, 1) if full else (r, tp)
@@ -158,13 +160,14 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             c = fac[g].communication
             if len(nodes) <= 1:
                 link = groups[g].intra_node
-                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, link.latency) if zs >= 1
-                     else comm.allreduce(nbytes / tp, n, link.bandwidth, link.latency)) * c
+                b = split_bytes / tp + whole_bytes
+                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
+                     else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
                 inner = max(inner, t)
                 continue
             link = net.inter_node
             for gn, rings in nodes.items():
-                b = nbytes / tp * rings
+                b = (split_bytes / tp + whole_bytes) * rings
                 t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
                      else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
                 inner = max(inner, t)
@@ -173,7 +176,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         cross = 0.0
         if len(per_group) > 1:
             link = net.cross_group
-            b = nbytes / min(v[1] for v in per_group.values())
+            b = split_bytes / min(v[1] for v in per_group.values()) + whole_bytes
             n_groups, gs = len(per_group), list(per_group)
             cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency)
             passes = 1
@@ -211,25 +214,26 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
     # layer range, embedding and head with the same holders are summed before the ring is costed,
     # so a set's latency terms count once.
-    bucket_bytes: dict[tuple, float] = {}
+    bucket_bytes: dict[tuple, tuple[float, float]] = {}   # holders -> (bytes split over tp, whole)
 
-    def add(holders, nbytes):
+    def add(holders, split, whole=0.0):
         key = tuple(sorted(set(holders)))
-        bucket_bytes[key] = bucket_bytes.get(key, 0.0) + nbytes
+        s0, w0 = bucket_bytes.get(key, (0.0, 0.0))
+        bucket_bytes[key] = (s0 + split, w0 + whole)
 
-    G = cm.layer_grad_bytes()
+    model, e = cm.model, cm.grad_e
+    G, W = cm.layer_grad_bytes(), model.tp_replicated_per_layer() * e
     for a, b in zip(cuts, cuts[1:]):
-        add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], G * (b - a))
-    e = cm.grad_e
-    copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if cm.model.tie_embeddings else []
-    if copies:   # the last stages' copy of the word embedding joins its sum; learned positions do not
-        words = cm.model.vocab_size * cm.model.hidden_size
-        add(firsts + copies, words * e)
-        if cm.model.embedding_params() > words:
-            add(firsts, (cm.model.embedding_params() - words) * e)
-    else:
-        add(firsts, cm.model.embedding_params() * e)
-    add(lasts, cm.model.head_params() * e)
+        add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], (G - W) * (b - a),
+            W * (b - a))
+    words = model.vocab_size * model.hidden_size * e
+    copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if model.tie_embeddings else []
+    # the last stages' copy of the word embedding joins its sum; learned positions do not
+    add(firsts + copies, words)
+    if model.position_params():
+        add(firsts, 0.0, model.position_params() * e)
+    norm = model.final_norm_params() * e
+    add(lasts, model.head_params() * e - norm, norm)
     for holders, nbytes in bucket_bytes.items():
         ring(list(holders), nbytes)
     out = {}

@@ -456,14 +456,18 @@ def test_dp_sync_is_one_all_reduce_per_holder_set():
         (0, 0): pytest.approx(comm.allreduce(fp16.total_params() * 2, 4, 100e9, 10e-6))}
 
 
-def test_dp_sync_of_tp_replicas_sums_shards_unless_zero_shards_full_tensors():
-    """Two replicas of a tp2 stage: without ZeRO each tp rank all-reduces its shard with its peer
-    (rings of 2 over half the bytes); under ZeRO the runtime reduce-scatters and all-gathers the
-    full tensors over all 4 holder ranks (hetero.runtime.zero), and so does the prediction."""
+def test_dp_sync_of_tp_replicas_sums_shards_with_or_without_zero():
+    """Two replicas of a tp2 stage: each tp rank all-reduces (ZeRO: reduce-scatters, then
+    all-gathers) its own tensors with its peer, rings of 2 over half of the split matrices plus the
+    norms, row-parallel biases and positions that every tp rank holds whole (hetero.runtime.grads,
+    hetero.runtime.zero)."""
     link = {"bandwidth": "100 GB/s", "latency": 0}
     cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
     model = hetero.load_model(GPT)
     nbytes = model.total_params() * 4   # bf16: gradients summed in fp32
+    whole = (36 * model.tp_replicated_per_layer() + model.position_params() + model.final_norm_params()) * 4
+    assert 0 < whole < 0.01 * nbytes
+    per_rank = (nbytes - whole) / 2 + whole
 
     def sync(zero_stage):
         plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "zero_stage": zero_stage,
@@ -471,8 +475,14 @@ def test_dp_sync_of_tp_replicas_sums_shards_unless_zero_shards_full_tensors():
                                      {"group": "a100", "tp": 2, "layers": [0, 36]}]}]})
         return StageCostModel(cluster, model).dp_sync_times(plan)[(0, 0)]
 
-    assert sync(0) == pytest.approx(comm.allreduce(nbytes / 2, 2, 100e9, 0.0))
-    assert sync(1) == pytest.approx(2 * comm.reduce_scatter(nbytes, 4, 100e9, 0.0))
+    assert sync(0) == pytest.approx(comm.allreduce(per_rank, 2, 100e9, 0.0), rel=1e-9)
+    assert sync(1) == pytest.approx(2 * comm.reduce_scatter(per_rank, 2, 100e9, 0.0), rel=1e-9)
+    # a tp2 pipeline beside a tp1 one: shards do not line up, so full tensors over all 3 ranks
+    mixed = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 2, "layers": [0, 36]}]},
+        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
+    assert StageCostModel(cluster, model).dp_sync_times(mixed)[(0, 0)] == pytest.approx(
+        comm.allreduce(nbytes, 3, 100e9, 0.0), rel=1e-9)
 
 
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_runtime import GPT, STEPS, _assert_matches, _launch, _plan, _reference, _write  # noqa: E402
+from test_runtime import GPT, LLAMA, STEPS, _assert_matches, _launch, _plan, _reference, _write  # noqa: E402
 
 import test_runtime  # noqa: E402
 
@@ -22,33 +22,38 @@ PLANS = {
                                                   {"group": "slow", "layers": [2, 4]}]}],
     "tp2_beside_tp1": [{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
                        {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}],
+    # one tp degree everywhere: each tp rank shards its own tensors over its peer on the other vendor
+    "tp2_replicas": [{"micro_batches": 2, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
+                     {"micro_batches": 2, "stages": [{"group": "slow", "tp": 2, "layers": [0, 4]}]}],
 }
 
 
-def _predicted_optimizer_bytes(tmp_path, plan: dict) -> dict[tuple[int, int], float]:
+def _predicted_optimizer_bytes(tmp_path, plan: dict, model: dict = GPT) -> dict[tuple[int, int], float]:
     import hetero
 
     p = hetero.predict(hetero.load_cluster(_write(tmp_path, "pc.yaml", test_runtime.CLUSTER)),
-                       hetero.load_model(_write(tmp_path, "pm.yaml", GPT)),
+                       hetero.load_model(_write(tmp_path, "pm.yaml", model)),
                        hetero.load_plan(_write(tmp_path, "pp.yaml", plan)))
     return {(pi, si): s.memory_breakdown.optimizer for pi, pp in enumerate(p.pipelines)
             for si, s in enumerate(pp.stages)}
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("shape,communicator", [("staggered", "hetero"), ("staggered", "torch"),
-                                                ("tp2_beside_tp1", "hetero")])
+@pytest.mark.parametrize("shape,communicator,model", [
+    ("staggered", "hetero", GPT), ("staggered", "torch", GPT), ("tp2_beside_tp1", "hetero", GPT),
+    ("tp2_replicas", "hetero", GPT), ("tp2_replicas", "torch", LLAMA)],
+    ids=["staggered-hetero", "staggered-torch", "tp2_beside_tp1", "tp2_replicas-gpt", "tp2_replicas-llama"])
 def test_zero1_matches_the_reference_with_the_predicted_share_of_adamw_state(tmp_path, monkeypatch, shape,
-                                                                            communicator):
+                                                                            communicator, model):
     """hetero.comm (vendor groups, host bridge) and plain torch.distributed carry the reduce-scatter
     and all-gather alike."""
     monkeypatch.setenv("HETERO_RUNTIME_COMM", communicator)
     plan = _plan(PLANS[shape], zero_stage=1)
-    summary, _ = _launch(tmp_path, GPT, plan)
-    _assert_matches(summary, GPT)
+    summary, _ = _launch(tmp_path, model, plan)
+    _assert_matches(summary, model)
     assert summary["communicator"] == {"hetero": "hetero.comm", "torch": "torch.distributed"}[communicator]
-    predicted = _predicted_optimizer_bytes(tmp_path, plan)
-    unsharded = _predicted_optimizer_bytes(tmp_path, {**plan, "zero_stage": 0})
+    predicted = _predicted_optimizer_bytes(tmp_path, plan, model)
+    unsharded = _predicted_optimizer_bytes(tmp_path, {**plan, "zero_stage": 0}, model)
     for r in summary["ranks"]:
         key = (r["pipeline"], r["stage"])
         measured = r["optimizer_state_bytes"]
@@ -56,22 +61,21 @@ def test_zero1_matches_the_reference_with_the_predicted_share_of_adamw_state(tmp
         assert measured == pytest.approx(predicted[key], rel=1e-3), (r, predicted[key])
         if r["tp_size"] == 1:   # every parameter has 3 or more holders: at most 1/2 of the state remains
             assert measured < 0.55 * unsharded[key], (r, unsharded[key])
+        elif shape == "tp2_replicas":   # 12 bytes (moments + the slice's copy) over 2 peers: 3/4 of 8
+            assert measured == pytest.approx(0.75 * unsharded[key], rel=2e-3), (r, unsharded[key])
         else:   # 12 bytes (moments + the slice's copy) over 3 holders: what 8 bytes over tp 2 took
             assert measured <= unsharded[key] * 1.001, (r, unsharded[key])
 
 
-@pytest.mark.timeout(300)
-def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_path):
-    """Saved sharded (tp2 beside tp1), the full AdamW states are gathered into the plan-independent
-    checkpoint; resumed sharded over other holder sets, and unsharded, both continue the reference."""
+def _save_then_resume(tmp_path, save_plan: dict, resumes: dict[str, dict]) -> None:
+    """Two steps under ``save_plan`` with --save, then three from the checkpoint under each plan of
+    ``resumes``: each continues the single-device reference."""
     ckpt = str(tmp_path / "ckpt")
     runs = {}
     old = test_runtime.STEPS
     try:
-        for name, steps, plan, extra in (
-                ("save", 2, _plan(PLANS["tp2_beside_tp1"], zero_stage=1), ("--save", ckpt)),
-                ("zero", 3, _plan(PLANS["staggered"], zero_stage=1), ("--load", ckpt)),
-                ("plain", 3, _plan(PLANS["staggered"]), ("--load", ckpt))):
+        for name, steps, plan, extra in (("save", 2, save_plan, ("--save", ckpt)),
+                                         *((n, 3, p, ("--load", ckpt)) for n, p in resumes.items())):
             (tmp_path / name).mkdir()
             test_runtime.STEPS = steps
             runs[name], _ = _launch(tmp_path / name, GPT, plan, *extra)
@@ -79,8 +83,25 @@ def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_p
         test_runtime.STEPS = old
     losses, _ = _reference(GPT)
     assert len(losses) == STEPS == 5
-    assert runs["save"]["losses"] + runs["zero"]["losses"] == pytest.approx(losses, rel=1e-3)
-    assert runs["save"]["losses"] + runs["plain"]["losses"] == pytest.approx(losses, rel=1e-3)
+    for name in resumes:
+        assert runs["save"]["losses"] + runs[name]["losses"] == pytest.approx(losses, rel=1e-3), name
+
+
+@pytest.mark.timeout(300)
+def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_path):
+    """Saved sharded over full tensors (tp2 beside tp1), the full AdamW states are gathered into the
+    plan-independent checkpoint; resumed sharded over tp-rank peers (tp2 replicas), and unsharded,
+    both continue the reference."""
+    _save_then_resume(tmp_path, _plan(PLANS["tp2_beside_tp1"], zero_stage=1),
+                      {"zero": _plan(PLANS["tp2_replicas"], zero_stage=1), "plain": _plan(PLANS["staggered"])})
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_zero1_over_tp_peers_resumes_without_tp(tmp_path):
+    """Saved with each tp rank's own shards sharded over its peers: the moments are gathered over
+    the peers, then over the tp group, into full tensors; resumed sharded without tp."""
+    _save_then_resume(tmp_path, _plan(PLANS["tp2_replicas"], zero_stage=1),
+                      {"zero": _plan(PLANS["staggered"], zero_stage=1)})
 
 
 def _full_state_worker(rank, world_size):

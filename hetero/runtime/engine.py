@@ -70,8 +70,7 @@ class NativeEngine:
     def rank_sets(ctx: RunContext) -> list:
         """Every process group any rank needs (identical list on all ranks)."""
         ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
-        peers = [] if ctx.plan.zero_stage >= 1 else all_peer_sets(ctx._holders, ctx.layout)
-        return ctx.tp_groups() + all_holder_sets(ctx._holders) + peers
+        return ctx.tp_groups() + all_holder_sets(ctx._holders) + all_peer_sets(ctx._holders, ctx.layout)
 
     @staticmethod
     def mesh_sets(ctx: RunContext) -> list:
@@ -100,9 +99,9 @@ class NativeEngine:
             self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
             apply_tensor_parallel(self.module, self.mesh)
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
-        # ZeRO shards full tensors over whole holder sets; the plain sync may use tp-rank peers
+        # a bucket whose holders share one tp degree sums (ZeRO: shards) over tp-rank peers
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
-                                     None if ctx.plan.zero_stage >= 1 else ctx.layout)
+                                     ctx.layout)
         self.sharded = None
         """ZeRO (``zero_stage >= 1``): AdamW state sharded over each holder set (:mod:`hetero.runtime.zero`)."""
         if ctx.plan.zero_stage >= 1:

@@ -196,27 +196,42 @@ def _summed(tensors: list[torch.Tensor], ranks: tuple[int, ...], comm, divide: i
 def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: dict) -> None:
     """A bucket whose holders share one tp degree: this rank's local shards (and the full
     gradients of its replicated tensors) summed over its tp-rank peers, in place."""
-    from torch.distributed.tensor import DTensor
-
     locals_, counts = [], []
     for name in bucket.names:
         p = params[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        g = p.grad
-        dt = isinstance(g, DTensor)
-        if dt and g.placements != p.placements:
-            # a DTensor op may hand back a gradient laid out unlike its parameter (e.g. replicated):
-            # lay it out as the parameter (a local slice, no communication) so the peers' shards line up
-            g = p.grad = g.redistribute(p.device_mesh, p.placements)
-        locals_.append(g.to_local() if dt else g)
+        g, sharded = local_gradient(p)
+        locals_.append(g)
         # a shard is held by the peers; a replicated tensor (plain, or a DTensor such as a
         # row-parallel bias) by every holder at every tp rank
-        sharded = dt and any(pl.is_shard() for pl in g.placements)
         counts.append(len(bucket.peers) if sharded else len(holders[name]))
     for t, count, part in zip(locals_, counts, _summed(locals_, bucket.peers, comm)):
         t.detach().copy_(part)
         by_holders.setdefault(count, []).append(t.detach())
+
+
+def local_part(t):
+    """This rank's own part of ``t``: a DTensor's local shard (a view of its storage), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def is_shard(t) -> bool:
+    """Whether ``t`` is a DTensor split over its tp ranks (not replicated on them)."""
+    return hasattr(t, "placements") and any(pl.is_shard() for pl in t.placements)
+
+
+def local_gradient(p) -> tuple[torch.Tensor, bool]:
+    """``p``'s gradient as this rank's local tensor, laid out like ``p`` (zeros where it has none,
+    which ``p.grad`` then holds), and whether it is a tp shard (:func:`is_shard`)."""
+    from torch.distributed.tensor import DTensor
+
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        # a DTensor op may hand back a gradient laid out unlike its parameter (e.g. replicated):
+        # lay it out as the parameter (a local slice, no communication) so the peers' shards line up
+        g = p.grad = g.redistribute(p.device_mesh, p.placements)
+    return local_part(g), is_shard(g)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

@@ -3,28 +3,37 @@
 Without sharding every holder of a parameter (:mod:`hetero.runtime.grads`) all-reduces its
 gradient and runs the same AdamW update, so each keeps the full moments: 8 bytes per parameter.
 With ``zero_stage >= 1`` the parameters of one holder set are laid end to end in one flat fp32
-vector, padded to ``k`` equal slices for its ``k`` ranks, and each rank owns one slice:
+vector, padded to ``k`` equal slices for the ``k`` ranks it is sharded over, and each rank owns
+one slice:
 
 1. the gradients are reduce-scattered, so each rank gets the summed gradient of its slice;
-2. the squared global norm is the sum over ranks of |slice gradient|^2 (every element is owned
-   exactly once, so no holder weights are needed);
+2. the squared global norm is the sum over ranks of |slice gradient|^2, each element weighed by
+   1 / (the number of ranks that own a copy of it);
 3. one AdamW step updates every rank's slice (its moments exist for the slice only);
 4. the updated slices are all-gathered back into every holder's parameters.
 
-Where the library reduce-scatters natively (NCCL, HCCL inside one vendor), a reduce-scatter and
-an all-gather move what a ring all-reduce moves, so the communication volume is that of the
-unsharded step. Gloo (plain torch.distributed) and hetero.comm across vendors (a hierarchical
-all-reduce, of which each rank keeps its slice) reduce-scatter by all-reducing the whole vector,
-so there the all-gather comes on top of the unsharded step's volume. AdamW state per rank drops
-from 8 to 8 / k bytes per parameter held, the saving the predictor charges. Pipelines of
-different shapes need no special case: the holder set already spans every pipeline, tp rank and
-replica that holds the parameters.
+Which ranks, which tensors. As in the plain sync (:mod:`hetero.runtime.grads`):
+- every holder at one tp degree (replicas of one stage shape, Megatron's data parallelism; tp 1
+  included): each rank lays end to end its OWN tensors (a tp rank's local shards, and its copy
+  of the tensors replicated over the tp group) and shards them over its tp-rank peers
+  (``Bucket.peers``; the whole holder set at tp 1). This is Megatron-LM's distributed optimizer:
+  1/tp of the volume of a full-tensor sum, and no tp gather. A replicated tensor's elements are
+  owned once per tp rank, so they weigh 1/tp in the norm;
+- holders of different tp degrees: the full tensors (a tp gather first), each divided by its
+  rank's tp size, are sharded over the whole holder set, and after the all-gather each parameter
+  takes back its own shard.
 
-Where the slice lives. On a rank without tensor parallelism the parameters are re-bound as views
-into the holder set's flat buffer, and AdamW updates a view of its slice: no master copy. A
-tensor-parallel rank holds shards (DTensors) while the holder set sums full tensors (its pipelines
-may differ in tp degree), so its slice is a copy taken from the full parameters, and after the
-all-gather each parameter takes back its own shard (4 / k more bytes per parameter).
+Where the slice lives. At tp 1 the parameters are re-bound as views into the holder set's flat
+buffer, and AdamW updates a view of its slice: no master copy. A tp rank's parameters are
+DTensors, whose storage is not re-bound, so its slice is a copy (4 / k more bytes per parameter
+it holds), written back into the parameters after the all-gather.
+
+Volume. Where the library reduce-scatters natively (NCCL, HCCL inside one vendor), a
+reduce-scatter and an all-gather move what a ring all-reduce moves, so the communication volume
+is that of the unsharded step. Gloo (plain torch.distributed) and hetero.comm across vendors (a
+hierarchical all-reduce, of which each rank keeps its slice) reduce-scatter by all-reducing the
+whole vector, so there the all-gather comes on top of the unsharded step's volume. AdamW state
+per rank drops from 8 to 8 / k bytes per parameter held, the saving the predictor charges.
 
 Gradients (ZeRO-2's saving) are freed right after the reduce-scatter, but they are held whole
 through the backward passes of the step, since the reduction runs once the schedule is done.
@@ -36,7 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetero.runtime.grads import Bucket, copy_full_into, full_tensor, make_optimizer
+from hetero.runtime.grads import (Bucket, copy_full_into, full_tensor, is_shard, local_gradient, local_part,
+                                  make_optimizer, shard_like)
 
 
 @dataclass
@@ -45,17 +55,28 @@ class _Shard:
 
     bucket: Bucket
     params: list
+    ranks: tuple[int, ...]
+    """The ranks the flat vector is sharded over: the tp-rank peers (own tensors), or the holder
+    set (full tensors); see the module docstring."""
     shapes: list[torch.Size]
-    """Full (global) shapes, in bucket order."""
+    """Shapes laid end to end, in bucket order: local ones (own tensors), or full (global) ones."""
     slice_len: int
     """Elements per rank: ``ceil(elements / k)``; the flat vector is padded to ``k * slice_len``."""
     index: int
-    """This rank's place in the holder set (ascending rank order)."""
+    """This rank's place in :attr:`ranks` (ascending rank order)."""
     master: torch.Tensor
     """The slice AdamW updates: a view into ``flat`` (tp 1) or a copy (tp > 1)."""
     flat: torch.Tensor | None = None
     """tp 1: the parameters' own storage (every parameter is a view into it)."""
     offsets: list[int] = field(default_factory=list)
+    copies: list[int] = field(default_factory=list)
+    """Per tensor: how many ranks own a copy of each of its elements (the norm's weight): 1, or the
+    tp size for a tensor replicated over the tp group (own tensors only)."""
+
+    @property
+    def own(self) -> bool:
+        """Whether the flat vector holds this rank's own tensors (tp-rank peers), not full ones."""
+        return self.bucket.peers is not None
 
     @property
     def span(self) -> tuple[int, int]:
@@ -65,16 +86,32 @@ class _Shard:
     @property
     def padded(self) -> int:
         """Length of the flat vector: ``k`` slices."""
-        return len(self.bucket.ranks) * self.slice_len
+        return len(self.ranks) * self.slice_len
 
     def end_to_end(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """``tensors`` (one per parameter, full shapes) flattened end to end in fp32, zero-padded to
-        :attr:`padded`."""
+        """``tensors`` (one per parameter, shaped as :attr:`shapes`) flattened end to end in fp32,
+        zero-padded to :attr:`padded`."""
         parts = [t.float().reshape(-1) for t in tensors]
         pad = self.padded - self.offsets[-1]
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.float32, device=parts[0].device))
         return torch.cat(parts)
+
+    def pieces(self, flat: torch.Tensor):
+        """(parameter, its part of ``flat`` shaped as :attr:`shapes`) for every parameter."""
+        for p, shape, lo, hi in zip(self.params, self.shapes, self.offsets, self.offsets[1:]):
+            yield p, flat[lo:hi].view(shape)
+
+    def weighed(self, owned: torch.Tensor) -> dict[int, list[torch.Tensor]]:
+        """This rank's slice ``owned`` cut where its tensors meet, by :attr:`copies` (the form
+        :func:`hetero.runtime.grads.weighted_squares` takes)."""
+        lo, hi = self.span
+        out: dict[int, list[torch.Tensor]] = {}
+        for copies, a, b in zip(self.copies, self.offsets, self.offsets[1:]):
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                out.setdefault(copies, []).append(owned[a - lo:b - lo])
+        return out
 
 
 class ShardedAdamW:
@@ -94,48 +131,53 @@ class ShardedAdamW:
             if len(bucket.ranks) == 1 and tp_size == 1:
                 self.local.extend(ps)
                 continue
-            shapes = [p.shape for p in ps]   # DTensor.shape is the global shape
+            own = bucket.peers is not None
+            ranks = bucket.peers if own else bucket.ranks
+            # DTensor.shape is the global shape; its local shard's is what the peers line up
+            shapes = [local_part(p).shape if own else p.shape for p in ps]
             offsets = [0]
             for s in shapes:
                 offsets.append(offsets[-1] + math.prod(s))
-            slice_len = -(-offsets[-1] // len(bucket.ranks))
-            shard = _Shard(bucket, ps, shapes, slice_len, bucket.ranks.index(rank), master=torch.empty(0),
-                           offsets=offsets)
+            copies = [1 if not own or is_shard(p) else tp_size for p in ps]
+            shard = _Shard(bucket, ps, ranks, shapes, -(-offsets[-1] // len(ranks)), ranks.index(rank),
+                           master=torch.empty(0), offsets=offsets, copies=copies)
             with torch.no_grad():
                 if tp_size == 1:
                     flat = torch.zeros(shard.padded, dtype=torch.float32, device=device)
-                    for p, lo, hi in zip(ps, offsets, offsets[1:]):
-                        flat[lo:hi].copy_(p.detach().reshape(-1))
-                        p.data = flat[lo:hi].view(p.shape)
+                    for p, view in shard.pieces(flat):
+                        view.copy_(p.detach())
+                        p.data = view
                     shard.flat = flat
-                    lo, hi = shard.span
-                    shard.master = flat[lo:hi]
+                    shard.master = flat[slice(*shard.span)]
                 else:
-                    shard.master = self._full_flat(shard)[slice(*shard.span)].clone()
+                    shard.master = self._flat_params(shard)[slice(*shard.span)].clone()
             self.shards.append(shard)
         self.optimizer = make_optimizer([s.master for s in self.shards] + self.local, lr, weight_decay)
 
     # ------------------------------------------------------------------ a step
     def reduce_gradients(self) -> dict[int, list[torch.Tensor]]:
         """Reduce-scatter every holder set's gradients into this rank's slices and free the full
-        gradients; returns the gradients this rank owns under holder count 1, the form
-        :func:`hetero.runtime.grads.weighted_squares` takes (every element is owned once)."""
-        owned: list[torch.Tensor] = []
+        gradients; returns the gradients this rank owns by the number of ranks owning a copy, the
+        form :func:`hetero.runtime.grads.weighted_squares` takes."""
+        owned: dict[int, list[torch.Tensor]] = {}
         for shard in self.shards:
             grads = []
             for p in shard.params:
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                grads.append(full_tensor(g).detach())
+                if shard.own:
+                    grads.append(local_gradient(p)[0].detach())
+                else:
+                    grads.append(full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach())
                 p.grad = None
             flat = shard.end_to_end(grads)
-            if self.tp_size > 1:
+            if not shard.own and self.tp_size > 1:
                 flat.div_(self.tp_size)   # the tp copies of one replica add up to one full gradient
             out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
-            self.comm.reduce_scatter(out, flat, shard.bucket.ranks)
+            self.comm.reduce_scatter(out, flat, shard.ranks)
             shard.master.grad = out
-            owned.append(out)
-        owned.extend(p.grad.detach() for p in self.local if p.grad is not None)
-        return {1: owned} if owned else {}
+            for copies, parts in shard.weighed(out).items():
+                owned.setdefault(copies, []).extend(parts)
+        owned.setdefault(1, []).extend(p.grad.detach() for p in self.local if p.grad is not None)
+        return {k: v for k, v in owned.items() if v}
 
     def params(self) -> list:
         """What the AdamW step updates (for scaling their gradients)."""
@@ -147,12 +189,15 @@ class ShardedAdamW:
             for shard in self.shards:
                 part = shard.master.detach().clone()   # an input must not alias the output it gathers into
                 if shard.flat is not None:
-                    self.comm.all_gather_into(shard.flat, part, shard.bucket.ranks)
+                    self.comm.all_gather_into(shard.flat, part, shard.ranks)
                     continue
                 flat = torch.empty(shard.padded, dtype=torch.float32, device=part.device)
-                self.comm.all_gather_into(flat, part, shard.bucket.ranks)
-                for p, shape, lo, hi in zip(shard.params, shard.shapes, shard.offsets, shard.offsets[1:]):
-                    copy_full_into(p, flat[lo:hi].view(shape))
+                self.comm.all_gather_into(flat, part, shard.ranks)
+                for p, value in shard.pieces(flat):
+                    if shard.own:
+                        local_part(p).copy_(value)
+                    else:
+                        copy_full_into(p, value)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -181,15 +226,17 @@ class ShardedAdamW:
             st = self.optimizer.state.get(shard.master, {})
             if "exp_avg" not in st:
                 continue   # no step taken yet: every holder alike
-            kept = [(name, shape, lo, hi) for name, shape, lo, hi
-                    in zip(shard.bucket.names, shard.shapes, shard.offsets, shard.offsets[1:]) if keep(name)]
-            for name, *_ in kept:
+            kept = {name for name in shard.bucket.names if keep(name)}
+            for name in kept:
                 out[name] = {"step": torch.as_tensor(st["step"]).to("cpu", copy=True)}
             for key in ("exp_avg", "exp_avg_sq"):
                 flat = torch.empty(shard.padded, dtype=torch.float32, device=shard.master.device)
-                self.comm.all_gather_into(flat, st[key].detach(), shard.bucket.ranks)   # no alias of flat
-                for name, shape, lo, hi in kept:
-                    out[name][key] = flat[lo:hi].view(shape).to("cpu", copy=True)
+                self.comm.all_gather_into(flat, st[key].detach(), shard.ranks)   # no alias of flat
+                for name, (p, value) in zip(shard.bucket.names, shard.pieces(flat)):
+                    # own tensors: a tp gather, which every tp rank joins whatever it keeps
+                    full = _whole_like(p, value) if shard.own else value
+                    if name in kept:
+                        out[name][key] = full.to("cpu", copy=True)
                 del flat
         for p in self.local:
             st = self.optimizer.state.get(p, {})
@@ -205,14 +252,17 @@ class ShardedAdamW:
         with torch.no_grad():
             for shard in self.shards:
                 if shard.flat is None:
-                    shard.master.copy_(self._full_flat(shard)[slice(*shard.span)])
+                    shard.master.copy_(self._flat_params(shard)[slice(*shard.span)])
                 if not all(n in states for n in shard.bucket.names):
                     continue
                 lo, hi = shard.span
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
-                    flat = shard.end_to_end([states[name][key] for name in shard.bucket.names])
-                    st[key] = flat[lo:hi].to(shard.master.device, copy=True)
+                    fulls = [states[name][key] for name in shard.bucket.names]
+                    if shard.own:   # this rank's part of each (no communication)
+                        fulls = [local_part(shard_like(p, f.to(shard.master.device)))
+                                 for p, f in zip(shard.params, fulls)]
+                    st[key] = shard.end_to_end(fulls)[lo:hi].to(shard.master.device, copy=True)
                 st["step"] = states[shard.bucket.names[0]]["step"].to(shard.master.device, copy=True)
                 self.optimizer.state[shard.master] = st
             for p in self.local:
@@ -223,9 +273,22 @@ class ShardedAdamW:
                                                "exp_avg_sq": s["exp_avg_sq"].to(p.device, copy=True)}
 
     @staticmethod
-    def _full_flat(shard: _Shard) -> torch.Tensor:
-        """The holder set's full parameters end to end, padded (tp: a gather inside the tp group)."""
-        return shard.end_to_end([full_tensor(p.detach()) for p in shard.params])
+    def _flat_params(shard: _Shard) -> torch.Tensor:
+        """The shard's parameters end to end, padded: this rank's own tensors, or the full ones (a
+        gather inside the tp group)."""
+        return shard.end_to_end([local_part(p.detach()) if shard.own else full_tensor(p.detach())
+                                 for p in shard.params])
+
+
+def _whole_like(p, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's part laid out as parameter ``p`` (a gather
+    inside ``p``'s tp group for a DTensor), else ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride()).full_tensor()
 
 
 def optimizer_state_bytes(optimizer) -> int:

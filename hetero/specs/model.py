@@ -135,16 +135,28 @@ class ModelSpec:
             norms = 2 * h                           # two RMSNorms, weight only
         return attn + mlp + norms
 
+    def tp_replicated_per_layer(self) -> int:
+        """Parameters of one block that every tp rank holds whole (Megatron-LM and the runtime):
+        the norms, and the biases of the row-parallel (output and down) projections."""
+        h = self.hidden_size
+        return 4 * h + 2 * h if self.has_bias else 2 * h
+
+    def position_params(self) -> int:
+        """Learned position embeddings (gpt; none for llama's RoPE), whole on every tp rank."""
+        return self.seq_length * self.hidden_size if self.architecture == "gpt" else 0
+
+    def final_norm_params(self) -> int:
+        """The final norm, whole on every tp rank."""
+        return 2 * self.hidden_size if self.has_bias else self.hidden_size
+
     def embedding_params(self) -> int:
         """Token embedding (plus learned positions for gpt): held by the first stage."""
-        pos = self.seq_length * self.hidden_size if self.architecture == "gpt" else 0
-        return self.vocab_size * self.hidden_size + pos
+        return self.vocab_size * self.hidden_size + self.position_params()
 
     def head_params(self) -> int:
         """Final norm and LM head: held by the last stage (the head is shared when tied)."""
-        norm = 2 * self.hidden_size if self.has_bias else self.hidden_size
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
-        return norm + head
+        return self.final_norm_params() + head
 
     def total_params(self) -> int:
         return self.num_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
