@@ -198,7 +198,13 @@ def test_validate_names_a_device_without_a_peak_for_the_models_dtype(tmp_path):
     assert verdicts(proc, p)[0].startswith(f"error {p} (plan)")
     assert_bad_input(run_cli("predict", "--cluster", c, "--model", m, "--plan", p), "devices.npu.peak_flops")
     assert_bad_input(run_cli("plan", "--cluster", c, "--model", m, "--global-batch-size", "64"), "devices.npu.peak_flops")
-    assert run_cli("validate", c, write(tmp_path, "m16.yaml", {**MODEL, "dtype": "bf16"})).returncode == 0
+    m16 = write(tmp_path, "m16.yaml", {**MODEL, "dtype": "bf16"})
+    proc = run_cli("validate", c, m16)   # a bf16 model has its matrix peak, but nothing elementwise is listed
+    assert_bad_input(proc, f"{c}: devices.npu.peak_flops_vector: device type 'npu' (group 'mi250'), model 'm': no "
+                           f"elementwise (non-matrix) fp32 peak for a bf16 model")
+    assert_bad_input(run_cli("predict", "--cluster", c, "--model", m16, "--plan", p), "devices.npu.peak_flops_vector")
+    data["devices"]["npu"]["peak_flops_vector"] = {"fp32": "40 TFLOPS"}
+    assert run_cli("validate", write(tmp_path, "c.yaml", data), m16).returncode == 0
 
 
 def test_validate_an_examples_index_gives_each_entry_a_verdict(tmp_path):

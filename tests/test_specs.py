@@ -389,7 +389,8 @@ def test_a_cpu_device_with_a_real_vendor_is_refused_at_validation():
     assert hetero.load_cluster(data).device_type("slow").is_emulated
 
 
-BF16_ONLY = {"vendor": "ascend", "memory": "64 GiB", "memory_bandwidth": "1.6 TB/s", "peak_flops": {"bf16": "320 TFLOPS"}}
+BF16_ONLY = {"vendor": "ascend", "memory": "64 GiB", "memory_bandwidth": "1.6 TB/s", "peak_flops": {"bf16": "320 TFLOPS"},
+             "peak_flops_vector": {"fp32": "40 TFLOPS"}}   # matrix units for bf16 only; elementwise fp32
 
 
 def test_matrix_peaks_never_give_an_fp32_model_a_half_precision_figure():
@@ -404,6 +405,46 @@ def test_matrix_peaks_never_give_an_fp32_model_a_half_precision_figure():
     assert tf.matrix_flops("fp32") == 156e12
     both = DeviceType(vendor="nvidia", memory=1e9, memory_bandwidth=1e12, peak_flops={"fp32": 19.5e12, "fp16": 312e12})
     assert both.matrix_flops("bf16") == 19.5e12   # as before: a missing half dtype falls back to fp32 first
+
+
+def test_the_elementwise_peak_never_falls_back_to_a_matrix_units_figure():
+    """Without a peak_flops_vector entry for the dtype, elementwise kernels run at the fp32 figure
+    (peak_flops_vector's, else peak_flops' CUDA-core fp32), never at a tf32 or half-precision matrix
+    peak; with no fp32 figure at all there is no elementwise peak, and saying so is an error."""
+    import dataclasses
+
+    from hetero.predictor.opmodel.features import device_params
+    from hetero.specs.device import DeviceType
+
+    a100 = hetero.load_catalog()["A100-SXM4-80GB"]
+    bare = dataclasses.replace(a100, peak_flops_vector={})
+    fp32 = a100.peak_flops["fp32"]   # 19.5 TFLOPS, beside bf16 312 and tf32 156 in the same table
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert bare.vector_flops(dtype) == fp32, dtype
+        assert device_params(bare, dtype)[1] == fp32, dtype   # what the operator model is given
+    assert dataclasses.replace(bare, slowdown=2.0).vector_flops("bf16") == fp32 / 2
+    listed = dataclasses.replace(bare, peak_flops_vector={"fp32": 20e12, "bf16": 39e12})
+    assert listed.vector_flops("bf16") == 39e12 and listed.vector_flops("fp16") == 20e12
+    npu = DeviceType(vendor="nvidia", memory=1e9, memory_bandwidth=1e12, peak_flops={"tf32": 156e12, "bf16": 312e12})
+    assert npu.vector_peak("fp32") is None and npu.vector_peak("bf16") is None
+    with pytest.raises(SpecError, match="peak_flops_vector: no elementwise \\(non-matrix\\) fp32 peak for a bf16 "
+                                        "model: peak_flops_vector lists nothing, peak_flops no fp32 entry"):
+        npu.vector_flops("bf16")
+    half_only = dataclasses.replace(npu, peak_flops_vector={"bf16": 39e12})   # the fp32 loss still needs one
+    assert half_only.vector_flops("bf16") == 39e12 and half_only.vector_problem("bf16") is not None
+    for name, device in hetero.load_catalog().items():
+        assert device.vector_problem("bf16") is None, name
+
+
+def test_a_device_without_an_elementwise_peak_is_an_error_naming_the_device():
+    cluster = copy.deepcopy(CLUSTER)
+    cluster["devices"]["npu"] = {k: v for k, v in BF16_ONLY.items() if k != "peak_flops_vector"}
+    cluster["groups"][1]["device"] = "npu"
+    c = hetero.load_cluster(cluster)
+    model = hetero.load_model({**MODEL, "dtype": "bf16"})
+    expect_error(lambda: hetero.load_plan(PLAN, c, model), "devices.npu.peak_flops_vector: device type 'npu' "
+                 "(group 'mi250'), model 'm': no elementwise (non-matrix) fp32 peak for a bf16 model",
+                 "fix: add 'fp32: <peak> TFLOPS' to peak_flops_vector")
 
 
 @pytest.mark.parametrize("dtype,ok", [("fp32", False), ("bf16", True), ("fp16", True)])

@@ -39,7 +39,8 @@ class DeviceType:
     peak_flops: dict[str, float] = field(default_factory=dict, metadata={"kind": "flops"})
     """Dense matrix-unit peak per dtype (FLOP/s), e.g. {bf16: 312 TFLOPS}; inherited entries merge per dtype."""
     peak_flops_vector: dict[str, float] = field(default_factory=dict, metadata={"kind": "flops"})
-    """Non-matrix (elementwise) peak per dtype (FLOP/s); defaults to the matrix peak's fp32 value."""
+    """Non-matrix (elementwise) peak per dtype (FLOP/s); a dtype not listed takes this table's fp32,
+    then ``peak_flops``' fp32 entry, never a tf32 or half-precision matrix figure (:meth:`vector_peak`)."""
     compute_units: int | None = None
     """Streaming multiprocessors / compute units / AI cores (used for wave quantisation)."""
     l2_cache: float | None = quantity("bytes", None)
@@ -139,10 +140,38 @@ class DeviceType:
             raise SpecError([Problem("peak_flops", message, fix, "<device type>")])
         return value / self.slowdown
 
+    def vector_peak(self, dtype: str) -> float | None:
+        """The listed non-matrix (elementwise) peak that ``dtype`` kernels run at (FLOP/s, slowdown
+        not applied), or None when the device lists none: the dtype's own ``peak_flops_vector``
+        entry, else that table's fp32, else the fp32 entry of ``peak_flops`` (the CUDA-core figure on
+        NVIDIA, where tensor cores are listed as tf32; an upper bound where fp32 has matrix units of
+        its own). Never a tf32, half-precision or integer matrix peak: those units run matrix
+        products only, at 8-16x the elementwise rate, and would make every norm, activation and
+        softmax look almost free."""
+        vector = self.peak_flops_vector
+        return vector.get(dtype) or vector.get("fp32") or self.peak_flops.get("fp32") or None
+
+    def vector_problem(self, dtype: str) -> tuple[str, str] | None:
+        """``(message, fix)`` when a ``dtype`` model has no elementwise peak on this device (see
+        :meth:`vector_peak`), else None. fp32 is needed whatever the model's dtype: its loss (the
+        softmax over the vocabulary) runs in fp32, in the runtime and in the predictor alike."""
+        if all(self.vector_peak(d) is not None for d in (dtype, "fp32")):
+            return None
+        listed = ", ".join(sorted(self.peak_flops_vector)) or "nothing"
+        article = "an" if dtype[0] in "aefhilmnorsx" else "a"
+        matrix = ", ".join(sorted(self.peak_flops)) or "nothing"
+        return (f"no elementwise (non-matrix) fp32 peak for {article} {dtype} model: peak_flops_vector lists "
+                f"{listed}, peak_flops no fp32 entry ({matrix} there: matrix-unit peaks, not elementwise ones)",
+                "add 'fp32: <peak> TFLOPS' to peak_flops_vector, the datasheet's non-tensor-core figure: the "
+                "loss runs in fp32 whatever the model's dtype")
+
     def vector_flops(self, dtype: str) -> float:
-        """Peak non-matrix FLOP/s for ``dtype`` (slowdown applied)."""
-        table = self.peak_flops_vector
-        value = table.get(dtype) or table.get("fp32") or self.peak_flops.get("fp32") or min(self.peak_flops.values())
+        """Peak non-matrix FLOP/s for ``dtype`` (fallbacks of :meth:`vector_peak`; slowdown applied).
+        Raises SpecError when none is listed (validation reports it first, naming the device)."""
+        value = self.vector_peak(dtype)
+        if value is None:
+            message, fix = self.vector_problem(dtype)
+            raise SpecError([Problem("peak_flops_vector", message, fix, "<device type>")])
         return value / self.slowdown
 
     @property
