@@ -62,10 +62,6 @@ class StageCostModel:
         self.calibration = calibration
         self.dtype = model.dtype
         self.e = O.DTYPE_BYTES[model.dtype]
-        # Gradients are summed in fp32 under bf16 (Megatron-LM forces accumulate_allreduce_grads_in_fp32
-        # for bf16; hetero's runtime keeps fp32 parameters under autocast). fp16 is charged Megatron's
-        # default, fp16 sums (what the vTrain runs calibrate); hetero's runtime sums those in fp32 too.
-        self.grad_e = 4 if model.dtype == "bf16" else self.e
         self._groups = {g.name: g for g in cluster.groups}
         self._dev = {name: cluster.device_type(name) for name in self._groups}
         self._factors: dict[str, CalibrationFactors] = {}
@@ -359,9 +355,16 @@ class StageCostModel:
         da, db = self._dev[a], self._dev[b]
         return da.vendor != db.vendor and da.family != "cpu" and db.family != "cpu"
 
-    def layer_grad_bytes(self) -> float:
-        """Gradient bytes of one transformer layer (all tp shards together), as summed (fp32 under bf16)."""
-        return float(self._params_per_layer * self.grad_e)
+    def grad_bytes(self, placement: str = "packed") -> int:
+        """Bytes per gradient element as the DP sync sums it. hetero's runtime (``packed``) keeps fp32
+        parameters under autocast, so it sums fp32 gradients whatever the model's dtype. Megatron-LM
+        (``megatron``) sums fp16 gradients in fp16 (its default, what the vTrain runs calibrate) and
+        bf16 ones in fp32 (it forces accumulate_allreduce_grads_in_fp32 for bf16)."""
+        return self.e if placement == "megatron" and self.dtype == "fp16" else 4
+
+    def layer_grad_bytes(self, placement: str = "packed") -> float:
+        """Gradient bytes of one transformer layer (all tp shards together), as summed (:meth:`grad_bytes`)."""
+        return float(self._params_per_layer * self.grad_bytes(placement))
 
     def dp_sync_time(self, plan, placement: str = "packed") -> float:
         """Data-parallel gradient synchronisation of ``plan`` (seconds; slowest device)."""

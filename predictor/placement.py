@@ -221,8 +221,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         s0, w0 = bucket_bytes.get(key, (0.0, 0.0))
         bucket_bytes[key] = (s0 + split, w0 + whole)
 
-    model, e = cm.model, cm.grad_e
-    G, W = cm.layer_grad_bytes(), model.tp_replicated_per_layer() * e
+    model, e = cm.model, cm.grad_bytes(placement)
+    G, W = cm.layer_grad_bytes(placement), model.tp_replicated_per_layer() * e
     for a, b in zip(cuts, cuts[1:]):
         add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], (G - W) * (b - a),
             W * (b - a))

@@ -450,9 +450,12 @@ def test_dp_sync_is_one_all_reduce_per_holder_set():
     hand = comm.allreduce(model.total_params() * 4, 4, 100e9, 10e-6)   # bf16: gradients summed in fp32
     assert StageCostModel(cluster, model).dp_sync_times(plan) == {(0, 0): pytest.approx(hand)}
     assert hand < 1.01 * model.total_params() * 4 * 1.5 / 100e9 + 6 * 10e-6   # 36 latencies would be 2.2 ms
-    # fp16 sums in fp16 (Megatron's default; only bf16 is forced to fp32)
+    # fp16: hetero's runtime sums fp32 gradients (fp32 parameters under autocast); Megatron-LM sums
+    # fp16 ones (its default; only bf16 is forced to fp32), what the vTrain run logs calibrate
     fp16 = hetero.load_model({**GPT, "dtype": "fp16"})
     assert StageCostModel(cluster, fp16).dp_sync_times(plan) == {
+        (0, 0): pytest.approx(comm.allreduce(fp16.total_params() * 4, 4, 100e9, 10e-6))}
+    assert StageCostModel(cluster, fp16).dp_sync_times(plan, "megatron") == {
         (0, 0): pytest.approx(comm.allreduce(fp16.total_params() * 2, 4, 100e9, 10e-6))}
 
 
