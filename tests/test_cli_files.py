@@ -233,3 +233,54 @@ def test_a_failed_write_names_the_output_not_its_temporary_file(tmp_path, monkey
     else:
         raise AssertionError("the write did not fail")
     assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json"]
+
+
+PLAN_ARGS = ["plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "-o"]
+PREDICT_ARGS = ["predict", *PREDICT, "--timeline"]
+
+
+def test_every_output_into_new_directories_is_written_the_same_way(tmp_path):
+    """`plan -o` and `predict --timeline` both make the missing directories when they write, give the
+    file the mode a plain open would, and refuse a file standing where a directory must be made with
+    the same message before any work."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json")):
+        out = tmp_path / name.split(".")[0] / "a" / "b" / name
+        proc = run_cli(*args, str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+        assert [p.name for p in out.parent.iterdir()] == [name]   # no temporary file beside it
+        flag = args[-1]
+        blocked = tmp_path / name / "sub" / name
+        (tmp_path / name).write_text("a file, not a directory")
+        assert_bad_input(run_cli(*args, str(blocked)), f"{flag} {blocked}: cannot create its directory: "
+                                                       f"{tmp_path / name} is not a directory")
+
+
+def test_a_failed_output_write_leaves_nothing_behind_for_every_command(tmp_path, monkeypatch, capsys):
+    """The disk refusing the output (here the rename of the finished temporary file) is the same
+    error for `plan -o` and `predict --timeline`: it names the option and the path, and neither a
+    partial or temporary file nor a directory made for it is left; an existing output keeps its old
+    content."""
+    import errno
+
+    from hetero.cli import main
+
+    def refuse(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+
+    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json")):
+        flag, before = args[-1], sorted(tmp_path.rglob("*"))
+        new = tmp_path / "new" / "nested" / name
+        old = tmp_path / f"old-{name}"
+        old.write_text("old")
+        for out in (new, old):
+            with monkeypatch.context() as m:
+                m.setattr(os, "replace", refuse)
+                assert main([*args[:-1], flag, str(out)]) == 1
+            err = capsys.readouterr().err
+            assert f"error: {flag} {out}: cannot write it: No space left on device (fix: " in err, err
+            assert "Traceback" not in err
+        assert old.read_text() == "old"
+        assert sorted(tmp_path.rglob("*")) == sorted(before + [old]), sorted(tmp_path.rglob("*"))

@@ -613,7 +613,8 @@ def test_a_local_launch_listens_on_the_loopback_interface_only(tmp_path):
 def test_uneven_pp_two_vendors_matches_reference(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
                                                    {"group": "slow", "layers": [3, 4]}]}], schedule="1f1b")
-    summary, _ = _launch(tmp_path, GPT, plan, "--trace", str(tmp_path / "trace.json"))
+    trace_path = tmp_path / "out" / "trace.json"   # its directory made when rank 0 writes it, as -o's are
+    summary, _ = _launch(tmp_path, GPT, plan, "--trace", str(trace_path))
     _assert_matches(summary, GPT)
     for key in ("steps", "losses", "iteration_times_s", "tokens_per_s", "predicted_iteration_time_s", "ranks",
                 "reconfigurations"):
@@ -621,7 +622,7 @@ def test_uneven_pp_two_vendors_matches_reference(tmp_path):
     assert [r["layers"] for r in summary["ranks"]] == [[0, 3], [3, 4]]
     assert summary["reconfigurations"] == [] and summary["tokens_per_s"] > 0
     assert summary["communicator"] == "hetero.comm"
-    trace = json.loads((tmp_path / "trace.json").read_text())
+    trace = json.loads(trace_path.read_text())
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"F0", "B3"} <= names
 
@@ -924,8 +925,10 @@ def test_default_run_directories_are_removed_at_exit(tmp_path):
     proc, left = _launch_in(tmp, GPT, plan, "--summary", str(tmp_path / "s.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert left == [] and json.loads((tmp_path / "s.json").read_text())["steps"] == 1   # nor torchelastic_*
-    proc, left = _launch_in(tmp, GPT, plan, "--inject-failure", "1:1")
+    failed = tmp_path / "failed" / "s.json"   # a run that fails writes no output, nor makes its directory
+    proc, left = _launch_in(tmp, GPT, plan, "--inject-failure", "1:1", "--summary", str(failed))
     assert proc.returncode == 1 and "injected failure" in proc.stderr and left == [], (proc.stderr[-3000:], left)
+    assert not failed.parent.exists()
     proc, left = _launch_in(tmp, GPT, plan, "--node-rank", "3")
     assert proc.returncode == 1 and left == [], (proc.stderr, left)
     # kept where asked for (--run-dir) or where the output needs it (a dry run's commands read its run file)

@@ -40,6 +40,36 @@ def print_json(data) -> None:
     sys.stdout.write(text + "\n")
 
 
+def check_output(path, flag: str) -> None:
+    """Before any work, fail when ``path`` (given with ``flag``: ``-o``, ``--timeline``,
+    ``--summary``) cannot receive an output file, so minutes of searching, measuring or training
+    are not lost to a typo. Its missing directories are not made yet: :func:`write_output` makes
+    them when the file is written, so a run that fails in between leaves nothing behind."""
+    from hetero.specs.io import check_output_path
+
+    check_output_path(path, flag)
+
+
+def write_output(path, flag: str, content) -> None:
+    """Write one output file of a subcommand, the one way every ``-o`` / ``--timeline`` output is
+    written: missing parent directories are made, the text goes to a temporary file in the same
+    directory that then replaces ``path`` (:func:`hetero.specs.io.write_text_atomic`), and a failed
+    write leaves neither a partial file nor a directory it made (an existing file keeps its old
+    content). ``content``: the text, or a writer ``content(path)`` built on ``write_text_atomic``
+    (``Plan.save``, ``Calibration.save``). A failure is an error naming ``flag`` and the path."""
+    from hetero.errors import HeteroError
+    from hetero.specs.io import write_text_atomic
+
+    try:
+        if isinstance(content, str):
+            write_text_atomic(path, content, flag)
+        else:
+            content(path)
+    except OSError as e:
+        raise HeteroError(f"{flag} {path}: cannot write it: {e.strerror or e} (fix: check the path, its "
+                          f"permissions and free space)") from None
+
+
 def load_inputs(args, need_plan: bool = True):
     """Load ``--cluster``, ``--model`` and (optionally) ``--plan`` and check the plan against them."""
     from hetero.specs.cluster import load_cluster

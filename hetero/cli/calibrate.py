@@ -25,19 +25,18 @@ def run(args) -> int:
 
     from hetero.predictor.calibration import ALL, CV_FOLDS, calibrate, read_runs
     from hetero.specs.cluster import load_cluster
-    from hetero.specs.io import check_output_path
 
-    from ._common import console, print_json
+    from ._common import check_output, console, print_json, write_output
 
     cluster = load_cluster(args.cluster)
-    check_output_path(args.output, "-o", create=False)
+    check_output(args.output, "-o")
     runs = read_runs(args.runs)
     cal = calibrate(cluster, runs)
     cal.meta["runs_file"] = args.runs
     for table in (cal.factors, cal.standard):
         for name, f in list(table.items()):
             table[name] = dataclasses.replace(f, source=f"calibration ({cal.meta['fit'][name]['runs']} runs of {args.runs})")
-    path = cal.save(args.output)
+    write_output(args.output, "-o", cal.save)
     if args.json:
         print_json(cal.to_dict())
         return 0
@@ -71,5 +70,5 @@ def run(args) -> int:
         et.add_row(str(d["row"]), d["run"], f"{d['measured_ms']:.1f}", f"{d['uncalibrated_ms']:.1f}",
                    f"{d['calibrated_ms']:.1f}", f"{err:+.1%}")
     out.print(et)
-    out.print(f"wrote {path}")
+    out.print(f"wrote {args.output}")
     return 0

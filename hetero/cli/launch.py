@@ -114,12 +114,10 @@ def _check_numbers(args) -> None:
                               f"new checkpoint replaces the whole directory (fix: give a new directory or one "
                               f"an earlier --save wrote)")
     for flag, value in (("--summary", args.summary), ("--trace", args.trace)):
-        if value:
-            from hetero.specs.io import check_output_path
+        if value:   # rank 0 writes them at the end as every output is written (write_output's way)
+            from ._common import check_output
 
-            # the workers write with a plain open, so a real run needs the directories now; a dry
-            # run writes nothing and only checks that they could be made
-            check_output_path(value, flag, create=not args.dry_run)
+            check_output(value, flag)
 
 
 def run(args) -> int:

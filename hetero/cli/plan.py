@@ -43,30 +43,24 @@ def headroom(prediction) -> dict[str, float]:
 def run(args) -> int:
     from hetero.planner import search
 
-    from ._common import console, host_memory_note, load_calibration_arg, load_inputs, print_json
+    from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
+                          write_output)
 
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
         return 1
     cluster, model, _ = load_inputs(args, need_plan=False)
     if args.output is not None:   # "" too: an error, not a plan silently unsaved
-        from hetero.specs.io import check_output_path
-
-        check_output_path(args.output, "-o", create=False)
+        check_output(args.output, "-o")
     calibration = load_calibration_arg(args.calibration, cluster)
     show_progress = not args.no_progress and sys.stderr.isatty()
     results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,
                      calibration=calibration, progress=show_progress)
     best = results[0]
     if args.output:
-        try:
-            best.plan.save(args.output, header=f"# hetero plan: {cluster.name} / {model.name}, "
-                                               f"predicted {best.prediction.tokens_per_s:,.0f} tokens/s\n"
-                                               f"# {best.one_line}")
-        except OSError as e:
-            from hetero.errors import HeteroError
-
-            raise HeteroError(f"cannot write {args.output}: {e.strerror or e}") from None
+        header = (f"# hetero plan: {cluster.name} / {model.name}, predicted "
+                  f"{best.prediction.tokens_per_s:,.0f} tokens/s\n# {best.one_line}")
+        write_output(args.output, "-o", lambda path: best.plan.save(path, header=header))
     if args.json:
         print_json([r.to_dict() for r in results])
         return 0

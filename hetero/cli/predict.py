@@ -30,19 +30,16 @@ def _ms(x: float) -> str:
 def run(args) -> int:
     from hetero.predictor import predict
 
-    from ._common import console, host_memory_note, load_calibration_arg, load_inputs, print_json
+    from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
+                          write_output)
 
     cluster, model, plan = load_inputs(args)
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
-        from hetero.specs.io import check_output_path
-
-        check_output_path(args.timeline, "--timeline", create=False)
+        check_output(args.timeline, "--timeline")
     calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
     if args.timeline:
-        from hetero.specs.io import write_text_atomic
-
-        write_text_atomic(args.timeline, json.dumps(pred.timeline()))
+        write_output(args.timeline, "--timeline", json.dumps(pred.timeline()))
     if args.json:
         print_json(pred.to_dict())
         return 0

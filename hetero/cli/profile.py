@@ -43,7 +43,7 @@ def run(args) -> int:
     from hetero.predictor import profiles as P
     from hetero.predictor import profiling as M
 
-    from ._common import console
+    from ._common import check_output, console, write_output
 
     try:
         import torch
@@ -53,10 +53,8 @@ def run(args) -> int:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
     requested = requested_type(args)
     if args.output is not None:  # before minutes of measuring, not after ("" too: an error)
-        from hetero.specs.io import check_output_path
-
-        check_output_path(args.output, "-o", create=False)
-        check_output_path(P.meta_path(args.output), "-o (its .meta.json)", create=False)
+        check_output(args.output, "-o")
+        check_output(P.meta_path(args.output), "-o (its .meta.json)")
     try:
         name, torch_device = ((args.device, "cpu") if requested is not None and requested.family == "cpu"
                               else M.detect_device(args.device))
@@ -113,8 +111,9 @@ def run(args) -> int:
         err.print(f"--quick (a smoke test): the cached profile {P.cache_path(name)} is left as it is; "
                   f"run without --quick to update it")
     if args.output:
-        written.append(P.write_records(args.output, records))
-        P.write_meta(args.output, meta)
+        write_output(args.output, "-o", lambda path: P.write_records(path, records))
+        write_output(P.meta_path(args.output), "-o (its .meta.json)", lambda _: P.write_meta(args.output, meta))
+        written.append(args.output)
     out = console()
     for path in written:
         out.print(f"wrote {len(records)} records to {path}")

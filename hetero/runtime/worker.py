@@ -97,10 +97,14 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
     if rank == 0:
         predicted = predict_iteration_time(trainer.ctx)
         summary = summary_dict(trainer, predicted, state_bytes)
+        # the user's --summary / --trace: written as the CLI writes every output (parents made,
+        # atomic, nothing left behind on failure); _write is for the run directory's own files
+        from hetero.specs.io import write_text_atomic
+
         if opts.summary:
-            _write(opts.summary, json.dumps(summary, indent=2))
+            write_text_atomic(opts.summary, json.dumps(summary, indent=2), "--summary")
         if opts.trace and events is not None:
-            _write(opts.trace, json.dumps(trace_dict(trainer.ctx.layout, events)))
+            write_text_atomic(opts.trace, json.dumps(trace_dict(trainer.ctx.layout, events)), "--trace")
         if reporter:
             reporter.footer(summary)
     trainer.comm.barrier()

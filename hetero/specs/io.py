@@ -90,12 +90,12 @@ def nearest_existing(path) -> Path:
     return existing
 
 
-def check_output_path(path, what: str, create: bool = True) -> Path:
+def check_output_path(path, what: str) -> Path:
     """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
     non-regular file is there, or no writable directory would hold it. Returns the path to write
-    (a symbolic link's target, so the link itself is kept). ``create``: make its missing directories
-    now (for writers that do not); else only check that they could be made, so a run that fails
-    later leaves no empty directories behind (:func:`write_text_atomic` makes them)."""
+    (a symbolic link's target, so the link itself is kept). Missing directories are not made here:
+    :func:`write_text_atomic` makes them when it writes, so a run that fails in between leaves none
+    behind."""
     if not str(path):
         raise InputFileError(f"{what}: no output file named", "give a file path")
     path = Path(os.path.realpath(path))
@@ -106,12 +106,6 @@ def check_output_path(path, what: str, create: bool = True) -> Path:
             raise InputFileError(f"{what} {path} is not a regular file", "write to a regular file")
         if not os.access(path, os.W_OK):
             raise InputFileError(f"{what} {path} is not writable", "choose another path or fix its permissions")
-    if create:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
-                                 "choose a writable directory") from None
     existing = nearest_existing(path.parent)
     if not existing.is_dir():
         raise InputFileError(f"{what} {path}: cannot create its directory: {existing} is not a directory",
@@ -119,6 +113,30 @@ def check_output_path(path, what: str, create: bool = True) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputFileError(f"{what} {path}: cannot create files in {existing}", "choose a writable directory")
     return path
+
+
+def _make_parents(path: Path, what: str) -> list[Path]:
+    """Make the missing directories above ``path``; returns those it made, deepest first."""
+    made, parent = [], path.parent
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _remove_empty(made)
+        raise InputFileError(f"{what} {path}: cannot create its directory: {e.strerror}",
+                             "choose a writable directory") from None
+    return made
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove ``dirs`` (deepest first) as far as they are empty: what a failed write made."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[dict, str]:
@@ -161,19 +179,21 @@ def _check_kind(data: dict, what: str, source: str) -> tuple[dict, str]:
 
 
 def write_yaml_atomic(path, data: dict, header: str = "") -> None:
-    """Write ``data`` as YAML to ``path`` via a temporary file, so nothing half-written remains."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``data`` as YAML to ``path`` with :func:`write_text_atomic`."""
     text = (header if header.endswith("\n") or not header else header + "\n")
     text += yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
     write_text_atomic(path, text)
 
 
-def write_text_atomic(path, text: str) -> None:
+def write_text_atomic(path, text: str, what: str = "output") -> None:
     """Write ``text`` to ``path`` via a temporary file in its directory, so a reader never sees half
-    of it. A symbolic link is written through (the link stays), a device or directory is refused,
-    and the file gets the mode a plain ``open`` would give it (an existing file keeps its own)."""
-    path = check_output_path(path, "output")
+    of it: every output file is written this way. Missing parent directories are made; when the
+    write fails, neither the temporary file nor a directory made for it is left behind, and an
+    existing file keeps its old content. A symbolic link is written through (the link stays), a
+    device or directory is refused, and the file gets the mode a plain ``open`` would give it (an
+    existing file keeps its own). ``what`` names the output in errors (``-o``, ``--timeline``)."""
+    path = check_output_path(path, what)
+    made = _make_parents(path, what)
     if path.exists():
         mode = stat.S_IMODE(path.stat().st_mode)
     else:
@@ -190,6 +210,7 @@ def write_text_atomic(path, text: str) -> None:
     except BaseException as e:
         if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+        _remove_empty(made)
         if isinstance(e, OSError):
             # name the file the user asked for, not the temporary one beside it
             raise OSError(e.errno, e.strerror or str(e), str(path)) from None
