@@ -18,6 +18,7 @@ edge. Both are pure functions of the plan's structure (the caller memoises them)
 from __future__ import annotations
 
 import functools
+import math
 
 from hetero.syncorder import in_sync_order
 
@@ -133,14 +134,41 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
 
     def ring(holders, nbytes):
         """holders: list of (pi, k, group, tp, replicas); nbytes: (bytes split over tp, bytes every tp
-        rank holds whole); adds the ring time to each holder.
+        rank holds whole, bytes of the word embedding, split over tp by vocabulary rows); adds the
+        sync time to each holder. As hetero.runtime.grads and hetero.runtime.zero sum:
 
-        Holders of one tp degree sum (ZeRO: shard) their own tensors, each tp rank with its peers
-        (hetero.runtime.grads, hetero.runtime.zero: rings of replicas over split / tp + whole
-        bytes). Holders of different tp degrees sum full tensors over every holder rank."""
-        split_bytes, whole_bytes = nbytes
+        - holders of one tp degree: each tp rank sums (ZeRO: shards) its own tensors with its peers,
+          rings of replicas over split / tp + whole bytes;
+        - holders of several tp degrees, no ZeRO: split tensors chunk by chunk (T = lcm of the
+          degrees; a chunk over one rank per tp group: the lowest degree's ranks carry split /
+          tp_min), then the rest as full tensors over every holder rank: the whole tensors, and the
+          word embedding when T does not divide the vocabulary;
+        - holders of several tp degrees under ZeRO: full tensors over every holder rank."""
+        split_bytes, whole_bytes, vocab_bytes = nbytes
         tps = {h[3] for h in holders}
-        full = len(tps) > 1
+        if len(tps) == 1:
+            # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
+            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False)]
+        elif zs >= 1:
+            parts = [(split_bytes + vocab_bytes + whole_bytes, True)]
+        else:
+            aligned = cm.model.vocab_size % math.lcm(*tps) == 0
+            parts = [(split_bytes + (vocab_bytes if aligned else 0.0), False),
+                     (whole_bytes + (0.0 if aligned else vocab_bytes), True)]
+        t, touched = 0.0, set()
+        for nb, full in parts:
+            if nb > 0:
+                t += rings(holders, nb, full, touched)
+        stages_held = frozenset((pi, k) for pi, k, *_ in holders)
+        held[stages_held] = held.get(stages_held, 0.0) + t
+        for sk in stages_held:
+            own[sk] = own.get(sk, 0.0) + t
+            crossed.setdefault(sk, set()).update(touched)
+
+    def rings(holders, nbytes, full, touched) -> float:
+        """Seconds of one sum of ``nbytes`` (as if every tp rank held them whole) over ``holders``:
+        over every holder rank (``full``), else each tp rank over one rank per tp group (1/tp of the
+        bytes; the lowest degree's); adds each node's NIC load and the nodes crossed to ``touched``."""
         per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
             ranks, split = (r * tp, 1) if full else (r, tp)
@@ -148,7 +176,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             e[0] += ranks
             e[1] = min(e[1], split)
             e[2].append((pi, k))
-        inner, touched = 0.0, set()
+        inner = 0.0
         for g, (n, tp, stages) in per_group.items():
             if n <= 1:
                 continue
@@ -160,14 +188,13 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             c = fac[g].communication
             if len(nodes) <= 1:
                 link = groups[g].intra_node
-                b = split_bytes / tp + whole_bytes
-                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
-                     else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
+                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, link.latency) if zs >= 1
+                     else comm.allreduce(nbytes / tp, n, link.bandwidth, link.latency)) * c
                 inner = max(inner, t)
                 continue
             link = net.inter_node
-            for gn, rings in nodes.items():
-                b = (split_bytes / tp + whole_bytes) * rings
+            for gn, rings_there in nodes.items():
+                b = nbytes / tp * rings_there
                 t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
                      else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
                 inner = max(inner, t)
@@ -176,7 +203,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         cross = 0.0
         if len(per_group) > 1:
             link = net.cross_group
-            b = split_bytes / min(v[1] for v in per_group.values()) + whole_bytes
+            b = nbytes / min(v[1] for v in per_group.values())
             n_groups, gs = len(per_group), list(per_group)
             cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency)
             passes = 1
@@ -189,12 +216,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
                 cross += passes * comm.staging_time(b)
             cross *= max(fac[g].communication for g in gs)
-        t = inner + cross
-        stages_held = frozenset((pi, k) for pi, k, *_ in holders)
-        held[stages_held] = held.get(stages_held, 0.0) + t
-        for sk in stages_held:
-            own[sk] = own.get(sk, 0.0) + t
-            crossed.setdefault(sk, set()).update(touched)
+        return inner + cross
 
     L = cm.model.num_layers
     cuts = {0, L}
@@ -214,12 +236,12 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
     # layer range, embedding and head with the same holders are summed before the ring is costed,
     # so a set's latency terms count once.
-    bucket_bytes: dict[tuple, tuple[float, float]] = {}   # holders -> (bytes split over tp, whole)
+    bucket_bytes: dict[tuple, tuple[float, float, float]] = {}   # holders -> (split over tp, whole, vocabulary)
 
-    def add(holders, split, whole=0.0):
+    def add(holders, split=0.0, whole=0.0, vocab=0.0):
         key = tuple(sorted(set(holders)))
-        s0, w0 = bucket_bytes.get(key, (0.0, 0.0))
-        bucket_bytes[key] = (s0 + split, w0 + whole)
+        s0, w0, v0 = bucket_bytes.get(key, (0.0, 0.0, 0.0))
+        bucket_bytes[key] = (s0 + split, w0 + whole, v0 + vocab)
 
     model, e = cm.model, cm.grad_bytes(placement)
     G, W = cm.layer_grad_bytes(placement), model.tp_replicated_per_layer() * e
@@ -229,11 +251,11 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     words = model.vocab_size * model.hidden_size * e
     copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if model.tie_embeddings else []
     # the last stages' copy of the word embedding joins its sum; learned positions do not
-    add(firsts + copies, words)
+    add(firsts + copies, vocab=words)
     if model.position_params():
-        add(firsts, 0.0, model.position_params() * e)
+        add(firsts, whole=model.position_params() * e)
     norm = model.final_norm_params() * e
-    add(lasts, model.head_params() * e - norm, norm)
+    add(lasts, vocab=model.head_params() * e - norm, whole=norm)
     for holders, nbytes in bucket_bytes.items():
         ring(list(holders), nbytes)
     out = {}

@@ -480,12 +480,36 @@ def test_dp_sync_of_tp_replicas_sums_shards_with_or_without_zero():
 
     assert sync(0) == pytest.approx(comm.allreduce(per_rank, 2, 100e9, 0.0), rel=1e-9)
     assert sync(1) == pytest.approx(2 * comm.reduce_scatter(per_rank, 2, 100e9, 0.0), rel=1e-9)
-    # a tp2 pipeline beside a tp1 one: shards do not line up, so full tensors over all 3 ranks
-    mixed = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
-        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 2, "layers": [0, 36]}]},
-        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
-    assert StageCostModel(cluster, model).dp_sync_times(mixed)[(0, 0)] == pytest.approx(
-        comm.allreduce(nbytes, 3, 100e9, 0.0), rel=1e-9)
+
+
+def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensors():
+    """A tp2 pipeline beside a tp1 one (hetero.runtime.grads): the layers' split tensors are summed
+    in 2 chunks, each over one tp2 rank and the tp1 rank (which carries both: all the bytes over a
+    ring of 2); norms, biases, positions, and the word embedding, whose 50,257 rows do not split
+    in 2, as full tensors over all 3 ranks. Under ZeRO everything is full tensors over 3 ranks."""
+    link = {"bandwidth": "100 GB/s", "latency": 0}
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
+
+    def sync(model, zero_stage=0):
+        mixed = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "zero_stage": zero_stage,
+                                  "pipelines": [
+            {"micro_batches": 1, "stages": [{"group": "a100", "tp": 2, "layers": [0, 36]}]},
+            {"micro_batches": 1, "stages": [{"group": "a100", "tp": 1, "layers": [0, 36]}]}]})
+        return StageCostModel(cluster, model).dp_sync_times(mixed)[(0, 0)]
+
+    model = hetero.load_model(GPT)
+    nbytes = model.total_params() * 4
+    whole = (36 * model.tp_replicated_per_layer() + model.position_params() + model.final_norm_params()) * 4
+    words = model.vocab_size * model.hidden_size * 4
+    chunked = nbytes - whole - words
+    assert sync(model) == pytest.approx(comm.allreduce(chunked, 2, 100e9, 0.0)
+                                        + comm.allreduce(whole + words, 3, 100e9, 0.0), rel=1e-9)
+    assert sync(model, 1) == pytest.approx(2 * comm.reduce_scatter(nbytes, 3, 100e9, 0.0), rel=1e-9)
+    # a vocabulary of 50,258 rows splits in 2: the embedding is summed in chunks too
+    even = hetero.load_model({**GPT, "vocab_size": 50258})
+    words = even.vocab_size * even.hidden_size * 4
+    assert sync(even) == pytest.approx(comm.allreduce(chunked + words, 2, 100e9, 0.0)
+                                       + comm.allreduce(whole, 3, 100e9, 0.0), rel=1e-9)
 
 
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():

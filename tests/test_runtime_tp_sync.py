@@ -10,14 +10,14 @@ from hetero.layout import build_layout
 from test_runtime import CLUSTER, GPT, LLAMA, _assert_matches, _launch, _plan
 
 
-def _buckets(plan_dict, model=GPT):
+def _buckets(plan_dict, model=GPT, cluster=CLUSTER):
     from hetero.runtime.grads import all_peer_sets, build_buckets, param_holders
     from hetero.runtime.model import stage_param_shapes
 
     pytest.importorskip("torch")
     plan = hetero.load_plan(plan_dict)
     spec = hetero.load_model(model)
-    layout = build_layout(hetero.load_cluster(CLUSTER), plan)
+    layout = build_layout(hetero.load_cluster(cluster), plan)
     holders = param_holders(spec, plan, layout)
     out = {}
     for r in layout.ranks:
@@ -39,8 +39,47 @@ def test_peers_are_the_holders_at_the_same_tp_rank_only_when_tp_degrees_agree():
     mixed = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
                    {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 2]},
                                                    {"group": "slow", "layers": [2, 4]}]}])
-    buckets, peer_sets, _ = _buckets(mixed)
-    assert peer_sets == [] and all(b.peers is None for bs in buckets.values() for b in bs)
+    buckets, peer_sets, layout = _buckets(mixed)
+    assert all(b.peers is None for bs in buckets.values() for b in bs)
+    # tp2 beside tp1: 2 chunks, each summed by one tp2 rank and the tp1 rank holding that layer
+    info = {r.rank: r for r in layout.ranks}
+    assert peer_sets   # chunk sets: a layer's (tp2 rank, tp1 rank); the tied embedding's add the last stage
+    for rank, bs in buckets.items():
+        for b in bs:
+            assert b.num_chunks == 2
+            held = [c for c, _ in b.chunks]
+            assert held == ([info[rank].tp_rank] if info[rank].tp_size == 2 else [0, 1])
+            for c, ranks in b.chunks:
+                assert rank in ranks and set(ranks) <= set(b.ranks) and tuple(ranks) in peer_sets
+                assert [info[r].tp_rank for r in ranks if info[r].tp_size == 2] == [c]   # one of the tp2 group
+
+
+# 4 + 2 CPU devices: a tp4 pipeline beside a tp2 one
+WIDE = {**CLUSTER, "groups": [{**CLUSTER["groups"][0], "devices_per_node": 4}, CLUSTER["groups"][1]]}
+TP4_BESIDE_TP2 = [{"micro_batches": 1, "stages": [{"group": "fast", "tp": 4, "layers": [0, 4]}]},
+                  {"micro_batches": 3, "stages": [{"group": "slow", "tp": 2, "layers": [0, 4]}]}]
+
+
+def test_chunks_of_tp4_beside_tp2_are_quarters_a_tp2_rank_sums_two():
+    buckets, _, layout = _buckets(_plan(TP4_BESIDE_TP2), cluster=WIDE)
+    info = {r.rank: r for r in layout.ranks}
+    for rank, bs in buckets.items():
+        r = info[rank]
+        for b in bs:
+            assert b.num_chunks == 4
+            assert [c for c, _ in b.chunks] == list(range(r.tp_rank * 4 // r.tp_size, (r.tp_rank + 1) * 4 // r.tp_size))
+            assert all(len(ranks) == 2 for _, ranks in b.chunks)   # one rank of each pipeline
+
+
+@pytest.mark.timeout(240)
+def test_tp4_beside_tp2_sums_chunks_and_matches_the_reference(tmp_path):
+    """Pipelines of different tp degrees hold every parameter: split tensors are summed chunk by
+    chunk (quarters; a tp2 rank sums two), and the word embedding, whose 510 rows do not split into
+    4 equal chunks, with the norms and row-parallel biases as full tensors; training matches the
+    single-device reference."""
+    model = {**GPT, "name": "tiny-v510", "vocab_size": 510}
+    summary, _ = _launch(tmp_path, model, _plan(TP4_BESIDE_TP2), cluster=WIDE)
+    _assert_matches(summary, model)
 
 
 @pytest.mark.timeout(240)

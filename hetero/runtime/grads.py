@@ -15,12 +15,16 @@ Sharded tensors. A tp rank's gradient of a column/row-parallel weight is a shard
 holder of a bucket runs at the same tp degree (replicas of one stage shape, Megatron's data
 parallelism), the shards line up: each rank all-reduces its local shards, and the full gradients of
 its replicated tensors, with the holders of its own tp rank only (``Bucket.peers``), 1/tp of the
-volume. Otherwise (pipelines of different tp degrees hold the parameter) each rank first gathers
-the full gradient inside its tp group (``DTensor.full_tensor``), divides it by its tp size and
-all-reduces over the holder set: the tp copies of one replica add up to one full gradient, so the
-result is the sum over replicas whatever their tp degrees. Each rank then keeps its own shard.
-Replicated tensors of a tp group (norms, positions) get identical full gradients on every tp rank,
-and follow the same rules.
+volume. When pipelines of different tp degrees hold the parameters, a split tensor is cut into
+``T = lcm(degrees)`` equal chunks along its split dim (:func:`hetero.runtime.model.tp_shard_dim`):
+a tp rank ``j`` of degree ``t`` holds chunks ``j T/t .. (j+1) T/t - 1``, and chunk ``c`` is summed
+over the ranks holding it, one per tp group (``Bucket.chunks``), no tp gather and no rank moving
+more than its own shard. The rest (tensors every tp rank holds whole, and any whose split dim
+``T`` does not divide) is summed as full tensors: each rank gathers the full gradient inside its
+tp group (``DTensor.full_tensor``), divides it by its tp size and all-reduces over the holder set:
+the tp copies of one replica add up to one full gradient, so the result is the sum over replicas
+whatever their tp degrees. Each rank then keeps its own shard. Replicated tensors of a tp group
+(norms, positions) get identical full gradients on every tp rank, and follow the same rules.
 
 Clipping. After the reduction every holder has the same full gradient of each of its parameters
 (with ``peers``: the same shard as its peers); the squared global norm is ``sum over ranks, over
@@ -30,11 +34,12 @@ no double counting of tp shards, replicas or tied copies.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
-from hetero.runtime.model import stage_param_shapes
+from hetero.runtime.model import stage_param_shapes, tp_shard_dim
 from hetero.syncorder import in_sync_order
 
 
@@ -47,6 +52,10 @@ class Bucket:
     peers: tuple[int, ...] | None = None
     """When every holder runs at this rank's tp degree (> 1): the holders at this rank's tp rank,
     whose shards line up with its own (see the module docstring); else None."""
+    chunks: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    """When the holders run at several tp degrees: (chunk index, the ranks holding it) for each
+    chunk this rank holds, in ascending order, of :attr:`num_chunks` (see the module docstring)."""
+    num_chunks: int = 1
 
 
 def tp_peer_sets(holder_set: tuple[int, ...], layout) -> dict[int, tuple[int, ...]] | None:
@@ -62,13 +71,28 @@ def tp_peer_sets(holder_set: tuple[int, ...], layout) -> dict[int, tuple[int, ..
     return {r: tuple(sorted(by_tp[info[r].tp_rank])) for r in holder_set}
 
 
+def tp_chunk_sets(holder_set: tuple[int, ...], layout) -> list[tuple[int, ...]] | None:
+    """When ``holder_set`` runs at several tp degrees: for each of the ``T = lcm(degrees)`` chunks of
+    a split tensor, the ranks holding it (tp rank ``c t // T`` of each tp group of size ``t``);
+    else None."""
+    info = {r.rank: r for r in layout.ranks}
+    sizes = {info[r].tp_size for r in holder_set}
+    if len(sizes) < 2:
+        return None
+    T = math.lcm(*sizes)
+    return [tuple(sorted(r for r in holder_set if info[r].tp_rank == c * info[r].tp_size // T))
+            for c in range(T)]
+
+
 def all_peer_sets(holders: dict[str, tuple[int, ...]], layout) -> list[tuple[int, ...]]:
-    """Every tp-rank peer set of every holder set (process groups the sync needs; same list on all ranks)."""
+    """Every tp-rank peer set and chunk set of every holder set (process groups the sync needs;
+    same list on all ranks)."""
     out = set()
     for hs in all_holder_sets(holders):
         peers = tp_peer_sets(hs, layout)
         if peers:
             out.update(p for p in peers.values() if len(p) > 1)
+        out.update(c for c in tp_chunk_sets(hs, layout) or () if len(c) > 1)
     return sorted(out)
 
 
@@ -88,7 +112,8 @@ def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank
     """This rank's buckets (parameters grouped by holder set), in the order every rank runs them:
     the sorted holder sets of the whole model in rounds of disjoint ranks (:mod:`hetero.syncorder`),
     so pipelines with staggered stage boundaries sum their gradients at the same time. With the
-    ``layout``, a bucket whose holders share one tp degree gets its tp-rank ``peers``."""
+    ``layout``, a bucket whose holders share one tp degree gets its tp-rank ``peers``, and one whose
+    holders do not, its ``chunks``."""
     by_set: dict[tuple[int, ...], list[str]] = {}
     for name in my_names:
         by_set.setdefault(holders[name], []).append(name)
@@ -97,7 +122,10 @@ def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank
     out = []
     for ranks in sorted(by_set, key=position.__getitem__):
         peers = tp_peer_sets(ranks, layout) if layout is not None else None
-        out.append(Bucket(ranks, tuple(by_set[ranks]), peers[rank] if peers else None))
+        sets = tp_chunk_sets(ranks, layout) if layout is not None else None
+        chunks = tuple((c, s) for c, s in enumerate(sets) if rank in s) if sets else None
+        out.append(Bucket(ranks, tuple(by_set[ranks]), peers[rank] if peers else None, chunks,
+                          len(sets) if sets else 1))
     return out
 
 
@@ -171,12 +199,15 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
         if bucket.peers is not None:
             _sync_shards(bucket, params, holders, comm, by_holders)
             continue
+        names = bucket.names if bucket.chunks is None else _sync_chunks(bucket, params, comm, by_holders)
+        if not names:
+            continue
         fulls = []
-        for name in bucket.names:
+        for name in names:
             p = params[name]
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             fulls.append(full_tensor(g))
-        for name, part in zip(bucket.names, _summed(fulls, bucket.ranks, comm, tp_size)):
+        for name, part in zip(names, _summed(fulls, bucket.ranks, comm, tp_size)):
             full = part.clone()
             by_holders.setdefault(len(holders[name]), []).append(full)
             params[name].grad = shard_like(params[name], full)
@@ -207,6 +238,30 @@ def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: 
     for t, count, part in zip(locals_, counts, _summed(locals_, bucket.peers, comm)):
         t.detach().copy_(part)
         by_holders.setdefault(count, []).append(t.detach())
+
+
+def _sync_chunks(bucket: Bucket, params: dict, comm, by_holders: dict) -> list[str]:
+    """A bucket whose holders run at several tp degrees: every split tensor's chunks this rank holds
+    summed over the ranks holding each, in place (one all-reduce per chunk, in chunk order, which
+    every rank of the bucket follows); returns the names left to the full-tensor sum (held whole
+    by every tp rank, or split along a dim that the chunk count does not divide). Both lists
+    follow from global names and shapes, so every holder cuts alike."""
+    T = bucket.num_chunks
+    first = bucket.chunks[0][0]
+    cut, rest = [], []
+    for name in bucket.names:
+        p, dim = params[name], tp_shard_dim(name)
+        if dim is None or p.shape[dim] % T:   # DTensor.shape is the global shape
+            rest.append(name)
+            continue
+        cut.append((local_gradient(p)[0].detach(), dim, p.shape[dim] // T))
+    if cut:
+        for c, ranks in bucket.chunks:
+            parts = [g.narrow(dim, (c - first) * size, size) for g, dim, size in cut]
+            for part, summed in zip(parts, _summed(parts, ranks, comm)):
+                part.copy_(summed)
+                by_holders.setdefault(len(ranks), []).append(part)
+    return rest
 
 
 def local_part(t):

@@ -137,6 +137,19 @@ class Block(nn.Module):
 COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")
 ROWWISE = ("attn.wo", "mlp.w2")
 
+
+def tp_shard_dim(name: str) -> int | None:
+    """The dim of global parameter ``name`` that :func:`apply_tensor_parallel` splits over the tp
+    ranks (0: column-parallel weights and biases, the vocabulary-parallel embedding and head; 1:
+    row-parallel weights), or None for a tensor every tp rank holds whole (norms, row-parallel
+    biases, learned positions)."""
+    module, leaf = name.rsplit(".", 1)
+    if module in ("wte", "head") or module.endswith(COLWISE):
+        return 0
+    if module.endswith(ROWWISE):
+        return 1 if leaf == "weight" else None
+    return None
+
 # ---------------------------------------------------------------------------- one stage
 
 
