@@ -45,11 +45,21 @@ VECTOR = _Vector()
 
 
 def device_params(device, dtype: str) -> tuple[float, float, float, float, float]:
-    """(matrix FLOP/s, vector FLOP/s, bytes/s, compute units, L2 bytes) of a ``DeviceType``."""
-    return (float(device.matrix_flops(dtype)), float(device.vector_flops(dtype)),
+    """(matrix FLOP/s, vector FLOP/s, bytes/s, compute units, L2 bytes) of a ``DeviceType``. The
+    matrix peak is NaN where the device lists none for ``dtype``: a dtype only elementwise ops run
+    in (a bf16 model's fp32 loss on a device with half-precision matrix units alone) needs none, and
+    a matrix product in it raises (:func:`require_matrix_peak`)."""
+    matrix = float(device.matrix_flops(dtype)) if device.matrix_peak(dtype) is not None else math.nan
+    return (matrix, float(device.vector_flops(dtype)),
             float(device.effective_memory_bandwidth),
             float(device.compute_units or DEFAULT_COMPUTE_UNITS),
             float(device.l2_cache or DEFAULT_L2))
+
+
+def require_matrix_peak(device, dtype: str) -> None:
+    """Raise the device's own error (naming the peak to add) for a matrix product in ``dtype`` on a
+    ``device`` that lists no matrix peak for it (:func:`device_params`' NaN)."""
+    device.matrix_flops(dtype)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -128,6 +138,8 @@ def roofline_latency(op: str, dims, dtype: str, device) -> float:
     P, Pv, BW, _, _ = device_params(device, dtype)
     e = dtype_bytes(dtype)
     if op in GEMM_OPS:
+        if P != P:
+            require_matrix_peak(device, dtype)
         return gemm_roofline(SCALAR, 1.0 if op == "bmm" else 0.0, _dim(dims, "B"), _dim(dims, "M"),
                              _dim(dims, "N"), _dim(dims, "K"), e, P, BW)
     if op in VECTOR_OPS:

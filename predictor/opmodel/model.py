@@ -222,7 +222,10 @@ class OpModel:
     def predict(self, op: str, dims: Mapping[str, float], dtype: str, device) -> float:
         """Latency in seconds of ``op`` with ``dims`` (B, M, N, K for linear/bmm; B, H otherwise)."""
         g = dims.get
-        key = (op, g("B"), g("M"), g("N"), g("K"), g("H"), dtype, self._device_params(device, dtype))
+        params = self._device_params(device, dtype)
+        if params[0] != params[0] and F.FAMILY.get(op) == "gemm":   # no matrix peak in this dtype
+            F.require_matrix_peak(device, dtype)
+        key = (op, g("B"), g("M"), g("N"), g("K"), g("H"), dtype, params)
         return self._cached(key)
 
     def _predict_key(self, key) -> float:
@@ -258,6 +261,8 @@ class OpModel:
             k = (dt, id(dev))
             if k not in keys:
                 keys[k] = (F.dtype_bytes(dt),) + self._device_params(dev, dt)
+                if family == "gemm" and keys[k][1] != keys[k][1]:   # no matrix peak in this dtype
+                    F.require_matrix_peak(dev, dt)
             for name, v in zip(("e", "P", "Pv", "BW", "SM", "L2", "fi", "tdp"), keys[k]):
                 cols[name][i] = v
         if self.design in FLOOR_DESIGNS:
