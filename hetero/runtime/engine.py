@@ -70,7 +70,8 @@ class NativeEngine:
     def rank_sets(ctx: RunContext) -> list:
         """Every process group any rank needs (identical list on all ranks)."""
         ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
-        return ctx.tp_groups() + all_holder_sets(ctx._holders) + all_peer_sets(ctx._holders, ctx.layout)
+        return (ctx.tp_groups() + all_holder_sets(ctx._holders)
+                + all_peer_sets(ctx._holders, ctx.layout, chunks=ctx.plan.zero_stage == 0))
 
     @staticmethod
     def mesh_sets(ctx: RunContext) -> list:

@@ -84,15 +84,16 @@ def tp_chunk_sets(holder_set: tuple[int, ...], layout) -> list[tuple[int, ...]] 
             for c in range(T)]
 
 
-def all_peer_sets(holders: dict[str, tuple[int, ...]], layout) -> list[tuple[int, ...]]:
-    """Every tp-rank peer set and chunk set of every holder set (process groups the sync needs;
-    same list on all ranks)."""
+def all_peer_sets(holders: dict[str, tuple[int, ...]], layout, chunks: bool = True) -> list[tuple[int, ...]]:
+    """Every tp-rank peer set, and chunk set (``chunks``: the plain sync sums by chunk, ZeRO does
+    not), of every holder set: process groups the sync needs, the same list on all ranks."""
     out = set()
     for hs in all_holder_sets(holders):
         peers = tp_peer_sets(hs, layout)
         if peers:
             out.update(p for p in peers.values() if len(p) > 1)
-        out.update(c for c in tp_chunk_sets(hs, layout) or () if len(c) > 1)
+        if chunks:
+            out.update(c for c in tp_chunk_sets(hs, layout) or () if len(c) > 1)
     return sorted(out)
 
 
