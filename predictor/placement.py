@@ -143,21 +143,24 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
           degrees; a chunk over one rank per tp group: the lowest degree's ranks carry split /
           tp_min), then the rest as full tensors over every holder rank: the whole tensors, and the
           word embedding when T does not divide the vocabulary;
-        - holders of several tp degrees under ZeRO: full tensors over every holder rank."""
+        - holders of several tp degrees under ZeRO: full tensors over every holder rank.
+        A full-tensor sum of split tensors first gathers them inside each holder's tp group."""
         split_bytes, whole_bytes, vocab_bytes = nbytes
         tps = {h[3] for h in holders}
         if len(tps) == 1:
             # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
-            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False)]
+            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False, 0.0)]
         elif zs >= 1:
-            parts = [(split_bytes + vocab_bytes + whole_bytes, True)]
+            parts = [(split_bytes + vocab_bytes + whole_bytes, True, split_bytes + vocab_bytes)]
         else:
             aligned = cm.model.vocab_size % math.lcm(*tps) == 0
-            parts = [(split_bytes + (vocab_bytes if aligned else 0.0), False),
-                     (whole_bytes + (0.0 if aligned else vocab_bytes), True)]
+            rest = 0.0 if aligned else vocab_bytes
+            parts = [(split_bytes + vocab_bytes - rest, False, 0.0), (whole_bytes + rest, True, rest)]
         t, touched = 0.0, set()
-        for nb, full in parts:
+        for nb, full, gathered in parts:
             if nb > 0:
+                # the tp gathers run side by side in each holder's group; the sum waits for the slowest
+                t += max(cm._gather_time(g, tp, gathered) for _, _, g, tp, _ in holders) if gathered else 0.0
                 t += rings(holders, nb, full, touched)
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
         held[stages_held] = held.get(stages_held, 0.0) + t

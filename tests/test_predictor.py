@@ -486,7 +486,8 @@ def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensor
     """A tp2 pipeline beside a tp1 one (hetero.runtime.grads): the layers' split tensors are summed
     in 2 chunks, each over one tp2 rank and the tp1 rank (which carries both: all the bytes over a
     ring of 2); norms, biases, positions, and the word embedding, whose 50,257 rows do not split
-    in 2, as full tensors over all 3 ranks. Under ZeRO everything is full tensors over 3 ranks."""
+    in 2, as full tensors over all 3 ranks, after a gather inside the tp2 group. Under ZeRO
+    everything is full tensors over 3 ranks, the split ones gathered first."""
     link = {"bandwidth": "100 GB/s", "latency": 0}
     cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
 
@@ -502,9 +503,10 @@ def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensor
     whole = (36 * model.tp_replicated_per_layer() + model.position_params() + model.final_norm_params()) * 4
     words = model.vocab_size * model.hidden_size * 4
     chunked = nbytes - whole - words
-    assert sync(model) == pytest.approx(comm.allreduce(chunked, 2, 100e9, 0.0)
+    assert sync(model) == pytest.approx(comm.allreduce(chunked, 2, 100e9, 0.0) + comm.allgather(words, 2, 100e9, 0.0)
                                         + comm.allreduce(whole + words, 3, 100e9, 0.0), rel=1e-9)
-    assert sync(model, 1) == pytest.approx(2 * comm.reduce_scatter(nbytes, 3, 100e9, 0.0), rel=1e-9)
+    assert sync(model, 1) == pytest.approx(comm.allgather(nbytes - whole, 2, 100e9, 0.0)
+                                           + 2 * comm.reduce_scatter(nbytes, 3, 100e9, 0.0), rel=1e-9)
     # a vocabulary of 50,258 rows splits in 2: the embedding is summed in chunks too
     even = hetero.load_model({**GPT, "vocab_size": 50258})
     words = even.vocab_size * even.hidden_size * 4
