@@ -149,29 +149,33 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         tps = {h[3] for h in holders}
         if len(tps) == 1:
             # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
-            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False, 0.0)]
+            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False, 0.0, 1)]
         elif zs >= 1:
-            parts = [(split_bytes + vocab_bytes + whole_bytes, True, split_bytes + vocab_bytes)]
+            parts = [(split_bytes + vocab_bytes + whole_bytes, True, split_bytes + vocab_bytes, 1)]
         else:
             aligned = cm.model.vocab_size % math.lcm(*tps) == 0
             rest = 0.0 if aligned else vocab_bytes
-            parts = [(split_bytes + vocab_bytes - rest, False, 0.0), (whole_bytes + rest, True, rest)]
+            # a rank of the lowest degree sums each of its T / t_min chunks in turn
+            chunk_calls = math.lcm(*tps) // min(tps)
+            parts = [(split_bytes + vocab_bytes - rest, False, 0.0, chunk_calls), (whole_bytes + rest, True, rest, 1)]
         t, touched = 0.0, set()
-        for nb, full, gathered in parts:
+        for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
                 # the tp gathers run side by side in each holder's group; the sum waits for the slowest
                 t += max(cm._gather_time(g, tp, gathered) for _, _, g, tp, _ in holders) if gathered else 0.0
-                t += rings(holders, nb, full, touched)
+                t += rings(holders, nb, full, touched, calls)
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
         held[stages_held] = held.get(stages_held, 0.0) + t
         for sk in stages_held:
             own[sk] = own.get(sk, 0.0) + t
             crossed.setdefault(sk, set()).update(touched)
 
-    def rings(holders, nbytes, full, touched) -> float:
+    def rings(holders, nbytes, full, touched, calls: int = 1) -> float:
         """Seconds of one sum of ``nbytes`` (as if every tp rank held them whole) over ``holders``:
         over every holder rank (``full``), else each tp rank over one rank per tp group (1/tp of the
-        bytes; the lowest degree's); adds each node's NIC load and the nodes crossed to ``touched``."""
+        bytes; the lowest degree's); adds each node's NIC load and the nodes crossed to ``touched``.
+        ``calls``: collectives the busiest rank runs in a row, each over its share of the bytes
+        (a ring's or tree's time is then that of one with ``calls`` x the latency)."""
         per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
             ranks, split = (r * tp, 1) if full else (r, tp)
@@ -191,15 +195,16 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             c = fac[g].communication
             if len(nodes) <= 1:
                 link = groups[g].intra_node
-                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, link.latency) if zs >= 1
-                     else comm.allreduce(nbytes / tp, n, link.bandwidth, link.latency)) * c
+                lat = link.latency * calls
+                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, lat) if zs >= 1
+                     else comm.allreduce(nbytes / tp, n, link.bandwidth, lat)) * c
                 inner = max(inner, t)
                 continue
             link = net.inter_node
             for gn, rings_there in nodes.items():
                 b = nbytes / tp * rings_there
-                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency) if zs >= 1
-                     else comm.allreduce(b, n, link.bandwidth, link.latency)) * c
+                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency * calls) if zs >= 1
+                     else comm.allreduce(b, n, link.bandwidth, link.latency * calls)) * c
                 inner = max(inner, t)
                 node_load[gn] = node_load.get(gn, 0.0) + t
                 touched.add(gn)
@@ -208,13 +213,13 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             link = net.cross_group
             b = nbytes / min(v[1] for v in per_group.values())
             n_groups, gs = len(per_group), list(per_group)
-            cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency)
+            cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency * calls)
             passes = 1
             if zs >= 1 and len({cm._dev[g].vendor for g in gs}) > 1:
                 # hetero.comm's reduce-scatter across vendors is the hierarchical all-reduce (each rank
                 # keeps its part), and the updated parameters come back by a hierarchical all-gather:
                 # the leaders cross the bridge twice. One vendor: one reduce-scatter + all-gather ring.
-                cross += comm.allgather(b, n_groups, link.bandwidth, link.latency)
+                cross += comm.allgather(b, n_groups, link.bandwidth, link.latency * calls)
                 passes = 2
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
                 cross += passes * comm.staging_time(b)

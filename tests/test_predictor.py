@@ -507,6 +507,13 @@ def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensor
                                         + comm.allreduce(whole + words, 3, 100e9, 0.0), rel=1e-9)
     assert sync(model, 1) == pytest.approx(comm.allgather(nbytes - whole, 2, 100e9, 0.0)
                                            + 2 * comm.reduce_scatter(nbytes, 3, 100e9, 0.0), rel=1e-9)
+    # with a link latency: the tp1 rank sums its 2 chunks in turn, twice the latency terms
+    slow = {"bandwidth": "100 GB/s", "latency": "10 us"}
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": slow} for g in CLUSTER["groups"]]})
+    assert sync(model) == pytest.approx(comm.allreduce(chunked, 2, 100e9, 2 * 10e-6)
+                                        + comm.allgather(words, 2, 100e9, 10e-6)
+                                        + comm.allreduce(whole + words, 3, 100e9, 10e-6), rel=1e-9)
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
     # a vocabulary of 50,258 rows splits in 2: the embedding is summed in chunks too
     even = hetero.load_model({**GPT, "vocab_size": 50258})
     words = even.vocab_size * even.hidden_size * 4
