@@ -307,6 +307,27 @@ def test_reasons_explain_the_choice():
     assert "launch-bound" not in text  # 7B layers keep an A100 / MI250X / Ascend busy
 
 
+def test_a_tie_with_the_runner_up_is_told_as_a_tie(monkeypatch):
+    """Two different plans predicting the same tokens/s: the reason says they tie (with what differs)
+    instead of claiming a 0.0% win."""
+    import dataclasses
+
+    import hetero.planner.explain as explain_module
+
+    original = explain_module.explain
+
+    def tied(cluster, model, B, results, *rest):
+        results[1] = dataclasses.replace(results[1], prediction=results[0].prediction)
+        return original(cluster, model, B, results, *rest)
+
+    monkeypatch.setattr(explain_module, "explain", tied)
+    cluster = hetero.load_cluster(CLUSTERS / "a100-v100.yaml")
+    results = hetero.search(cluster, hetero.load_model(MODELS / "gpt3-1.3b.yaml"), global_batch_size=512, top_k=3)
+    line = next(r for r in results.reasons if "runner-up" in r)
+    assert line.startswith(f"best ties with the runner-up ({results[1].one_line}) at "), line
+    assert "beats" not in line and results[0].one_line != results[1].one_line
+
+
 def test_the_tp_or_pp_reason_says_what_the_plan_does():
     """3 layers on 8 A100s (two nodes of 4) + 4 T4s: the best plan is data parallel on the A100s alone
     (8 one-stage replicas, tp1) while the slower T4s sit idle, so the A100 group is neither the slowest
