@@ -1,10 +1,12 @@
 """Memory of one pipeline stage on one device: weights, gradients, optimizer, activations.
 
-Model states (ZeRO paper accounting, Rajbhandari et al. 2020): per parameter ``e`` bytes of
-weights and ``e`` of gradients in the model dtype; Adam keeps two fp32 moments (8 bytes); mixed
-precision (fp16/bf16) adds fp32 master weights (4 bytes): 16 bytes/param in both fp32 and mixed
-precision. ZeRO-1 shards the optimizer states (master + moments) over the stage's data-parallel
-degree, ZeRO-2 also the gradients (:func:`model_state_bytes`); a stage's peak charges ZeRO-2 as
+Model states, as the runtime's native engine holds them: fp32 parameters and gradients whatever
+the model's dtype (fp16 / bf16 compute runs under autocast), 4 + 4 bytes per parameter, and
+Adam's two fp32 moments (8 bytes): 16 bytes/param, as in the ZeRO paper's mixed-precision
+accounting (Rajbhandari et al. 2020: 2 + 2 + 12), split differently. ZeRO-1 shards the moments
+over the stage's data-parallel degree, so a mixed-precision stage keeps 8 + 8/k bytes where
+Megatron-style fp32 masters would keep 4 + 12/k; ZeRO-2 also the gradients
+(:func:`model_state_bytes`); a stage's peak charges ZeRO-2 as
 ZeRO-1, since the native engine holds gradients whole through backward (:func:`stage_memory`). As
 the runtime shards them (hetero.runtime.zero), every parameter's states are split over all ranks
 holding it, in every pipeline shape, replica and tp rank: :func:`zero_degrees` turns those holder
@@ -125,11 +127,14 @@ def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: 
 
 def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float = 1,
                       tp: int = 1) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes of ``params`` parameters (one tp rank's of ``tp``)."""
-    e = DTYPE_BYTES[dtype]
-    # Adam m, v, plus fp32 master weights in mixed precision, and under ZeRO on a tp rank, whose
-    # slice is a copy: its DTensor shards cannot be re-bound to views of a flat buffer (hetero.runtime.zero).
-    opt_per_param = 8 + (4 if e < 4 or (zero_stage >= 1 and tp > 1) else 0)
+    """(weights, gradients, optimizer) bytes of ``params`` parameters (one tp rank's of ``tp``), as
+    the native engine holds them (module docstring): fp32 parameters and gradients for every
+    ``dtype`` (``dtype`` is checked, not used: autocast computes in it)."""
+    DTYPE_BYTES[dtype]   # an unknown dtype is an error here as everywhere
+    e = 4
+    # Adam m, v, and under ZeRO on a tp rank its slice's copy: its DTensor shards cannot be re-bound
+    # to views of a flat buffer (hetero.runtime.zero).
+    opt_per_param = 8 + (4 if zero_stage >= 1 and tp > 1 else 0)
     dp = max(1, dp)
     weights = params * e
     grads = params * e / (dp if zero_stage >= 2 else 1)

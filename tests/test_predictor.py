@@ -94,13 +94,16 @@ def test_activation_memory_is_korthikanti():
 
 
 def test_model_states_zero():
-    for dtype in ("fp32", "bf16"):
+    """The native engine keeps fp32 parameters and gradients under autocast, and shards Adam's two
+    fp32 moments: mixed precision keeps 8 + 8/k bytes per parameter under ZeRO-1 (fp32 masters of
+    Megatron's layout would be 4 + 12/k)."""
+    for dtype in ("fp32", "bf16", "fp16"):
         w, g, o = M.model_state_bytes(1000, dtype)
-        assert w + g + o == 16000
+        assert (w, g, o) == (4000, 4000, 8000)
     w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=1, dp=4)
-    assert (w, g, o) == (2000, 2000, 3000)
+    assert (w, g, o) == (4000, 4000, 2000)
     w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=2, dp=4)
-    assert (w, g, o) == (2000, 500, 3000)
+    assert (w, g, o) == (4000, 1000, 2000)
 
 
 def test_zero2_peak_keeps_whole_gradients():
@@ -110,7 +113,7 @@ def test_zero2_peak_keeps_whole_gradients():
     args = ("nvidia", 1, 1, 4, "none")
     z1 = M.stage_memory(model, *args, 1, 8, 2, True, False)
     z2 = M.stage_memory(model, *args, 2, 8, 2, True, False)
-    assert z2.gradients == z1.gradients == M.stage_params(model, 4, 1, True, False) * 2
+    assert z2.gradients == z1.gradients == M.stage_params(model, 4, 1, True, False) * 4   # fp32
     assert z2.total == z1.total
 
 
