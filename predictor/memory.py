@@ -268,6 +268,7 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
     # Layer ranges between any two stage boundaries share their holders: cost them once per range
     # (the planner scores thousands of plans; a per-layer walk was a quarter of a prediction).
     cuts = sorted({0, model.num_layers} | {b for p in plan.pipelines for s in p.stages for b in s.layers})
+    at = {c: i for i, c in enumerate(cuts)}
     holders = [0] * (len(cuts) - 1)
     degrees: list[set] = [set() for _ in holders]
     firsts = lasts = wte = 0
@@ -275,7 +276,7 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
     for p in plan.pipelines:
         st = p.stages
         for s in st:
-            for j in range(cuts.index(s.layers[0]), cuts.index(s.layers[1])):
+            for j in range(at[s.layers[0]], at[s.layers[1]]):
                 holders[j] += p.replicas * s.tp
                 degrees[j].add(s.tp)
         firsts += p.replicas * st[0].tp
@@ -294,7 +295,6 @@ def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:
     upto = [0.0]
     for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
         upto.append(upto[-1] + (b - a) * (split + rep * whole(degrees[j])) / holders[j])
-    at = {c: i for i, c in enumerate(cuts)}
     vh = model.vocab_size * model.hidden_size
     norm = model.final_norm_params()
     out = []

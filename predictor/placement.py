@@ -201,25 +201,27 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
                 inner = max(inner, t)
                 continue
             link = net.inter_node
+            lat = link.latency * calls
             for gn, rings_there in nodes.items():
                 b = nbytes / tp * rings_there
-                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, link.latency * calls) if zs >= 1
-                     else comm.allreduce(b, n, link.bandwidth, link.latency * calls)) * c
+                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, lat) if zs >= 1
+                     else comm.allreduce(b, n, link.bandwidth, lat)) * c
                 inner = max(inner, t)
                 node_load[gn] = node_load.get(gn, 0.0) + t
                 touched.add(gn)
         cross = 0.0
         if len(per_group) > 1:
             link = net.cross_group
+            lat = link.latency * calls
             b = nbytes / min(v[1] for v in per_group.values())
             n_groups, gs = len(per_group), list(per_group)
-            cross = comm.allreduce(b, n_groups, link.bandwidth, link.latency * calls)
+            cross = comm.allreduce(b, n_groups, link.bandwidth, lat)
             passes = 1
             if zs >= 1 and len({cm._dev[g].vendor for g in gs}) > 1:
                 # hetero.comm's reduce-scatter across vendors is the hierarchical all-reduce (each rank
                 # keeps its part), and the updated parameters come back by a hierarchical all-gather:
                 # the leaders cross the bridge twice. One vendor: one reduce-scatter + all-gather ring.
-                cross += comm.allgather(b, n_groups, link.bandwidth, link.latency * calls)
+                cross += comm.allgather(b, n_groups, link.bandwidth, lat)
                 passes = 2
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
                 cross += passes * comm.staging_time(b)

@@ -153,10 +153,7 @@ def shard_like(like, full: torch.Tensor):
 
 def copy_full_into(p, full: torch.Tensor) -> None:
     """Write the whole tensor ``full`` into parameter ``p`` (its local shard, for a DTensor)."""
-    if hasattr(p, "to_local"):
-        p.to_local().copy_(shard_like(p, full).to_local())
-    else:
-        p.copy_(full)
+    local_part(p).copy_(local_part(shard_like(p, full)))
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

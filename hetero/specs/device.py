@@ -128,7 +128,7 @@ class DeviceType:
         if usable:
             fix += f", or use a model with dtype {' or '.join(usable)}"
         why = " (an fp32 model never runs at a half-precision or integer peak)" if dtype == "fp32" else ""
-        article = "an" if dtype[0] in "aefhilmnorsx" else "a"
+        article = _article(dtype)
         return f"no matrix peak for {article} {dtype} model: needs {need}, lists {listed}{why}", fix
 
     def matrix_flops(self, dtype: str) -> float:
@@ -158,7 +158,7 @@ class DeviceType:
         if all(self.vector_peak(d) is not None for d in (dtype, "fp32")):
             return None
         listed = ", ".join(sorted(self.peak_flops_vector)) or "nothing"
-        article = "an" if dtype[0] in "aefhilmnorsx" else "a"
+        article = _article(dtype)
         matrix = ", ".join(sorted(self.peak_flops)) or "nothing"
         return (f"no elementwise (non-matrix) fp32 peak for {article} {dtype} model: peak_flops_vector lists "
                 f"{listed}, peak_flops no fp32 entry ({matrix} there: matrix-unit peaks, not elementwise ones)",
@@ -180,6 +180,11 @@ class DeviceType:
 
 
 CATALOG_RESOURCE = ("hetero.configs", "devices.yaml")
+
+
+def _article(dtype: str) -> str:
+    """'an' or 'a' before a dtype's name as read aloud ("an fp32", "a bf16")."""
+    return "an" if dtype[0] in "aefhilmnorsx" else "a"
 
 
 def _merge(base: dict, override: dict) -> dict:
