@@ -122,4 +122,13 @@ def predict_iteration_time(ctx) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # A failed rank can still have a collective in flight on a Gloo thread. The interpreter's
+        # normal teardown then destroys that thread joinable, and C++ aborts with "terminate called
+        # without an active exception" after hetero's report. The report is written and printed by
+        # now, so skip the teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
