@@ -133,31 +133,31 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
 
     def ring(holders, nbytes):
-        """holders: list of (pi, k, group, tp, replicas); nbytes: (bytes split over tp, bytes every tp
-        rank holds whole, bytes of the word embedding, split over tp by vocabulary rows); adds the
-        sync time to each holder. As hetero.runtime.grads and hetero.runtime.zero sum:
+        """holders: list of (pi, k, group, tp, replicas); nbytes: ({size of the split dim: bytes of
+        the tensors tp splits along it}, bytes every tp rank holds whole); adds the sync time to
+        each holder. As hetero.runtime.grads and hetero.runtime.zero sum:
 
         - holders of one tp degree: each tp rank sums (ZeRO: shards) its own tensors with its peers,
           rings of replicas over split / tp + whole bytes;
         - holders of several tp degrees, no ZeRO: split tensors chunk by chunk (T = lcm of the
           degrees; a chunk over one rank per tp group: the lowest degree's ranks carry split /
-          tp_min), then the rest as full tensors over every holder rank: the whole tensors, and the
-          word embedding when T does not divide the vocabulary;
+          tp_min), then the rest as full tensors over every holder rank: the whole tensors, and
+          every split tensor whose split dim T does not divide (an ffn width, a vocabulary);
         - holders of several tp degrees under ZeRO: full tensors over every holder rank.
         A full-tensor sum of split tensors first gathers them inside each holder's tp group."""
-        split_bytes, whole_bytes, vocab_bytes = nbytes
+        split, whole_bytes = nbytes
+        split_bytes = sum(split.values())
         tps = {h[3] for h in holders}
         if len(tps) == 1:
             # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
-            parts = [(split_bytes + vocab_bytes + whole_bytes * tps.pop(), False, 0.0, 1)]
+            parts = [(split_bytes + whole_bytes * tps.pop(), False, 0.0, 1)]
         elif zs >= 1:
-            parts = [(split_bytes + vocab_bytes + whole_bytes, True, split_bytes + vocab_bytes, 1)]
+            parts = [(split_bytes + whole_bytes, True, split_bytes, 1)]
         else:
-            aligned = cm.model.vocab_size % math.lcm(*tps) == 0
-            rest = 0.0 if aligned else vocab_bytes
+            T = math.lcm(*tps)
+            rest = sum(b for size, b in split.items() if size % T)
             # a rank of the lowest degree sums each of its T / t_min chunks in turn
-            chunk_calls = math.lcm(*tps) // min(tps)
-            parts = [(split_bytes + vocab_bytes - rest, False, 0.0, chunk_calls), (whole_bytes + rest, True, rest, 1)]
+            parts = [(split_bytes - rest, False, 0.0, T // min(tps)), (whole_bytes + rest, True, rest, 1)]
         t, touched = 0.0, set()
         for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
@@ -246,26 +246,30 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
     # layer range, embedding and head with the same holders are summed before the ring is costed,
     # so a set's latency terms count once.
-    bucket_bytes: dict[tuple, tuple[float, float, float]] = {}   # holders -> (split over tp, whole, vocabulary)
+    bucket_bytes: dict[tuple, tuple[dict, float]] = {}   # holders -> ({split dim size: bytes}, whole)
 
-    def add(holders, split=0.0, whole=0.0, vocab=0.0):
+    def add(holders, split=(), whole=0.0):
         key = tuple(sorted(set(holders)))
-        s0, w0, v0 = bucket_bytes.get(key, (0.0, 0.0, 0.0))
-        bucket_bytes[key] = (s0 + split, w0 + whole, v0 + vocab)
+        by_size, w0 = bucket_bytes.get(key, ({}, 0.0))
+        for size, nb in split:
+            by_size[size] = by_size.get(size, 0.0) + nb
+        bucket_bytes[key] = (by_size, w0 + whole)
 
     model, e = cm.model, cm.grad_bytes(placement)
-    G, W = cm.layer_grad_bytes(placement), model.tp_replicated_per_layer() * e
+    W = model.tp_replicated_per_layer() * e
+    layer_split = [(size, float(n * e)) for size, n in model.tp_split_per_layer().items()]
     for a, b in zip(cuts, cuts[1:]):
-        add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1], (G - W) * (b - a),
-            W * (b - a))
-    words = model.vocab_size * model.hidden_size * e
+        add([(pi, k, g, tp, r) for s0, s1, pi, k, g, tp, r in holders_at if s0 <= a < s1],
+            [(size, nb * (b - a)) for size, nb in layer_split], W * (b - a))
+    V = model.vocab_size
+    words = V * model.hidden_size * e
     copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if model.tie_embeddings else []
     # the last stages' copy of the word embedding joins its sum; learned positions do not
-    add(firsts + copies, vocab=words)
+    add(firsts + copies, [(V, words)])
     if model.position_params():
         add(firsts, whole=model.position_params() * e)
     norm = model.final_norm_params() * e
-    add(lasts, vocab=model.head_params() * e - norm, whole=norm)
+    add(lasts, [(V, model.head_params() * e - norm)], whole=norm)
     for holders, nbytes in bucket_bytes.items():
         ring(list(holders), nbytes)
     out = {}

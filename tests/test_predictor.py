@@ -524,6 +524,57 @@ def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensor
                                        + comm.allreduce(whole, 3, 100e9, 0.0), rel=1e-9)
 
 
+def test_dp_sync_of_tp3_beside_tp2_sums_an_ffn_that_6_chunks_do_not_divide_as_full_tensors():
+    """tp3 beside tp2 (T = 6 chunks) with an ffn width of 4,100 (not a multiple of 6): the runtime
+    (hetero.runtime.grads._sync_chunks) sums the up, gate and down weights as full tensors over all
+    5 ranks after a gather inside each tp group (the tp3 one's is slower), like a vocabulary that
+    does not split; q, k, v, out (hidden and kv widths: multiples of the 6 heads' degrees) and the
+    embedding and head (32,004 rows) in chunks, a tp2 rank carrying half their bytes. At 4,104 the
+    ffn splits too."""
+    link = {"bandwidth": "100 GB/s", "latency": 0}
+    cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
+    plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "pipelines": [
+        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 3, "layers": [0, 4]}]},
+        {"micro_batches": 1, "stages": [{"group": "a100", "tp": 2, "layers": [0, 4]}]}]})
+    llama = {"name": "l", "architecture": "llama", "num_layers": 4, "hidden_size": 1536, "num_attention_heads": 12,
+             "num_kv_heads": 6, "vocab_size": 32004, "seq_length": 128, "dtype": "bf16"}
+
+    def sync(model):
+        return StageCostModel(cluster, model).dp_sync_times(plan)[(0, 0)]
+
+    model = hetero.load_model({**llama, "ffn_hidden_size": 4100})
+    nbytes = model.total_params() * 4   # bf16: gradients summed in fp32
+    whole = (4 * model.tp_replicated_per_layer() + model.final_norm_params()) * 4
+    ffn = 4 * 3 * model.hidden_size * 4100 * 4
+    assert sync(model) == pytest.approx(comm.allreduce((nbytes - whole - ffn) / 2, 2, 100e9, 0.0)
+                                        + comm.allgather(ffn, 3, 100e9, 0.0)
+                                        + comm.allreduce(whole + ffn, 5, 100e9, 0.0), rel=1e-9)
+    even = hetero.load_model({**llama, "ffn_hidden_size": 4104})
+    nbytes = even.total_params() * 4
+    assert sync(even) == pytest.approx(comm.allreduce((nbytes - whole) / 2, 2, 100e9, 0.0)
+                                       + comm.allreduce(whole, 5, 100e9, 0.0), rel=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_tp_split_per_layer_is_the_runtime_split(arch):
+    """ModelSpec.tp_split_per_layer (what the predictor's DP sync chunks or not) groups a block's
+    parameters by the size of the dim the runtime splits (hetero.runtime.model.tp_shard_dim)."""
+    import math
+
+    pytest.importorskip("torch")
+    from hetero.runtime.model import stage_param_shapes, tp_shard_dim
+
+    model = hetero.load_model({"name": "m", "architecture": arch, "num_layers": 1, "hidden_size": 96,
+                               "num_attention_heads": 6, "num_kv_heads": 2 if arch == "llama" else None,
+                               "ffn_hidden_size": 100, "vocab_size": 70, "seq_length": 8})
+    by_size: dict[int, int] = {}
+    for name, shape in stage_param_shapes(model, (0, 1), False, False).items():
+        dim = tp_shard_dim(name)
+        if dim is not None:
+            by_size[shape[dim]] = by_size.get(shape[dim], 0) + math.prod(shape)
+    assert by_size == model.tp_split_per_layer()
+
+
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
     """ZeRO-1 with holders on two vendors: hetero.comm's cross-vendor reduce-scatter is the
     hierarchical all-reduce, and the parameters come back by a hierarchical all-gather, so the

@@ -141,6 +141,21 @@ class ModelSpec:
         h = self.hidden_size
         return 4 * h + 2 * h if self.has_bias else 2 * h
 
+    def tp_split_per_layer(self) -> dict[int, int]:
+        """Parameters of one block that tensor parallelism splits, by the size of the dim it splits
+        (the runtime's ``tp_shard_dim``): the column-parallel q, k, v, up (and gate) weights and
+        biases along their output width (hidden, kv, ffn), the row-parallel output and down weights
+        along their input width (hidden, ffn). Adds up to ``params_per_layer() -
+        tp_replicated_per_layer()``."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_dim
+        b = 1 if self.has_bias else 0
+        up = 2 if self.gated_mlp else 1
+        out: dict[int, int] = {}
+        for size, n in ((h, h * h + b * h), (kv, 2 * (h * kv + b * kv)), (h, h * h),   # q; k, v; out
+                        (f, up * (h * f + b * f)), (f, f * h)):                        # up (gate); down
+            out[size] = out.get(size, 0) + n
+        return out
+
     def position_params(self) -> int:
         """Learned position embeddings (gpt; none for llama's RoPE), whole on every tp rank."""
         return self.seq_length * self.hidden_size if self.architecture == "gpt" else 0
