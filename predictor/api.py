@@ -256,7 +256,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                 inflight = _weighted_in_flight(cm.model, stages, i, phys, plan.schedule, m, v, mbs, recompute)
             dp = zero_dp[pi][i] if zero_dp else p.replicas
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last)
-            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp)
+            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)
             opt_max = max(opt_max, opt)
             dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)
             stage_preds.append(StagePrediction(

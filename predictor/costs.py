@@ -46,8 +46,10 @@ from .factors import IDENTITY, CalibrationFactors
 from .optime import ROOFLINE, op_cost, op_model_for, stream_split
 
 OPTIMIZER_BYTES_PER_PARAM = 28
-"""Adam step traffic per parameter: read grad (4), read+write master, m, v (24); mixed precision
-also writes the model-dtype copy (+e)."""
+"""Adam step traffic per fp32 parameter: read grad (4), read+write parameter, m, v (24). hetero's
+runtime keeps fp32 parameters under autocast and updates them in place, nothing more; Megatron-LM's
+mixed precision also writes the model-dtype copy of its fp32 master weights (+e, see
+:meth:`StageCostModel.optimizer_time`)."""
 GRAD_NORM_BYTES_PER_PARAM = 4
 """The step's gradient-norm pass (clipping needs the global norm before AdamW runs): one read of
 each fp32 gradient."""
@@ -257,11 +259,14 @@ class StageCostModel:
         return n * lf, n * lb
 
     def optimizer_time(self, group: str, tp: int, layers, first: bool, last: bool,
-                       zero_stage: int = 0, dp: int = 1) -> float:
+                       zero_stage: int = 0, dp: int = 1, placement: str = "packed") -> float:
         """The optimizer step of one device's shard, the gradient-norm pass and Adam: memory-bound over
         params, grads and states (or, on a CPU profiled with block probes, the measured seconds per
-        parameter)."""
-        key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp)
+        parameter). An fp16 / bf16 model under ``megatron`` also writes the model-dtype copy of
+        the updated fp32 master weights (+e bytes per parameter); hetero's runtime (``packed``)
+        updates its fp32 parameters in place and has no such copy."""
+        copy = self.e if placement == "megatron" and self.e < 4 else 0
+        key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp, copy)
         hit = self._cache.get(key)
         if hit is None:
             params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
@@ -277,7 +282,7 @@ class StageCostModel:
             if measured is not None:
                 hit = self._cache[key] = measured * self._factors[group].compute
             else:
-                per = GRAD_NORM_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM + (self.e if self.e < 4 else 0)
+                per = GRAD_NORM_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM + copy
                 hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
                                           * self._factors[group].compute)
         return hit

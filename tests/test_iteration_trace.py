@@ -157,7 +157,7 @@ class _HandCosts(StageCostModel):
     def p2p_time(self, *args, **kwargs):
         return 0.5
 
-    def optimizer_time(self, group, tp, layers, first, last, zero_stage=0, dp=1):
+    def optimizer_time(self, group, tp, layers, first, last, zero_stage=0, dp=1, placement="packed"):
         return 0.125 if first else 0.375
 
     def dp_sync_plan(self, plan, placement="packed"):

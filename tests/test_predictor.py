@@ -402,6 +402,28 @@ def test_dp_sync_grows_with_model_size(inputs):
     assert times[0] < times[1] < times[2]
 
 
+def test_native_optimizer_step_of_a_bf16_model_writes_no_model_dtype_copy(inputs):
+    """hetero's runtime keeps fp32 parameters under autocast and AdamW updates them in place: the
+    gradient-norm pass (4 bytes per parameter) and AdamW (28). Megatron-LM's mixed precision also
+    writes the bf16 copy of its fp32 master weights: 2 bytes per parameter more, in predict() too.
+    An fp32 model has no copy under either."""
+    cluster, model, plan = inputs   # bf16
+    cm = StageCostModel(cluster, model)
+    bw = cm.device("a100").effective_memory_bandwidth
+    for zero_stage, dp in ((0, 1), (1, 4)):
+        params = M.stage_params(model, 20, 2, True, False) / dp
+        native = cm.optimizer_time("a100", 2, (0, 20), True, False, zero_stage, dp)
+        megatron = cm.optimizer_time("a100", 2, (0, 20), True, False, zero_stage, dp, placement="megatron")
+        assert native == pytest.approx(params * 32 / bw, rel=1e-12)
+        assert megatron - native == pytest.approx(params * 2 / bw, rel=1e-9)
+    packed, meg = (predict(cluster, model, plan, placement=pl).pipelines[0].stages[0] for pl in ("packed", "megatron"))
+    assert meg.optimizer_time_s - packed.optimizer_time_s == pytest.approx(
+        M.stage_params(model, 20, 2, True, False) * 2 / bw, rel=1e-9)
+    fp32 = StageCostModel(cluster, hetero.load_model({**GPT, "dtype": "fp32"}))
+    assert fp32.optimizer_time("a100", 2, (0, 20), True, False) == fp32.optimizer_time(
+        "a100", 2, (0, 20), True, False, placement="megatron")
+
+
 def test_dp_sync_zero_when_no_replicas(inputs):
     cluster, model, _ = inputs
     plan = hetero.load_plan({"global_batch_size": 8, "micro_batch_size": 1, "pipelines": [
