@@ -21,7 +21,7 @@ $(VENV)/.installed: setup.py
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m hetero validate configs/clusters/*.yaml configs/models/*.yaml
+	$(PY) -m hetero validate configs/clusters/*.yaml configs/models/*.yaml configs/examples.yaml
 	$(PY) -m hetero devices
 	$(PY) -m hetero env
 	bash scripts/demo.sh $(PY)

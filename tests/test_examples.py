@@ -58,3 +58,24 @@ def test_validate_checks_the_examples_index_entry_by_entry():
     assert lines[0] == f"ok    {index} (examples) {len(EXAMPLES)} entries"
     assert lines[1:] == [f"ok    {index} examples[{i}] (example) plan {e['plan']} fits {e['cluster']} / {e['model']}"
                          for i, e in enumerate(EXAMPLES)]
+
+
+def test_make_demo_validates_the_examples_index():
+    """`make demo` validates the shipped configs before planning: the examples index too, and it
+    passes (the recipe's `hetero validate` lines, run as written, from the repository root)."""
+    import glob
+    import re
+    import shlex
+
+    from conftest import REPO
+
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    lines = [shlex.split(line.strip()) for line in recipe.splitlines() if "hetero validate" in line]
+    assert lines
+    validated = []
+    for words in lines:
+        args = [f for w in words[words.index("validate") + 1:] for f in sorted(glob.glob(w, root_dir=REPO)) or [w]]
+        validated += args
+        proc = run_cli("validate", *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "configs/examples.yaml" in validated
