@@ -284,3 +284,32 @@ def test_a_failed_output_write_leaves_nothing_behind_for_every_command(tmp_path,
             assert "Traceback" not in err
         assert old.read_text() == "old"
         assert sorted(tmp_path.rglob("*")) == sorted(before + [old]), sorted(tmp_path.rglob("*"))
+
+
+def test_a_writer_handed_the_output_names_its_option_when_the_path_fails(tmp_path, monkeypatch, capsys):
+    """Plan.save, Calibration.save and the profile writers check the path again when they write
+    (the missing directories are made then): a failure there names the option, not "output".
+    `calibrate -o` under /proc passes the early check as root (who may write anywhere) and fails to
+    make the directory; then, the early check passed over (the path changed after it), a file
+    standing where `plan -o` and `calibrate -o` must make a directory."""
+    import hetero
+    from hetero.cli import main
+    from test_calibration import CLUSTER as LAB
+    from test_calibration import synthetic_runs, write_runs
+
+    lab = tmp_path / "lab.yaml"
+    lab.write_text(yaml.safe_dump(LAB))
+    runs = write_runs(tmp_path / "runs.csv", synthetic_runs(hetero.load_cluster(LAB))[:12])
+    calibrate = ["calibrate", "--cluster", str(lab), "--runs", str(runs), "-o"]
+    proc = run_cli(*calibrate, "/proc/forbidden/cal.json")
+    assert_bad_input(proc, "error: -o /proc/forbidden/cal.json: cannot create")
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    monkeypatch.setattr("hetero.cli._common.check_output", lambda path, flag: None)
+    for args in (calibrate, PLAN_ARGS):
+        out = blocker / "sub" / "out"
+        assert main([*args, str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"error: -o {out}: cannot create its directory: {blocker} is not a directory" in err, err
+        assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "lab.yaml", "runs.csv"]

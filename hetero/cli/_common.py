@@ -56,15 +56,17 @@ def write_output(path, flag: str, content) -> None:
     directory that then replaces ``path`` (:func:`hetero.specs.io.write_text_atomic`), and a failed
     write leaves neither a partial file nor a directory it made (an existing file keeps its old
     content). ``content``: the text, or a writer ``content(path)`` built on ``write_text_atomic``
-    (``Plan.save``, ``Calibration.save``). A failure is an error naming ``flag`` and the path."""
+    (``Plan.save``, ``Calibration.save``), whose errors name ``flag`` too (:func:`output_named`).
+    A failure is an error naming ``flag`` and the path."""
     from hetero.errors import HeteroError
-    from hetero.specs.io import write_text_atomic
+    from hetero.specs.io import output_named, write_text_atomic
 
     try:
         if isinstance(content, str):
             write_text_atomic(path, content, flag)
         else:
-            content(path)
+            with output_named(flag):
+                content(path)
     except OSError as e:
         raise HeteroError(f"{flag} {path}: cannot write it: {e.strerror or e} (fix: check the path, its "
                           f"permissions and free space)") from None

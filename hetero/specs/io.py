@@ -1,6 +1,8 @@
 """Reading spec files (YAML, safe loader only, duplicate keys refused) and writing them back atomically."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import stat
 import tempfile
@@ -178,6 +180,21 @@ def _check_kind(data: dict, what: str, source: str) -> tuple[dict, str]:
     return data, source
 
 
+_OUTPUT_NAME = contextvars.ContextVar("output_name", default="output")
+
+
+@contextlib.contextmanager
+def output_named(what: str):
+    """Inside the block, an output written without a name of its own (a writer such as
+    ``Plan.save``, ``Calibration.save`` or a profile writer, handed the path by the CLI) is named
+    ``what`` in errors (``-o``, ``--timeline``), not "output"."""
+    token = _OUTPUT_NAME.set(what)
+    try:
+        yield
+    finally:
+        _OUTPUT_NAME.reset(token)
+
+
 def write_yaml_atomic(path, data: dict, header: str = "") -> None:
     """Write ``data`` as YAML to ``path`` with :func:`write_text_atomic`."""
     text = (header if header.endswith("\n") or not header else header + "\n")
@@ -185,13 +202,15 @@ def write_yaml_atomic(path, data: dict, header: str = "") -> None:
     write_text_atomic(path, text)
 
 
-def write_text_atomic(path, text: str, what: str = "output") -> None:
+def write_text_atomic(path, text: str, what: str | None = None) -> None:
     """Write ``text`` to ``path`` via a temporary file in its directory, so a reader never sees half
     of it: every output file is written this way. Missing parent directories are made; when the
     write fails, neither the temporary file nor a directory made for it is left behind, and an
     existing file keeps its old content. A symbolic link is written through (the link stays), a
     device or directory is refused, and the file gets the mode a plain ``open`` would give it (an
-    existing file keeps its own). ``what`` names the output in errors (``-o``, ``--timeline``)."""
+    existing file keeps its own). ``what`` names the output in errors (``-o``, ``--timeline``);
+    without it, the name an enclosing :func:`output_named` gives, else "output"."""
+    what = what or _OUTPUT_NAME.get()
     path = check_output_path(path, what)
     made = _make_parents(path, what)
     if path.exists():
