@@ -6,8 +6,8 @@ recomputation as Megatron does it (torch.utils.checkpoint: full, each block; sel
 attention core).
 Measured: the persistent tensors (weights, gradients kept with zero_grad(set_to_none=False) as
 Megatron's grad buffer does, Adam moments after a warm-up step) plus the peak storage bytes of
-tensors live at once during the second step, tracked by a TorchDispatchMode (every op's outputs,
-released by weakref finalizers when their last tensor dies).
+tensors live at once during the second step, tracked by hetero.memplan's AllocationRecorder (a
+TorchDispatchMode: every op's new storages, freed when their last tensor dies).
 
     python benchmarks/bench_memory.py            # prints a table, writes benchmarks/out/memory.json
 """
@@ -115,56 +115,13 @@ def measure(layers, hidden, heads, seq, mbs, vocab, recompute="none", seed=0) ->
         persistent_tensors += [v for v in st.values() if torch.is_tensor(v)]
     persistent_tensors += list(model.buffers())
     persistent = sum(t.numel() * t.element_size() for t in persistent_tensors if t.dim() > 0)
-    tracker = LiveBytes(ignore={t.untyped_storage().data_ptr() for t in persistent_tensors})
+    from hetero.memplan import AllocationTrace
+    from hetero.memplan.record import AllocationRecorder
+
+    tracker = AllocationRecorder(ignore={t.untyped_storage()._cdata for t in persistent_tensors})
     with tracker:
         step()
-    return persistent + tracker.peak
-
-
-class LiveBytes:
-    """A TorchDispatchMode that tracks the storage bytes of live tensors created inside it
-    (views share their base's storage; a storage counts until its last tensor dies)."""
-
-    def __new__(cls, ignore=()):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ignore = set(ignore)
-                self.refs: dict[int, int] = {}
-                self.sizes: dict[int, int] = {}
-                self.live = 0
-                self.peak = 0
-
-            def _release(self, key):
-                self.refs[key] -= 1
-                if self.refs[key] == 0:
-                    del self.refs[key]
-                    self.live -= self.sizes.pop(key)
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import weakref
-
-                out = func(*args, **(kwargs or {}))
-                for t in torch.utils._pytree.tree_leaves(out):
-                    if not isinstance(t, torch.Tensor):
-                        continue
-                    st = t.untyped_storage()
-                    key = st.data_ptr()
-                    if key in self.ignore or st.nbytes() == 0:
-                        continue
-                    if key not in self.refs:
-                        self.refs[key] = 0
-                        self.sizes[key] = st.nbytes()
-                        self.live += st.nbytes()
-                        self.peak = max(self.peak, self.live)
-                    self.refs[key] += 1
-                    weakref.finalize(t, self._release, key)
-                return out
-
-        return _Mode()
+    return persistent + AllocationTrace(tracker.events).lower_bound_bytes()
 
 
 def predicted(layers, hidden, heads, seq, mbs, vocab, recompute="none") -> float:

@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # Order is the order of ``hetero --help``.
-COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch")
+COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan")
 
 
 def build_parser() -> argparse.ArgumentParser:

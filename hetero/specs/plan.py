@@ -210,10 +210,9 @@ def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | N
 def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<plan>") -> None:
     """Raise SpecError listing every rule of SCHEMAS.md that ``plan`` breaks for this cluster/model."""
     problems = Problems(source=source)
-    L = model.num_layers
+    _model_rules(plan, model, problems, skip=lambda s: s.group not in cluster.group_names)
     for pi, p in enumerate(plan.pipelines):
         ppath = join_path(join_path("pipelines", pi), "stages")
-        _check_coverage(p.stages, L, ppath, problems)
         for si, s in enumerate(p.stages):
             spath = join_path(ppath, si)
             if s.group not in cluster.group_names:
@@ -221,12 +220,6 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
                              did_you_mean(s.group, cluster.group_names))
                 continue
             g = cluster.group(s.group)
-            heads, kv = model.num_attention_heads, model.num_kv_heads
-            if heads % s.tp or kv % s.tp:
-                problems.add(join_path(spath, "tp"),
-                             f"tp={s.tp} does not divide num_attention_heads={heads}"
-                             + (f" and num_kv_heads={kv}" if kv != heads else ""),
-                             f"use a tp that divides {kv if kv != heads else heads}")
             if s.tp > g.devices_per_node:
                 problems.add(join_path(spath, "tp"),
                              f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}'",
@@ -240,6 +233,28 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
     # the model's dtype on the devices the plan uses (named in the cluster file, where the fix goes)
     problems.items.extend(model_problems(cluster, model, {s.group for p in plan.pipelines for s in p.stages}))
     problems.raise_if_any()
+
+
+def check_plan_model(plan: Plan, model: ModelSpec, source: str = "<plan>") -> None:
+    """Raise SpecError listing the rules ``plan`` breaks for ``model`` alone, without a cluster:
+    stages cover the model's layers, and every tp divides the head counts."""
+    problems = Problems(source=source)
+    _model_rules(plan, model, problems)
+    problems.raise_if_any()
+
+
+def _model_rules(plan: Plan, model: ModelSpec, problems: Problems, skip=lambda s: False) -> None:
+    """The rules between a plan and a model (``skip``: stages judged otherwise, e.g. of an unknown group)."""
+    heads, kv = model.num_attention_heads, model.num_kv_heads
+    for pi, p in enumerate(plan.pipelines):
+        ppath = join_path(join_path("pipelines", pi), "stages")
+        _check_coverage(p.stages, model.num_layers, ppath, problems)
+        for si, s in enumerate(p.stages):
+            if not skip(s) and (heads % s.tp or kv % s.tp):
+                problems.add(join_path(join_path(ppath, si), "tp"),
+                             f"tp={s.tp} does not divide num_attention_heads={heads}"
+                             + (f" and num_kv_heads={kv}" if kv != heads else ""),
+                             f"use a tp that divides {kv if kv != heads else heads}")
 
 
 def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> None:

@@ -1,0 +1,163 @@
+"""What PyTorch's CUDA caching allocator reserves for a trace: a replay of its block policy.
+
+The policy is ``c10/cuda/CUDACachingAllocator.cpp``'s with its default settings (no
+``max_split_size_mb``, no ``expandable_segments``, no ``roundup_power2_divisions``, no memory
+cap, so no segment is ever released):
+
+- a request is rounded up to a multiple of 512 bytes (512 at least);
+- requests of at most 1 MiB come from the small pool, larger ones from the large pool;
+- a request takes the smallest free cached block of its pool that holds it (best fit, lowest address
+  among equals); with none, a new segment is reserved: 2 MiB for a small request, 20 MiB for a
+  large one under 10 MiB, else the request rounded up to 2 MiB;
+- a block larger than the request is split when the rest is worth keeping: at least 512 bytes in
+  the small pool, more than 1 MiB in the large pool (a smaller rest stays inside the block, unused);
+- a freed block merges with free neighbours of its segment.
+
+Reserved bytes only grow, so the peak reserved is the reserved at the end. The difference to the
+trace's lower bound is fragmentation: rounding, unsplit rests, and free blocks too small or in the
+wrong pool for the requests that come.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from hetero.memplan.trace import AllocationTrace
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20            # kSmallSize: the small pool's largest request
+SMALL_BUFFER = 2 << 20          # kSmallBuffer: a small-pool segment
+LARGE_BUFFER = 20 << 20         # kLargeBuffer: a large-pool segment for requests under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
+ROUND_LARGE = 2 << 20           # kRoundLarge: larger requests reserve their size rounded to this
+
+
+def round_size(size: int) -> int:
+    """The bytes a request of ``size`` occupies (a multiple of 512, at least 512)."""
+    return MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * -(-size // MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The bytes reserved for a new segment when no cached block holds a request of ``size``."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * -(-size // ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    small: bool
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+@dataclass
+class CachingResult:
+    """``reserved_bytes``: segment bytes at the end (the peak); ``segments``: how many were reserved;
+    ``peak_allocated_bytes``: the most bytes in blocks handed out at once (rounded requests and
+    unsplit rests)."""
+    reserved_bytes: int
+    segments: int
+    peak_allocated_bytes: int
+
+
+class CachingAllocatorModel:
+    """The caching allocator's block bookkeeping, without memory: :meth:`malloc` and :meth:`free`
+    return and take virtual addresses."""
+
+    def __init__(self):
+        self._free = {True: [], False: []}   # per pool (small?): sorted (size, addr) of free blocks
+        self._blocks: dict[int, _Block] = {}  # addr -> block, every block of every segment
+        self._top = 0                         # next segment's virtual address
+        self.reserved = 0
+        self.segments = 0
+        self.allocated = 0
+        self.peak_allocated = 0
+
+    def _insert_free(self, b: _Block) -> None:
+        bisect.insort(self._free[b.small], (b.size, b.addr))
+
+    def _remove_free(self, b: _Block) -> None:
+        pool = self._free[b.small]
+        del pool[bisect.bisect_left(pool, (b.size, b.addr))]
+
+    def malloc(self, size: int) -> int:
+        """A block for a request of ``size`` bytes; returns its address."""
+        size = round_size(size)
+        small = size <= SMALL_SIZE
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i < len(pool):
+            b = self._blocks[pool[i][1]]
+            del pool[i]
+        else:
+            seg = segment_size(size)
+            b = _Block(self._top, seg, small)
+            self._blocks[b.addr] = b
+            self._top += seg
+            self.reserved += seg
+            self.segments += 1
+        rest = b.size - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
+            tail = _Block(b.addr + size, rest, small, True, b, b.next)
+            if b.next is not None:
+                b.next.prev = tail
+            b.next, b.size = tail, size
+            self._blocks[tail.addr] = tail
+            self._insert_free(tail)
+        b.free = False
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b.addr
+
+    def free(self, addr: int) -> None:
+        """Return the block at ``addr`` to its pool, merged with free neighbours of its segment."""
+        b = self._blocks[addr]
+        b.free = True
+        self.allocated -= b.size
+        for other in (b.prev, b.next):
+            if other is not None and other.free:
+                self._remove_free(other)
+                first, second = (other, b) if other is b.prev else (b, other)
+                first.size += second.size
+                first.next = second.next
+                if second.next is not None:
+                    second.next.prev = first
+                del self._blocks[second.addr]
+                b = first
+        self._insert_free(b)
+
+
+def simulate_caching_allocator(trace: AllocationTrace) -> CachingResult:
+    """Replay ``trace`` through :class:`CachingAllocatorModel`. A block the trace frees without its
+    allocation (recorded before the trace began) is allocated at the start."""
+    model = CachingAllocatorModel()
+    addr: dict[int, int] = {}
+    for blk_key, size in _allocated_before(trace):
+        addr[blk_key] = model.malloc(size)
+    for kind, key, size in trace.events:
+        if kind == "alloc":
+            if key in addr:   # an id reused without its free in the trace
+                model.free(addr.pop(key))
+            addr[key] = model.malloc(size)
+        elif key in addr:
+            model.free(addr.pop(key))
+    return CachingResult(model.reserved, model.segments, model.peak_allocated)
+
+
+def _allocated_before(trace: AllocationTrace) -> list[tuple[int, int]]:
+    """(id, size) of the blocks the trace frees before (or without) allocating them."""
+    live, before = set(), []
+    for kind, key, size in trace.events:
+        if kind == "alloc":
+            live.add(key)
+        elif key in live:
+            live.discard(key)
+        else:
+            before.append((key, size))
+    return before

@@ -1,0 +1,187 @@
+"""Record the allocation trace of one stage's training steps, without the memory they take.
+
+The stage is the runtime's own (:class:`hetero.runtime.model.StageModel`), its micro-batches run in
+the order the plan's schedule gives that stage (:func:`hetero.runtime.pipeline.schedule_actions`),
+under the autocast the runtime uses for the model's dtype, with the runtime's AdamW. Everything runs
+on fake tensors (``torch._subclasses.FakeTensorMode``): shapes, dtypes and storages without data, so
+a 7B-parameter stage records on a laptop in seconds. A dispatch mode above it notes each new
+storage an op returns (an allocation) and the moment its last tensor dies (a free).
+
+What the trace leaves out, and why it is still the step's shape: tensor-parallel collectives (their
+buffers are the size of the activations beside them), kernels' internal workspaces, and the
+receive buffers of pipeline neighbours (modelled: an activation per forward, a gradient per
+backward, as the runtime receives them). With ``tp > 1`` the stage holds its local shards
+(:func:`hetero.runtime.model.tp_shard_dim` says which dim of which weight). Under ZeRO the AdamW
+moments cover ``1 / degree`` of each parameter (:func:`hetero.predictor.memory.zero_degrees`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+from hetero.errors import HeteroError
+from hetero.memplan.trace import AllocationTrace
+
+
+def stage_of(plan, model, pipeline: int, stage: int) -> dict:
+    """The layer ranges (model chunks), ends and tp of physical stage ``stage`` of pipeline
+    ``pipeline``; errors name the option and the valid range."""
+    if not 0 <= pipeline < len(plan.pipelines):
+        raise HeteroError(f"--pipeline {pipeline}: the plan has pipelines 0-{len(plan.pipelines) - 1}")
+    p = plan.pipelines[pipeline]
+    phys = len(plan.physical_stages(p))
+    if not 0 <= stage < phys:
+        raise HeteroError(f"--stage {stage}: pipeline {pipeline} of the plan has stages 0-{phys - 1}")
+    vstages = list(range(stage, len(p.stages), phys))
+    return {"chunks": tuple(tuple(p.stages[v].layers) for v in vstages), "first": stage == 0,
+            "last": vstages[-1] == len(p.stages) - 1, "tp": p.stages[stage].tp, "group": p.stages[stage].group,
+            "micro_batch_size": plan.mbs(p), "micro_batches": p.micro_batches, "physical_stages": phys,
+            "virtual": plan.virtual_chunks(p)}
+
+
+class AllocationRecorder:
+    """A dispatch mode noting allocations (a storage an op returns for the first time) and frees (a
+    weak reference to the storage fires when its last tensor, view or not, dies: torch keeps one
+    Python object per storage for as long as the storage lives). ``ignore``: storages (their
+    ``_cdata``) that exist already and are not to be counted when an op returns them (in-place
+    updates of parameters, say). ``.events`` makes an :class:`AllocationTrace`."""
+
+    def __new__(cls, ignore=()):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ignore = set(ignore)
+                self.live: dict[int, weakref.ref] = {}
+                self.events: list[tuple[str, int, int]] = []
+
+            def _release(self, key: int, size: int, _ref=None) -> None:
+                del self.live[key]
+                self.events.append(("free", key, size))
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    key = st._cdata   # the storage's identity while it lives (fake storages have no address)
+                    if key in self.live or key in self.ignore:
+                        continue
+                    size = st.nbytes()
+                    if size:
+                        self.live[key] = weakref.ref(st, functools.partial(self._release, key, size))
+                        self.events.append(("alloc", key, size))
+                return out
+
+        return _Mode()
+
+
+def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2, progress=None,
+                 fake: bool = True) -> AllocationTrace:
+    """The allocation trace of physical stage ``stage`` of ``plan``'s pipeline ``pipeline`` over
+    ``steps`` training iterations, from building the stage on: its parameters, then per step the
+    schedule's forwards and backwards (inputs, activations, gradients), the AdamW step (its moments
+    appear in the first) and ``zero_grad`` (gradients set to None, as the runtime does).
+    ``progress``: an optional callable ``progress(done, total)`` over the schedule's actions.
+    ``fake=False`` runs the same steps on real CPU tensors (small models only: the check that the
+    fake run allocates what a real one does)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hetero.predictor.memory import zero_degrees
+    from hetero.runtime.engine import AUTOCAST
+    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.model import StageModel, backward_loss, loss_fn
+    from hetero.runtime.pipeline import schedule_actions
+
+    where = stage_of(plan, model, pipeline, stage)
+    chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
+    degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
+    actions = schedule_actions(plan.schedule, stage, where["physical_stages"], where["micro_batches"],
+                               where["virtual"])
+    autocast = AUTOCAST[model.dtype]
+    recorder = AllocationRecorder()
+    seq, hidden = model.seq_length, model.hidden_size
+    with FakeTensorMode() if fake else contextlib.nullcontext(), recorder, torch.device("cpu"):
+        module = StageModel(model, chunks[0], where["first"], where["last"], chunks)
+        _take_local_shards(module, tp)
+        module.set_recompute(plan.recompute)
+        params = list(module.parameters())
+        if degree > 1:   # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view
+            # of the parameters' flat buffer, or under tp a copy (DTensor shards cannot share a buffer)
+            shards = [p.detach().reshape(-1)[: -(-p.numel() // int(round(degree)))] for p in params]
+            shards = [torch.nn.Parameter(s.clone() if tp > 1 else s) for s in shards]
+            optimizer = make_optimizer(shards, 1e-4, 0.0)
+        else:
+            shards, optimizer = None, make_optimizer(params, 1e-4, 0.0)
+        last_chunk = len(chunks) - 1
+        done, total = 0, steps * len(actions)
+        for _ in range(steps):
+            saved = {}
+            for kind, mb, chunk in actions:
+                if progress is not None:
+                    progress(done, total)
+                done += 1
+                first, last = where["first"] and chunk == 0, where["last"] and chunk == last_chunk
+                if kind == "F":
+                    if first:
+                        x = torch.zeros(mbs, seq, dtype=torch.long)
+                    else:   # the activation received from the previous stage (fp32)
+                        x = torch.empty(mbs, seq, hidden).requires_grad_(True)
+                    with _autocast(autocast):
+                        out = module(x, chunk)
+                    if last:
+                        out = loss_fn(out, torch.zeros(mbs, seq, dtype=torch.long))
+                    else:
+                        out = out.float()
+                    saved[(chunk, mb)] = (x, out)
+                    del x, out
+                else:
+                    x, out = saved.pop((chunk, mb))
+                    if last:
+                        backward_loss(out)
+                    else:   # the gradient received from the next stage
+                        out.backward(torch.empty(mbs, seq, hidden))
+                    del x, out
+            if shards is not None:   # each shard's gradient: its slice of the summed gradient
+                for s, p in zip(shards, params):
+                    s.grad = p.grad.reshape(-1)[: s.numel()].clone()
+                    p.grad = None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress(total, total)
+        events = list(recorder.events)   # what stays live (parameters, moments) lives to the end
+    return AllocationTrace(events, source=f"recorded: pipeline {pipeline} stage {stage} "
+                                                   f"({where['group']}, tp {tp}), {steps} steps")
+
+
+def _autocast(dtype):
+    import torch
+
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _take_local_shards(module, tp: int) -> None:
+    """Replace every weight tensor parallelism splits by this rank's shard (dim from
+    :func:`tp_shard_dim`): the attention reads its head count from the projections' widths, so the
+    stage then computes at a tp rank's shapes."""
+    import torch
+
+    from hetero.runtime.model import tp_shard_dim
+
+    if tp == 1:
+        return
+    for name, p in list(module.named_parameters()):
+        dim = tp_shard_dim(name)
+        if dim is None:
+            continue
+        shape = list(p.shape)
+        shape[dim] //= tp
+        owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(torch.empty(shape, dtype=p.dtype)))
