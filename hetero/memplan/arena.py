@@ -77,18 +77,22 @@ class _LifetimeIndex:
     binned by lifetime (tier ``j``: at most ``2**j`` events), each tier sorted by start, so only the
     blocks of a tier that start in ``(s - 2**j, e)`` can overlap. A training step's trace has
     hundreds of thousands of short blocks and few long ones: each query looks at about the blocks
-    live around it, not at all of them (a whole-array scan per block took 120 s for 311k blocks)."""
+    live around it, not at all of them (a whole-array scan per block took 120 s for 311k blocks).
+    The tiers sit end to end in one array keyed ``tier x span + start``, so one ``searchsorted``
+    finds every tier's window."""
 
     def __init__(self, starts, ends):
         import numpy as np
 
         self.placed = np.zeros(len(starts), dtype=bool)
         tier = np.ceil(np.log2(np.maximum(ends - starts, 1))).astype(np.int64)
-        self.tiers = []
-        for j in np.unique(tier):
-            members = np.flatnonzero(tier == j)
-            members = members[np.argsort(starts[members], kind="stable")]
-            self.tiers.append((1 << int(j), members, starts[members], ends[members]))
+        self.stride = int(ends.max(initial=0)) + 2 ** int(tier.max(initial=0)) + 1   # > any start - span
+        key = tier * self.stride + starts
+        self.order = np.argsort(key, kind="stable")       # block ids, by tier then start
+        self.keys = key[self.order]
+        self.ends = ends[self.order]
+        self.tiers = np.unique(tier)
+        self.spans = 2 ** self.tiers
 
     def place(self, i: int) -> None:
         self.placed[i] = True
@@ -96,13 +100,17 @@ class _LifetimeIndex:
     def placed_overlapping(self, s: int, e: int):
         import numpy as np
 
-        found = []
-        for span, members, st, en in self.tiers:
-            lo, hi = np.searchsorted(st, s - span, "right"), np.searchsorted(st, e, "left")
-            if lo < hi:
-                m = members[lo:hi]
-                found.append(m[self.placed[m] & (en[lo:hi] > s)])
-        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+        base = self.tiers * self.stride
+        lo = np.searchsorted(self.keys, base + np.maximum(s - self.spans, -1), "right")
+        hi = np.searchsorted(self.keys, base + e, "left")
+        counts = np.maximum(hi - lo, 0)
+        total = int(counts.sum())
+        if total == 0:
+            return np.empty(0, dtype=np.int64)
+        # the positions lo[t] .. hi[t] - 1 of every tier, in one array
+        pos = np.arange(total) + np.repeat(lo - (np.cumsum(counts) - counts), counts)
+        ids = self.order[pos]
+        return ids[self.placed[ids] & (self.ends[pos] > s)]
 
 
 def _best_gap(offsets, sizes, size: int) -> int:
