@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 
 from .costs import StageCostModel
-from .memory import (activation_bytes_per_layer, edge_activation_bytes, held_peak, in_flight_microbatches,
-                     zero_degrees)
+from .memory import held_bytes_per_microbatch, held_peak, in_flight_microbatches, zero_degrees
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -308,8 +307,7 @@ def _weighted_in_flight(model, stages, i: int, phys: int, schedule: str, m: int,
     weights = []
     for k in range(i, V, phys):
         st = stages[k]
-        weights.append(st.num_layers * activation_bytes_per_layer(model, mbs, s, st.tp, recompute)
-                       + edge_activation_bytes(model, mbs, s, st.tp, k == 0, k == V - 1))
+        weights.append(held_bytes_per_microbatch(model, mbs, s, st.tp, recompute, st.num_layers, k == 0, k == V - 1))
     total = sum(weights)
     if total <= 0:
         return in_flight_microbatches(schedule, i, phys, m, v)

@@ -31,6 +31,11 @@ Selective recomputation drops the attention-core term; full recomputation keeps 
 layer's input (e sbh). RoPE is taken as fused (Megatron/apex: nothing saved beyond q and k).
 Llama has no dropout, so no masks.
 
+The native engine keeps fp32 parameters and a fp32 residual stream under autocast, so an fp16 /
+bf16 layer also keeps each weight's model-dtype copy and its norm inputs in fp32
+(:func:`autocast_bytes_per_layer`, :func:`autocast_edge_bytes`); checked against the runtime's
+own stages recorded at full width (tests/test_memplan.py).
+
 Per schedule, a stage holds ``in_flight`` micro-batches of activations (1F1B: min(p - i, m) at
 stage i of p; GPipe, and interleaved with one chunk per device: m; interleaved: see
 :func:`in_flight_microbatches`, and :func:`held_peak` when a device's chunks differ in size).
@@ -102,6 +107,50 @@ def activation_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, rec
         core = e + (mask + e if model.dropout > 0 else 0)
         total += core * a * s * s * b / t
     return float(total)
+
+
+def autocast_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, recompute: str = "none") -> float:
+    """What the native engine's autocast keeps beyond :func:`activation_bytes_per_layer` (Megatron's
+    accounting, every activation in the model dtype), per layer per micro-batch on one tp rank, for
+    an fp16 / bf16 model (0 for fp32). The parameters stay fp32, so every matrix product casts its
+    weight to the model dtype and autograd keeps that copy for backward: ``e`` bytes per weight
+    element of the layer's matrices (split by t). The residual stream stays fp32 too, so the two
+    norm inputs are kept at 4 bytes, not e (their outputs are cast for the projections after them,
+    the e bytes already counted); with full recomputation only the layer's input is kept, in fp32.
+    Measured by recording the runtime's stages (hetero.memplan.record): without these terms a bf16
+    Llama-2-7B stage was predicted 14-24% under its recorded peak."""
+    e = DTYPE_BYTES[model.dtype]
+    if e >= 4:
+        return 0.0
+    sbh = s * b * model.hidden_size
+    if recompute == "full":
+        return float((4 - e) * sbh)
+    matrices = sum(model.tp_split_per_layer().values()) - (model.has_bias and _split_biases(model) or 0)
+    return float(e * matrices / t + 2 * (4 - e) * sbh)
+
+
+def _split_biases(model: ModelSpec) -> int:
+    """The biases among the split parameters of a layer (q, k, v and the up projection's; gpt)."""
+    return model.hidden_size + 2 * model.kv_dim + (2 if model.gated_mlp else 1) * model.ffn_hidden_size
+
+
+def autocast_edge_bytes(model: ModelSpec, b: int, s: int, tp: int, last: bool) -> float:
+    """The last stage's share of :func:`autocast_bytes_per_layer`: the head's (or the tied
+    embedding's) weight copy in the model dtype and the final norm's fp32 input, per micro-batch."""
+    e = DTYPE_BYTES[model.dtype]
+    if e >= 4 or not last:
+        return 0.0
+    return float(e * -(-model.vocab_size // tp) * model.hidden_size + (4 - e) * s * b * model.hidden_size)
+
+
+def held_bytes_per_microbatch(model: ModelSpec, b: int, s: int, tp: int, recompute: str, num_layers: int,
+                              first: bool, last: bool) -> float:
+    """What one micro-batch in flight keeps on one tp rank of a stage (or model chunk) of
+    ``num_layers`` layers until its backward: the layers' activations and autocast copies, and the
+    embedding's or head's."""
+    return (num_layers * (activation_bytes_per_layer(model, b, s, tp, recompute)
+                          + autocast_bytes_per_layer(model, b, s, tp, recompute))
+            + edge_activation_bytes(model, b, s, tp, first, last) + autocast_edge_bytes(model, b, s, tp, last))
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -190,8 +239,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     # (--engine deepspeed, one-stage tp1 plans) frees them during backward, so this is on the
     # safe side there.
     w, g, o = model_state_bytes(params, model.dtype, min(zero_stage, 1), dp, tp)
-    act = in_flight * (num_layers * activation_bytes_per_layer(model, mbs, s, tp, recompute)
-                       + edge_activation_bytes(model, mbs, s, tp, first, last))
+    act = in_flight * held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last)
     # Two transients that do not coincide; the peak carries the larger. The loss transient is
     # alive at the start of the last stage's backward. A layer's backward transient comes after the
     # head's backward has freed that micro-batch's head activations (on the last stage).
@@ -249,7 +297,8 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
-           "in_flight_microbatches", "held_peak", "loss_transient_bytes", "backward_transient_bytes"]
+           "in_flight_microbatches", "held_peak", "autocast_bytes_per_layer", "autocast_edge_bytes",
+           "held_bytes_per_microbatch", "loss_transient_bytes", "backward_transient_bytes"]
 
 
 def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:

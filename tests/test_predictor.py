@@ -189,7 +189,8 @@ def test_memory_grows_with_micro_batches_in_flight(inputs):
     cm = StageCostModel(cluster, model)
     one = cm.stage_memory("a100", 2, 2, (0, 10), "none", 0, 1, 1, False, False)
     four = cm.stage_memory("a100", 2, 2, (0, 10), "none", 0, 1, 4, False, False)
-    act = M.activation_bytes_per_layer(model, 2, 1024, 2) * 10
+    act = M.held_bytes_per_microbatch(model, 2, 1024, 2, "none", 10, False, False)
+    assert act > M.activation_bytes_per_layer(model, 2, 1024, 2) * 10   # fp16: autocast's weight copies too
     assert four - one == pytest.approx(3 * act)
     assert cm.capacity("a100") == 80 * 2**30
 
@@ -272,7 +273,7 @@ def test_interleaved_memory_weighs_chunks_of_different_sizes():
 
     cluster = hetero.load_cluster(REPO / "configs" / "clusters" / "a100-homogeneous.yaml")
     model = hetero.load_model(REPO / "configs" / "models" / "llama2-7b.yaml")
-    per_layer = M.activation_bytes_per_layer(model, 1, model.seq_length, 1, "none")
+    per_layer = M.held_bytes_per_microbatch(model, 1, model.seq_length, 1, "none", 1, False, False)
     for sizes in ([7, 7, 7, 7, 1, 1, 1, 1], [1, 1, 1, 1, 7, 7, 7, 7], [4] * 8):
         bounds = [0]
         for n in sizes:
@@ -282,7 +283,8 @@ def test_interleaved_memory_weighs_chunks_of_different_sizes():
                                      {"group": "a100", "tp": 1, "layers": [bounds[k], bounds[k + 1]]}
                                      for k in range(8)]}]})
         stages = predict(cluster, model, plan).pipelines[0].stages
-        edges = [M.edge_activation_bytes(model, 1, model.seq_length, 1, vs == 0, vs == 7) for vs in range(8)]
+        edges = [M.held_bytes_per_microbatch(model, 1, model.seq_length, 1, "none", 0, vs == 0, vs == 7)
+                 for vs in range(8)]
         for i, seq in enumerate(device_orders("interleaved", 8, 8, 2)):
             live = peak = 0
             for kind, _, vs in seq:
