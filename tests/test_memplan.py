@@ -376,6 +376,7 @@ RECORDED_CASES = {
     "llama2-7b bf16 tp2": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, tp=2)),
     "llama2-7b bf16 zero1 x2": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, replicas=2, zero_stage=1)),
     "llama2-7b bf16 full": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, recompute="full")),
+    "gpt3-1.3b fp16 gpipe": ("gpt3-1.3b", 4, {}, _even(4, 2, schedule="gpipe")),
     "gpt3-1.3b bf16 interleaved": ("gpt3-1.3b", 8, {"dtype": "bf16"},
                                    {**_even(8, 4), "schedule": "interleaved", "interleave": 2}),
 }
@@ -386,7 +387,7 @@ def test_predicted_stage_memory_is_within_10_percent_of_the_recorded_runtime_sta
     """hetero predict's stage memory (less the fixed framework overhead, which no tensor holds)
     against the lower bound of the same stage's recorded allocations: real model widths, mixed
     precision, tp, ZeRO, recomputation and interleaving, which the CPU-sized fp32 validation in
-    test_memory_validation.py does not reach. Measured when written: -9.7% .. -0.0%."""
+    test_memory_validation.py does not reach. Measured when written: -9.7% .. +5.9%."""
     import hetero
     from hetero.memplan.record import record_stage
     from hetero.predictor.memory import FRAMEWORK_OVERHEAD
