@@ -254,7 +254,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             if v > 1 and phys > 1:   # chunks of different sizes: weigh each by its activations
                 inflight = _weighted_in_flight(cm.model, stages, i, phys, plan.schedule, m, v, mbs, recompute)
             dp = zero_dp[pi][i] if zero_dp else p.replicas
-            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last)
+            # one chunk per device: no backward before the last forward when all are in flight
+            grads_while_held = v > 1 or inflight < m
+            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
+                                           grads_while_held)
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)
             opt_max = max(opt_max, opt)
             dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)

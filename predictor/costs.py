@@ -290,14 +290,15 @@ class StageCostModel:
     # ------------------------------------------------------------------ memory
     def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
                                zero_stage: int, dp: int, in_flight: float, first: bool,
-                               last: bool) -> mem.MemoryBreakdown:
+                               last: bool, grads_while_held: bool = True) -> mem.MemoryBreakdown:
         """Peak bytes on one device of a stage, by kind (see :func:`.memory.stage_memory`)."""
-        key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last)
+        key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last,
+               grads_while_held)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = mem.stage_memory(
                 self.model, self._dev[group].family, tp, mbs, layers[1] - layers[0], recompute,
-                zero_stage, dp, in_flight, first, last)
+                zero_stage, dp, in_flight, first, last, grads_while_held)
         return hit
 
     def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",

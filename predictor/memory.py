@@ -33,7 +33,7 @@ Llama has no dropout, so no masks.
 
 The native engine keeps fp32 parameters and a fp32 residual stream under autocast, so an fp16 /
 bf16 layer also keeps each weight's model-dtype copy and its norm inputs in fp32
-(:func:`autocast_bytes_per_layer`, :func:`autocast_edge_bytes`); checked against the runtime's
+(:func:`engine_bytes_per_layer`, :func:`engine_edge_bytes`); checked against the runtime's
 own stages recorded at full width (tests/test_memplan.py).
 
 Per schedule, a stage holds ``in_flight`` micro-batches of activations (1F1B: min(p - i, m) at
@@ -109,24 +109,30 @@ def activation_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, rec
     return float(total)
 
 
-def autocast_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, recompute: str = "none") -> float:
-    """What the native engine's autocast keeps beyond :func:`activation_bytes_per_layer` (Megatron's
-    accounting, every activation in the model dtype), per layer per micro-batch on one tp rank, for
-    an fp16 / bf16 model (0 for fp32). The parameters stay fp32, so every matrix product casts its
-    weight to the model dtype and autograd keeps that copy for backward: ``e`` bytes per weight
-    element of the layer's matrices (split by t). The residual stream stays fp32 too, so the two
-    norm inputs are kept at 4 bytes, not e (their outputs are cast for the projections after them,
-    the e bytes already counted); with full recomputation only the layer's input is kept, in fp32.
-    Measured by recording the runtime's stages (hetero.memplan.record): without these terms a bf16
-    Llama-2-7B stage was predicted 14-24% under its recorded peak."""
+def engine_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, recompute: str = "none") -> float:
+    """What the native engine keeps beyond :func:`activation_bytes_per_layer` (Megatron's accounting:
+    fused norms, every activation in the model dtype, one copy of each projection input), per layer
+    per micro-batch on one tp rank. Measured by recording the runtime's stages
+    (hetero.memplan.record): without these terms a bf16 Llama-2-7B stage was predicted 14-24% under
+    its recorded peak.
+
+    - Eager RMSNorm (llama) keeps its fp32 normalised product beside its input: 4 sbh per norm, in
+      every dtype.
+    - fp16 / bf16 run under autocast with fp32 parameters, so every matrix product casts its weight
+      to the model dtype and autograd keeps that copy: ``e`` bytes per weight element of the layer's
+      matrices (split by t). The residual stream stays fp32: the two norm inputs are kept at 4 bytes,
+      not e. Autocast caches casts of parameters only, so q, k and v each cast the norm's output
+      (three copies where one is counted), and so do the up and gate projections of a gated MLP.
+    - With full recomputation only the layer's input is kept: fp32 under autocast (4 - e more)."""
     e = DTYPE_BYTES[model.dtype]
-    if e >= 4:
-        return 0.0
     sbh = s * b * model.hidden_size
     if recompute == "full":
         return float((4 - e) * sbh)
-    matrices = sum(model.tp_split_per_layer().values()) - (model.has_bias and _split_biases(model) or 0)
-    return float(e * matrices / t + 2 * (4 - e) * sbh)
+    extra = 2 * 4 * sbh if model.architecture == "llama" else 0
+    if e < 4:
+        matrices = sum(model.tp_split_per_layer().values()) - (_split_biases(model) if model.has_bias else 0)
+        extra += e * matrices / t + 2 * (4 - e) * sbh + (2 + int(model.gated_mlp)) * e * sbh
+    return float(extra)
 
 
 def _split_biases(model: ModelSpec) -> int:
@@ -134,23 +140,28 @@ def _split_biases(model: ModelSpec) -> int:
     return model.hidden_size + 2 * model.kv_dim + (2 if model.gated_mlp else 1) * model.ffn_hidden_size
 
 
-def autocast_edge_bytes(model: ModelSpec, b: int, s: int, tp: int, last: bool) -> float:
-    """The last stage's share of :func:`autocast_bytes_per_layer`: the head's (or the tied
-    embedding's) weight copy in the model dtype and the final norm's fp32 input, per micro-batch."""
-    e = DTYPE_BYTES[model.dtype]
-    if e >= 4 or not last:
+def engine_edge_bytes(model: ModelSpec, b: int, s: int, tp: int, last: bool) -> float:
+    """The last stage's share of :func:`engine_bytes_per_layer`, per micro-batch: the final norm's
+    fp32 input (autocast) and normalised product (eager RMSNorm), and the head's (or the tied
+    embedding's) weight copy in the model dtype."""
+    if not last:
         return 0.0
-    return float(e * -(-model.vocab_size // tp) * model.hidden_size + (4 - e) * s * b * model.hidden_size)
+    e = DTYPE_BYTES[model.dtype]
+    sbh = s * b * model.hidden_size
+    extra = 4 * sbh if model.architecture == "llama" else 0
+    if e < 4:
+        extra += e * -(-model.vocab_size // tp) * model.hidden_size + (4 - e) * sbh
+    return float(extra)
 
 
 def held_bytes_per_microbatch(model: ModelSpec, b: int, s: int, tp: int, recompute: str, num_layers: int,
                               first: bool, last: bool) -> float:
     """What one micro-batch in flight keeps on one tp rank of a stage (or model chunk) of
-    ``num_layers`` layers until its backward: the layers' activations and autocast copies, and the
-    embedding's or head's."""
+    ``num_layers`` layers until its backward: the layers' activations (and what the engine keeps
+    beside them), and the embedding's or head's."""
     return (num_layers * (activation_bytes_per_layer(model, b, s, tp, recompute)
-                          + autocast_bytes_per_layer(model, b, s, tp, recompute))
-            + edge_activation_bytes(model, b, s, tp, first, last) + autocast_edge_bytes(model, b, s, tp, last))
+                          + engine_bytes_per_layer(model, b, s, tp, recompute))
+            + edge_activation_bytes(model, b, s, tp, first, last) + engine_edge_bytes(model, b, s, tp, last))
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -208,14 +219,13 @@ def edge_activation_bytes(model: ModelSpec, b: int, s: int, tp: int, first: bool
 
 
 def loss_transient_bytes(model: ModelSpec, b: int, s: int, tp: int) -> float:
-    """On top of the micro-batches held, around the loss of the latest one, ``e + 4`` bytes per
-    logit: in forward its logits in the model dtype and their fp32 copy until the log-softmax is
-    taken (nothing keeps the logits for backward, so they are not held with the micro-batch); at
-    the start of backward the fp32 logits gradient. Counting the logits with every held
-    micro-batch instead over-predicted GPipe's last stage by 13.7% (four held; recorded with
-    hetero.memplan.record), now +5.9%."""
-    e = DTYPE_BYTES[model.dtype]
-    return float((e + 4) * b * s * -(-model.vocab_size // tp))
+    """On top of the micro-batches held, around the loss of the latest one: in forward its logits
+    in the model dtype and their fp32 copy until the log-softmax is taken (nothing keeps the logits
+    for backward, so they are not held with the micro-batch), at the start of backward the nll
+    gradient and the log-softmax gradient, both fp32: at most 8 bytes per logit. Counting the
+    logits with every held micro-batch instead over-predicted GPipe's last stage by 13.7% (four
+    held; recorded with hetero.memplan.record)."""
+    return 8.0 * b * s * -(-model.vocab_size // tp)
 
 
 def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recompute: str,
@@ -227,16 +237,27 @@ def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recomput
     e = DTYPE_BYTES[dtype or model.dtype]
     rebuilt = activation_bytes_per_layer(model, b, s, tp, "none", dtype) - \
         activation_bytes_per_layer(model, b, s, tp, recompute, dtype)
+    if dtype is None:   # the engine's own copies of the rebuilt layer (its weight casts, fp32 norm inputs)
+        rebuilt += engine_bytes_per_layer(model, b, s, tp, "none") - engine_bytes_per_layer(model, b, s, tp, recompute)
     if model.attention == "fused":  # a flash backward accumulates dQ in fp32; no s x s gradient
         return rebuilt + 4.0 * s * b * model.hidden_size / tp
     return rebuilt + e * model.num_attention_heads * s * s * b / tp
 
 
 def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
-                 zero_stage: int, dp: int, in_flight: float, first: bool, last: bool) -> MemoryBreakdown:
+                 zero_stage: int, dp: int, in_flight: float, first: bool, last: bool,
+                 grads_while_held: bool = True) -> MemoryBreakdown:
     """Peak memory of one device of a stage of ``num_layers`` layers: model states (ZeRO-sharded
     over ``dp``), ``in_flight`` micro-batches of activations, the larger of the loss transient (last
-    stage) and a layer's backward transient, and the framework overhead of the vendor ``family``."""
+    stage) and a layer's backward transient, and the framework overhead of the vendor ``family``.
+
+    ``grads_while_held=False``: every micro-batch's forward comes before the stage's first backward
+    (GPipe; 1F1B with no more micro-batches than are in flight; a single micro-batch), so no
+    gradient exists while all of them are held (the runtime sets gradients to None at the start of
+    a step); the gradients appear as the first backward frees its micro-batch. The peak is then
+    the larger of the two moments, and the activations term is net of ``min(gradients, one
+    micro-batch's held bytes)``. Without it one-micro-batch steps on an H100 were over-predicted by
+    up to 25% (gradients counted at a forward peak that has none)."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
     # ZeRO-2's gradient sharding is left out of the peak: the peak comes in backward, and the
@@ -253,6 +274,8 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     if last:
         layer_peak -= edge_activation_bytes(model, mbs, s, tp, False, True)
     act += max(loss_transient_bytes(model, mbs, s, tp) if last else 0.0, layer_peak)
+    if not grads_while_held:
+        act -= min(g, held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last))
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
 
 
@@ -303,7 +326,7 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
-           "in_flight_microbatches", "held_peak", "autocast_bytes_per_layer", "autocast_edge_bytes",
+           "in_flight_microbatches", "held_peak", "engine_bytes_per_layer", "engine_edge_bytes",
            "held_bytes_per_microbatch", "loss_transient_bytes", "backward_transient_bytes"]
 
 

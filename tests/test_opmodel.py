@@ -343,9 +343,11 @@ def test_h100_operators_measured_with_hetero_profile():
 
 def test_h100_step_memory_with_fused_attention():
     """The runtime's attention is fused (SDPA): predicted with `attention: fused`, the peak memory of
-    the 13 one-GPU steps measured on the H100 (benchmarks/data/h100/steps.json) is within 12% on
-    every bf16 step and closer than the unfused prediction on every step (which counts a s^2 b of
-    attention scores per layer that the kernel never keeps: 26-71% over)."""
+    the 13 one-GPU steps measured on the H100 (benchmarks/data/h100/steps.json) is within 5% on
+    every step (measured +0.7% .. +2.1%, the framework overhead included; it was -11% .. +25% before
+    the engine's autocast copies and the gradient-free forward peak of one micro-batch were counted)
+    and closer than the unfused prediction (which counts a s^2 b of attention scores per layer that
+    the kernel never keeps)."""
     import json
 
     import hetero
@@ -361,8 +363,7 @@ def test_h100_step_memory_with_fused_attention():
             peak = pred.to_dict()["pipelines"][0]["stages"][0]["peak_memory_bytes"]
             err[attention] = peak / r["peak_allocated_bytes"] - 1
         assert abs(err["fused"]) < abs(err["unfused"]) and err["unfused"] > 0.2, (r, err)
-        if r["dtype"] == "bf16":
-            assert abs(err["fused"]) <= 0.12, (r, err)
+        assert abs(err["fused"]) <= 0.05, (r, err)
 
 
 def test_h100_steps_launched_with_the_native_engine_on_the_gpu():

@@ -218,22 +218,35 @@ def test_no_one_move_neighbour_of_a_listed_plan_beats_the_best(cluster_name, mod
                 assert pred.tokens_per_s <= best * (1 + 1e-9), (r.one_line, describe(nb))
 
 
-def test_a_mixed_pipeline_may_use_a_tp_neither_group_prefers_alone():
-    """h100-a100 / llama3-8b: 4 x (A100 tp4, layers 0-15 | H100 tp2, layers 16-31) trains at 60.2k
-    tokens/s, but H100 tp2 is neither of the H100 group's two best degrees alone (its memory only
-    fits next to the A100 stage), and the planner, which tried those two plus tp1 in a spanning
-    pipeline, returned a data-parallel plan below it. Pairs now try every tp. (The cut was at 15
-    before autocast's weight copies were counted: the H100 stage then needed 100.4% of its memory.)"""
+def test_a_pipeline_spanning_two_groups_tries_every_tp_of_each():
+    """A group's best tp alone need not be its best inside a spanning pipeline: on h100-a100 /
+    llama3-8b, 4 x (A100 tp4 | H100 tp2) once beat every plan the planner found, H100 tp2 being
+    neither of the H100 group's two best degrees alone (its memory fitting only next to an A100
+    stage), because pairs tried those two degrees plus tp1. Pairs now evaluate every tp of both
+    groups. (That hand plan itself no longer fits since autocast's weight copies are counted, so
+    the shapes evaluated are checked, not one outcome.)"""
+    from hetero.planner.blocks import BlockEvaluator
+    from hetero.planner.options import Options
+    from hetero.planner.shapes import enumerate_blocks
+    from hetero.planner.space import tp_options
+    from hetero.predictor import cost_model_for
+
     cluster = hetero.load_cluster(CLUSTERS / "h100-a100.yaml")
     model = hetero.load_model(MODELS / "llama3-8b.yaml")
-    hand = hetero.load_plan({"global_batch_size": 512, "micro_batch_size": 1, "zero_stage": 1, "pipelines": [
-        {"replicas": 4, "micro_batches": 128, "stages": [{"group": "a100", "tp": 4, "layers": [0, 16]},
-                                                        {"group": "h100", "tp": 2, "layers": [16, 32]}]}]},
-        cluster, model)
-    expected = hetero.predict(cluster, model, hand)
-    assert expected.fits_memory
-    best = hetero.search(cluster, model, global_batch_size=512, top_k=1)[0].prediction
-    assert best.tokens_per_s >= expected.tokens_per_s * (1 - 1e-9)
+    ev = BlockEvaluator(cluster, model, cost_model_for(cluster, model, None))
+    tried: dict[tuple, set] = {}
+    evaluate = ev.evaluate
+
+    def spy(segs, *args, **kwargs):
+        if len({s.group for s in segs}) == 2:
+            for s in segs:
+                tried.setdefault(s.group, set()).add(s.tp)
+        return evaluate(segs, *args, **kwargs)
+
+    ev.evaluate = spy
+    enumerate_blocks(cluster, model, ev, 512, "none", 1, Options())
+    for g in ("a100", "h100"):
+        assert tried[g] == set(tp_options(cluster, model, g)), (g, tried[g])
 
 
 def test_two_vendor_plan_reaches_95_percent_of_the_upper_bound():
