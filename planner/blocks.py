@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetero.predictor.memory import stage_params
+
 from .space import Segment
 from .split import min_max_split
 
@@ -98,7 +100,11 @@ class BlockEvaluator:
 
         def fits(n):
             layers = (0, n) if first else ((L - n, L) if last else (1, 1 + n))
-            return self.cm.stage_memory(group, tp, mbs, layers, rc, zero, dp, in_flight, first, last) <= capacity
+            # the gradient sum's buffer counted as if every gradient is summed (the plan's other
+            # pipelines are not known yet; predict() decides for the plan)
+            summed = stage_params(self.model, n, tp, first, last)
+            return self.cm.stage_memory(group, tp, mbs, layers, rc, zero, dp, in_flight, first, last,
+                                        summed) <= capacity
 
         # Monotone in in_flight: a deeper in-flight count can hold no more layers than a shallower one.
         hi_bound = L

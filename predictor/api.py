@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 
 from .costs import StageCostModel
-from .memory import held_bytes_per_microbatch, held_peak, in_flight_microbatches, zero_degrees
+from .memory import held_bytes_per_microbatch, held_peak, in_flight_microbatches, summed_params, zero_degrees
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -207,6 +207,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     cm = cost_model or cost_model_for(cluster, model, calibration)
     recompute, zs = plan.recompute, plan.zero_stage
     zero_dp = zero_degrees(cm.model, plan) if zs else None   # ZeRO: each stage's sharding degree
+    replicas = sum(p.replicas for p in plan.pipelines)       # model copies: > 1, every layer is summed
     sync = cm.dp_sync_plan(plan, placement)
     links = cm.p2p_links(plan, placement)
     ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
@@ -257,7 +258,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             # one chunk per device: no backward before the last forward when all are in flight
             grads_while_held = v > 1 or inflight < m
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
-                                           grads_while_held)
+                                           grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas))
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)
             opt_max = max(opt_max, opt)
             dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)

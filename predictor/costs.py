@@ -290,23 +290,24 @@ class StageCostModel:
     # ------------------------------------------------------------------ memory
     def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
                                zero_stage: int, dp: int, in_flight: float, first: bool,
-                               last: bool, grads_while_held: bool = True) -> mem.MemoryBreakdown:
+                               last: bool, grads_while_held: bool = True,
+                               summed_params: float = 0.0) -> mem.MemoryBreakdown:
         """Peak bytes on one device of a stage, by kind (see :func:`.memory.stage_memory`)."""
         key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last,
-               grads_while_held)
+               grads_while_held, summed_params)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = mem.stage_memory(
                 self.model, self._dev[group].family, tp, mbs, layers[1] - layers[0], recompute,
-                zero_stage, dp, in_flight, first, last, grads_while_held)
+                zero_stage, dp, in_flight, first, last, grads_while_held, summed_params)
         return hit
 
     def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",
                      zero_stage: int = 0, dp: int = 1, in_flight: float = 1, first: bool = False,
-                     last: bool = False) -> float:
+                     last: bool = False, summed_params: float = 0.0) -> float:
         """Peak bytes on one device of a stage (see :mod:`hetero.predictor.memory`)."""
         return self.stage_memory_breakdown(group, tp, mbs, layers, recompute, zero_stage, dp,
-                                           in_flight, first, last).total
+                                           in_flight, first, last, True, summed_params).total
 
     # ------------------------------------------------------------------ communication
     def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None,

@@ -246,7 +246,7 @@ def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recomput
 
 def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
                  zero_stage: int, dp: int, in_flight: float, first: bool, last: bool,
-                 grads_while_held: bool = True) -> MemoryBreakdown:
+                 grads_while_held: bool = True, summed_params: float = 0.0) -> MemoryBreakdown:
     """Peak memory of one device of a stage of ``num_layers`` layers: model states (ZeRO-sharded
     over ``dp``), ``in_flight`` micro-batches of activations, the larger of the loss transient (last
     stage) and a layer's backward transient, and the framework overhead of the vendor ``family``.
@@ -257,7 +257,14 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     a step); the gradients appear as the first backward frees its micro-batch. The peak is then
     the larger of the two moments, and the activations term is net of ``min(gradients, one
     micro-batch's held bytes)``. Without it one-micro-batch steps on an H100 were over-predicted by
-    up to 25% (gradients counted at a forward peak that has none)."""
+    up to 25% (gradients counted at a forward peak that has none).
+
+    ``summed_params``: the parameters of this rank's largest set of gradients summed with other
+    ranks (a replica's or another pipeline's copies of its layers, tp peers, or the tied embedding
+    alone between a single pipeline's ends): after the backward passes the runtime sums each set
+    through one fp32 buffer of its gradients laid end to end (hetero.runtime.grads; under ZeRO the
+    reduce-scatter's input and the shards' outputs), so with the activations gone the step's other
+    peak is the model states plus that buffer (:func:`summed_params`)."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
     # ZeRO-2's gradient sharding is left out of the peak: the peak comes in backward, and the
@@ -276,7 +283,22 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     act += max(loss_transient_bytes(model, mbs, s, tp) if last else 0.0, layer_peak)
     if not grads_while_held:
         act -= min(g, held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last))
+    if summed_params:   # the gradient sum's buffer, after the activations are freed
+        buffer = 4.0 * summed_params
+        act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
+
+
+def summed_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: bool, replicas: int) -> float:
+    """The parameters of a stage's tp rank whose gradients the runtime sums with other ranks in one
+    buffer (:func:`stage_memory`): all of them when the layers have other holders (``replicas``:
+    model replicas over every pipeline of the plan, or tp peers), else the tied word embedding
+    alone when one pipeline's first and last stages both hold it, else none."""
+    if replicas > 1 or tp > 1:
+        return stage_params(model, num_layers, tp, first, last)
+    if model.tie_embeddings and first != last:
+        return model.vocab_size * model.hidden_size / tp
+    return 0.0
 
 
 def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_batches: int,
@@ -327,7 +349,7 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
            "in_flight_microbatches", "held_peak", "engine_bytes_per_layer", "engine_edge_bytes",
-           "held_bytes_per_microbatch", "loss_transient_bytes", "backward_transient_bytes"]
+           "held_bytes_per_microbatch", "summed_params", "loss_transient_bytes", "backward_transient_bytes"]
 
 
 def zero_degrees(model: ModelSpec, plan) -> list[list[float]]:

@@ -12,12 +12,14 @@ def add_parser(sub) -> None:
                                    "trace, and the arena a layout planned ahead of time needs (greedy by size).")
     p.add_argument("--model", help="model file (needed unless --trace is given)")
     p.add_argument("--plan", help="plan file (needed unless --trace is given)")
-    p.add_argument("--stage", type=int, default=0, help="physical stage of the pipeline to record (default 0)")
-    p.add_argument("--pipeline", type=int, default=0, help="pipeline of the plan (default 0)")
-    p.add_argument("--steps", type=positive_int, default=2,
+    p.add_argument("--stage", type=int, help="physical stage of the pipeline to record (default 0)")
+    p.add_argument("--pipeline", type=int, help="pipeline of the plan (default 0)")
+    p.add_argument("--steps", type=positive_int,
                    help="training steps to record (default 2: the first allocates the optimizer's moments)")
     p.add_argument("--trace", metavar="SNAPSHOT.pickle",
                    help="a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) to plan instead of recording")
+    p.add_argument("--device", type=int,
+                   help="with --trace: the snapshot's device to plan (default: the one with the most events)")
     p.add_argument("--json", action="store_true", help="print the memory-plan JSON (SCHEMAS.md) only")
     p.set_defaults(func=run)
 
@@ -31,8 +33,14 @@ def run(args) -> int:
 
     from ._common import console, print_json
 
+    recording = [f"--{k}" for k in ("model", "plan", "stage", "pipeline", "steps") if getattr(args, k) is not None]
     if args.trace is None and (args.model is None or args.plan is None):
         return _usage("--model and --plan are needed to record a trace (or give --trace SNAPSHOT.pickle)")
+    if args.trace is not None and recording:
+        return _usage(f"--trace plans a snapshot as it is: {', '.join(recording)} would record a stage instead "
+                      f"(give one or the other)")
+    if args.trace is None and args.device is not None:
+        return _usage("--device picks a device of a --trace snapshot; a recorded stage has one")
     from rich.progress import Progress
 
     with Progress(console=console(stderr=True), transient=True) as bar:
@@ -40,7 +48,7 @@ def run(args) -> int:
             return lambda done, total: bar.update(task, completed=done, total=total)
 
         if args.trace is not None:
-            trace = load_snapshot(args.trace)
+            trace = load_snapshot(args.trace, args.device)
         else:
             trace = _record(args, progress(bar.add_task("recording the stage's steps", total=None)))
         report = memory_plan(trace, progress=progress(bar.add_task("planning the layout", total=None)))
@@ -81,7 +89,7 @@ def _record(args, progress):
             problems += e.problems
     if problems:
         raise SpecError(problems)
-    return record_stage(model, plan, args.pipeline, args.stage, args.steps, progress)
+    return record_stage(model, plan, args.pipeline or 0, args.stage or 0, args.steps or 2, progress)
 
 
 def _print_report(trace, report: dict) -> None:

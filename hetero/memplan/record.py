@@ -8,9 +8,10 @@ a 7B-parameter stage records on a laptop in seconds. A dispatch mode above it no
 storage an op returns (an allocation) and the moment its last tensor dies (a free).
 
 What the trace leaves out, and why it is still the step's shape: tensor-parallel collectives (their
-buffers are the size of the activations beside them), kernels' internal workspaces, and the
-receive buffers of pipeline neighbours (modelled: an activation per forward, a gradient per
-backward, as the runtime receives them). With ``tp > 1`` the stage holds its local shards
+buffers are the size of the activations beside them) and kernels' internal workspaces. Modelled
+as the runtime allocates them: the receive buffers of pipeline neighbours (an activation per
+forward, a gradient per backward) and the data-parallel gradient sum's buffer (all the stage's
+gradients end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs). With ``tp > 1`` the stage holds its local shards
 (:func:`hetero.runtime.model.tp_shard_dim` says which dim of which weight). Under ZeRO the AdamW
 moments cover ``1 / degree`` of each parameter (:func:`hetero.predictor.memory.zero_degrees`).
 """
@@ -101,6 +102,11 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     where = stage_of(plan, model, pipeline, stage)
     chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
+    # which gradients the runtime sums with other ranks (hetero.runtime.grads): every one when the
+    # layers have other holders or tp peers, else a tied embedding held by both ends of the pipeline
+    replicas = sum(p.replicas for p in plan.pipelines)
+    summed = ("all" if replicas > 1 or tp > 1 else
+              "wte" if model.tie_embeddings and where["first"] != where["last"] else None)
     actions = schedule_actions(plan.schedule, stage, where["physical_stages"], where["micro_batches"],
                                where["virtual"])
     autocast = AUTOCAST[model.dtype]
@@ -111,7 +117,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
         _take_local_shards(module, tp)
         module.set_recompute(plan.recompute)
         params = list(module.parameters())
-        if degree > 1:   # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view
+        if plan.zero_stage >= 1 and (degree > 1 or tp > 1):   # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view
             # of the parameters' flat buffer, or under tp a copy (DTensor shards cannot share a buffer)
             shards = [p.detach().reshape(-1)[: -(-p.numel() // int(round(degree)))] for p in params]
             shards = [torch.nn.Parameter(s.clone() if tp > 1 else s) for s in shards]
@@ -147,10 +153,24 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
                     else:   # the gradient received from the next stage
                         out.backward(torch.empty(mbs, seq, hidden))
                     del x, out
-            if shards is not None:   # each shard's gradient: its slice of the summed gradient
-                for s, p in zip(shards, params):
-                    s.grad = p.grad.reshape(-1)[: s.numel()].clone()
+            if shards is not None:   # ZeRO (hetero.runtime.zero): gradients laid end to end, each
+                grads = [p.grad for p in params]   # shard's gradient its slice of the reduced buffer
+                for p in params:
                     p.grad = None
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                at = 0
+                for sh, g in zip(shards, grads):
+                    sh.grad = flat[at: at + sh.numel()].clone()
+                    at += g.numel()
+                del grads, flat, g
+            elif summed:   # the gradient sum (hetero.runtime.grads): one buffer, summed back in place
+                group = params if summed == "all" else [module.wte.weight]
+                flat = torch.cat([p.grad.reshape(-1) for p in group])
+                at = 0
+                for p in group:
+                    p.grad.view(-1).copy_(flat[at: at + p.numel()])
+                    at += p.numel()
+                del flat, group
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             module.zero_grad(set_to_none=True)
@@ -182,6 +202,6 @@ def _take_local_shards(module, tp: int) -> None:
         if dim is None:
             continue
         shape = list(p.shape)
-        shape[dim] //= tp
+        shape[dim] = -(-shape[dim] // tp)   # rank 0's shard: DTensor's Shard puts the remainder first
         owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
         setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(torch.empty(shape, dtype=p.dtype)))

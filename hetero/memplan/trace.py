@@ -95,9 +95,13 @@ def load_snapshot(path, device: int | None = None) -> AllocationTrace:
     if size > MAX_SNAPSHOT_BYTES:
         raise HeteroError(f"{what}: {size / 2**30:.1f} GiB, more than one device's snapshot "
                           f"(fix: record fewer steps, or a smaller max_entries)")
+    if not path.is_file():
+        raise HeteroError(f"{what}: not a file (fix: give the snapshot file torch.cuda.memory._dump_snapshot wrote)")
     try:
         with open(path, "rb") as f:
             data = _PlainDataUnpickler(f).load()
+    except OSError as e:
+        raise HeteroError(f"{what}: cannot read it: {e.strerror} (fix: check the path and its permissions)") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
         raise HeteroError(f"{what}: not a memory snapshot: {e} (fix: write it with "
                           f"torch.cuda.memory._dump_snapshot(path))") from None
@@ -116,9 +120,9 @@ def load_snapshot(path, device: int | None = None) -> AllocationTrace:
         action = e.get("action")
         if action in ("alloc", "free_completed"):
             addr, nbytes = e.get("addr"), e.get("size")
-            if not isinstance(addr, int) or not isinstance(nbytes, int) or nbytes < 0:
-                raise HeteroError(f"{what}: device_traces[{device}][{i}] ({action}) has no integer addr and "
-                                  f"size (fix: use an unmodified snapshot)")
+            if not all(type(v) is int and 0 <= v < 2**63 for v in (addr, nbytes)):
+                raise HeteroError(f"{what}: device_traces[{device}][{i}] ({action}) has no addr and size "
+                                  f"that are integers in [0, 2**63) (fix: use an unmodified snapshot)")
             events.append(("alloc" if action == "alloc" else "free", addr, nbytes))
     if not events:
         raise HeteroError(f"{what}: device {device}'s trace has no alloc / free_completed events")

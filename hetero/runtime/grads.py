@@ -184,6 +184,8 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
     (full tensors, or its local shards where the bucket has tp-rank peers) by the number of ranks
     holding each, whose :func:`weighted_squares` is its share of the squared global norm (to be
     summed over the world)."""
+    from torch.distributed.tensor import DTensor
+
     params = dict(module.named_parameters())
     by_holders: dict[int, list[torch.Tensor]] = {}   # ranks holding it -> gradients (each counts 1/ranks)
     for bucket in buckets:
@@ -206,9 +208,15 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             fulls.append(full_tensor(g))
         for name, part in zip(names, _summed(fulls, bucket.ranks, comm, tp_size)):
-            full = part.clone()
+            p = params[name]
+            if p.grad is not None and not isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32:
+                # the sum goes back into the gradient itself: a clone per tensor made the sync hold
+                # the old gradients, the summed buffer and the clones at once (W + 3G at its peak)
+                full = p.grad.detach().copy_(part)
+            else:   # a tp shard (its full tensor was gathered), a missing or a half-precision gradient
+                full = part.clone()
+                p.grad = shard_like(p, full)
             by_holders.setdefault(len(holders[name]), []).append(full)
-            params[name].grad = shard_like(params[name], full)
     return by_holders
 
 
