@@ -79,3 +79,18 @@ def test_make_demo_validates_the_examples_index():
         proc = run_cli("validate", *args)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "configs/examples.yaml" in validated
+
+
+def test_predict_says_when_the_model_costs_megatrons_unfused_attention(tmp_path):
+    """The default `attention: unfused` is Megatron's (what the vTrain runs measured); hetero's
+    runtime runs SDPA, so the table says how to predict hetero's own runs, and says nothing once
+    the model file asks for fused attention."""
+    cluster, plan = str(CONFIGS / "clusters" / "local-cpu.yaml"), str(CONFIGS / "plans" / "local-cpu-tiny.yaml")
+    model = yaml.safe_load((CONFIGS / "models" / "tiny.yaml").read_text())
+    assert "attention" not in model
+    unfused = run_cli("predict", "--cluster", cluster, "--model", str(CONFIGS / "models" / "tiny.yaml"), "--plan", plan)
+    assert unfused.returncode == 0 and "write `attention: fused`" in " ".join(unfused.stdout.split()), unfused.stdout
+    fused_file = tmp_path / "tiny-fused.yaml"
+    fused_file.write_text(yaml.safe_dump({**model, "attention": "fused"}))
+    fused = run_cli("predict", "--cluster", cluster, "--model", str(fused_file), "--plan", plan)
+    assert fused.returncode == 0 and "attention: unfused" not in fused.stdout, fused.stdout

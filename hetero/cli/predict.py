@@ -97,6 +97,11 @@ def run(args) -> int:
     note = host_memory_note(cluster, plan, pred)
     if note:
         out.print(f"[bold]note[/bold] {note}")
+    if model.attention == "unfused":
+        # the default describes Megatron's runs (what the vTrain calibration measured), not hetero's
+        out.print("[bold]note[/bold] attention: unfused (the default) costs Megatron's separate scores, softmax and "
+                  "context kernels and keeps their s x s scores for backward; `hetero launch` runs fused SDPA, "
+                  "so write `attention: fused` in the model file to predict hetero's own runs")
     if args.timeline:
         out.print(f"timeline written to {args.timeline}")
     return 0
