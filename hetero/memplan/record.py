@@ -11,8 +11,9 @@ What the trace leaves out, and why it is still the step's shape: tensor-parallel
 buffers are the size of the activations beside them) and kernels' internal workspaces. Modelled
 as the runtime allocates them: the receive buffers of pipeline neighbours (an activation per
 forward, a gradient per backward) and the data-parallel gradient sum's buffer (all the stage's
-gradients end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs). With ``tp > 1`` the stage holds its local shards
-(:func:`hetero.runtime.model.tp_shard_dim` says which dim of which weight). Under ZeRO the AdamW
+gradients end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs).
+With ``tp > 1`` the stage holds its local shards (:func:`hetero.runtime.model.tp_shard_dim` says
+which dim of which weight). Under ZeRO the AdamW
 moments cover ``1 / degree`` of each parameter (:func:`hetero.predictor.memory.zero_degrees`).
 """
 from __future__ import annotations
@@ -117,8 +118,9 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
         _take_local_shards(module, tp)
         module.set_recompute(plan.recompute)
         params = list(module.parameters())
-        if plan.zero_stage >= 1 and (degree > 1 or tp > 1):   # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view
-            # of the parameters' flat buffer, or under tp a copy (DTensor shards cannot share a buffer)
+        if plan.zero_stage >= 1 and (degree > 1 or tp > 1):
+            # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view of the
+            # parameters' flat buffer, or under tp a copy (DTensor shards cannot share a buffer)
             shards = [p.detach().reshape(-1)[: -(-p.numel() // int(round(degree)))] for p in params]
             shards = [torch.nn.Parameter(s.clone() if tp > 1 else s) for s in shards]
             optimizer = make_optimizer(shards, 1e-4, 0.0)
