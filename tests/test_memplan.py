@@ -309,7 +309,7 @@ def test_an_interleaved_stage_runs_its_chunks():
 
     plan = hetero.load_plan(ROOT / "configs/plans/tiny-local-cpu-interleaved.yaml")
     model = hetero.load_model(ROOT / "configs/models/tiny.yaml")
-    where = stage_of(plan, model, 0, 0)
+    where = stage_of(plan, 0, 0)
     assert len(where["chunks"]) == plan.interleave and where["first"]
     assert record_stage(model, plan, 0, 0).lower_bound_bytes() > 0
 

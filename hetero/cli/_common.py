@@ -72,12 +72,13 @@ def write_output(path, flag: str, content) -> None:
                           f"permissions and free space)") from None
 
 
-def load_inputs(args, need_plan: bool = True):
-    """Load ``--cluster``, ``--model`` and (optionally) ``--plan`` and check the plan against them."""
+def load_inputs(args, need_plan: bool = True, need_cluster: bool = True):
+    """Load ``--cluster``, ``--model`` and (optionally) ``--plan`` and check the plan against them;
+    without ``need_cluster`` (the cluster is then None) the plan is checked against the model alone."""
     from hetero.specs.cluster import load_cluster
     from hetero.specs.errors import SpecError
     from hetero.specs.model import load_model
-    from hetero.specs.plan import load_plan
+    from hetero.specs.plan import check_plan_model, load_plan
 
     problems = []
 
@@ -89,9 +90,11 @@ def load_inputs(args, need_plan: bool = True):
             problems.extend(e.problems)
             return None
 
-    cluster = attempt(load_cluster, args.cluster)
+    cluster = attempt(load_cluster, args.cluster) if need_cluster else None
     model = attempt(load_model, args.model)
     plan = attempt(load_plan, args.plan, cluster, model) if need_plan else None
+    if not need_cluster and model is not None and plan is not None:
+        attempt(check_plan_model, plan, model, args.plan)
     if not need_plan and cluster is not None and model is not None:   # a search may use every group
         from hetero.specs.cluster import model_problems
 

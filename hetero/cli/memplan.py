@@ -67,28 +67,11 @@ def _usage(message: str) -> int:
 
 
 def _record(args, progress):
-    import hetero
     from hetero.memplan.record import record_stage
-    from hetero.specs.errors import SpecError
-    from hetero.specs.plan import check_plan_model
 
-    problems = []
-    model = plan = None
-    try:
-        model = hetero.load_model(args.model)
-    except SpecError as e:
-        problems += e.problems
-    try:
-        plan = hetero.load_plan(args.plan)
-    except SpecError as e:
-        problems += e.problems
-    if model is not None and plan is not None:
-        try:
-            check_plan_model(plan, model, args.plan)
-        except SpecError as e:
-            problems += e.problems
-    if problems:
-        raise SpecError(problems)
+    from ._common import load_inputs
+
+    _, model, plan = load_inputs(args, need_cluster=False)
     return record_stage(model, plan, args.pipeline or 0, args.stage or 0, args.steps or 2, progress)
 
 

@@ -138,8 +138,9 @@ def simulate_caching_allocator(trace: AllocationTrace) -> CachingResult:
     allocation (recorded before the trace began) is allocated at the start."""
     model = CachingAllocatorModel()
     addr: dict[int, int] = {}
-    for blk_key, size in _allocated_before(trace):
-        addr[blk_key] = model.malloc(size)
+    for b in trace.blocks():
+        if b.start < 0:
+            addr[b.key] = model.malloc(b.size)
     for kind, key, size in trace.events:
         if kind == "alloc":
             if key in addr:   # an id reused without its free in the trace
@@ -149,15 +150,3 @@ def simulate_caching_allocator(trace: AllocationTrace) -> CachingResult:
             model.free(addr.pop(key))
     return CachingResult(model.reserved, model.segments, model.peak_allocated)
 
-
-def _allocated_before(trace: AllocationTrace) -> list[tuple[int, int]]:
-    """(id, size) of the blocks the trace frees before (or without) allocating them."""
-    live, before = set(), []
-    for kind, key, size in trace.events:
-        if kind == "alloc":
-            live.add(key)
-        elif key in live:
-            live.discard(key)
-        else:
-            before.append((key, size))
-    return before

@@ -13,8 +13,8 @@ as the runtime allocates them: the receive buffers of pipeline neighbours (an ac
 forward, a gradient per backward) and the data-parallel gradient sum's buffer (all the stage's
 gradients end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs).
 With ``tp > 1`` the stage holds its local shards (:func:`hetero.runtime.model.tp_shard_dim` says
-which dim of which weight). Under ZeRO the AdamW
-moments cover ``1 / degree`` of each parameter (:func:`hetero.predictor.memory.zero_degrees`).
+which dim of which weight). Under ZeRO the AdamW moments cover ``1 / degree`` of each parameter
+(:func:`hetero.predictor.memory.zero_degrees`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from hetero.errors import HeteroError
 from hetero.memplan.trace import AllocationTrace
 
 
-def stage_of(plan, model, pipeline: int, stage: int) -> dict:
+def stage_of(plan, pipeline: int, stage: int) -> dict:
     """The layer ranges (model chunks), ends and tp of physical stage ``stage`` of pipeline
     ``pipeline``; errors name the option and the valid range."""
     if not 0 <= pipeline < len(plan.pipelines):
@@ -100,7 +100,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     from hetero.runtime.model import StageModel, backward_loss, loss_fn
     from hetero.runtime.pipeline import schedule_actions
 
-    where = stage_of(plan, model, pipeline, stage)
+    where = stage_of(plan, pipeline, stage)
     chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
     # which gradients the runtime sums with other ranks (hetero.runtime.grads): every one when the

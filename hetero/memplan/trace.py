@@ -19,8 +19,10 @@ MAX_SNAPSHOT_BYTES = 2 * 1024**3
 
 @dataclass
 class Block:
-    """One allocation: ``size`` bytes, live over events ``[start, end)``. ``start`` is -1 for a block
-    the trace frees without having shown its allocation (allocated before recording began)."""
+    """One allocation: ``size`` bytes, live over events ``[start, end)``, its trace id ``key``.
+    ``start`` is -1 for a block the trace frees without having shown its allocation (allocated
+    before recording began)."""
+    key: int
     size: int
     start: int
     end: int
@@ -42,11 +44,11 @@ class AllocationTrace:
                 if key in open_:   # an id reused without its free in the trace: close the old block here
                     done.append(open_.pop(key))
                     done[-1].end = t
-                open_[key] = Block(size, t, -1)
+                open_[key] = Block(key, size, t, -1)
             else:
                 blk = open_.pop(key, None)
                 if blk is None:
-                    done.append(Block(size, -1, t))
+                    done.append(Block(key, size, -1, t))
                 else:
                     blk.end = t
                     done.append(blk)
@@ -57,18 +59,17 @@ class AllocationTrace:
         return done
 
     def lower_bound_bytes(self) -> int:
-        """The most bytes live at once: no allocator can do with less. Blocks the trace frees without
-        their allocation count as live from the start."""
-        live = sum(b.size for b in self.blocks() if b.start < 0)
-        peak = live
-        seen: dict[int, int] = {}
-        for kind, key, size in self.events:
-            if kind == "alloc":
-                live += size - seen.get(key, 0)   # an id reused without its free: the old block ends here
-                seen[key] = size
-                peak = max(peak, live)
-            else:
-                live -= seen.pop(key, size)
+        """The most bytes live at once over the :meth:`blocks`: no allocator can do with less. Blocks
+        the trace frees without their allocation count as live from the start."""
+        # bytes that start or stop being live: slot 0 is before the first event, slot t + 1 event t
+        change = [0] * (len(self.events) + 2)
+        for b in self.blocks():
+            change[b.start + 1] += b.size
+            change[b.end + 1] -= b.size
+        live = peak = 0
+        for c in change:
+            live += c
+            peak = max(peak, live)
         return peak
 
 
