@@ -135,14 +135,9 @@ def engine_bytes_per_layer(model: ModelSpec, b: int, s: int, t: int = 1, recompu
         return float((4 - e) * sbh)
     extra = 2 * 4 * sbh if model.architecture == "llama" else 0
     if e < 4:
-        matrices = sum(model.tp_split_per_layer().values()) - (_split_biases(model) if model.has_bias else 0)
+        matrices = sum(model.tp_split_per_layer(biases=False).values())
         extra += e * matrices / t + 2 * (4 - e) * sbh + (2 + int(model.gated_mlp)) * e * sbh
     return float(extra)
-
-
-def _split_biases(model: ModelSpec) -> int:
-    """The biases among the split parameters of a layer (q, k, v and the up projection's; gpt)."""
-    return model.hidden_size + 2 * model.kv_dim + (2 if model.gated_mlp else 1) * model.ffn_hidden_size
 
 
 def engine_edge_bytes(model: ModelSpec, b: int, s: int, tp: int, last: bool) -> float:
@@ -278,7 +273,8 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     # (--engine deepspeed, one-stage tp1 plans) frees them during backward, so this is on the
     # safe side there.
     w, g, o = model_state_bytes(params, model.dtype, min(zero_stage, 1), dp, tp)
-    act = in_flight * held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last)
+    held = held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last)
+    act = in_flight * held
     # Two transients that do not coincide; the peak carries the larger. The loss transient is
     # alive at the start of the last stage's backward. A layer's backward transient comes after the
     # head's backward has freed that micro-batch's head activations (on the last stage).
@@ -287,7 +283,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
         layer_peak -= edge_activation_bytes(model, mbs, s, tp, False, True)
     act += max(loss_transient_bytes(model, mbs, s, tp) if last else 0.0, layer_peak)
     if not grads_while_held:
-        act -= min(g, held_bytes_per_microbatch(model, mbs, s, tp, recompute, num_layers, first, last))
+        act -= min(g, held)
     if summed_params:   # the gradient sum's buffer, after the activations are freed
         buffer = 4.0 * summed_params
         act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)

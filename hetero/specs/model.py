@@ -141,14 +141,14 @@ class ModelSpec:
         h = self.hidden_size
         return 4 * h + 2 * h if self.has_bias else 2 * h
 
-    def tp_split_per_layer(self) -> dict[int, int]:
+    def tp_split_per_layer(self, biases: bool = True) -> dict[int, int]:
         """Parameters of one block that tensor parallelism splits, by the size of the dim it splits
         (the runtime's ``tp_shard_dim``): the column-parallel q, k, v, up (and gate) weights and
         biases along their output width (hidden, kv, ffn), the row-parallel output and down weights
         along their input width (hidden, ffn). Adds up to ``params_per_layer() -
-        tp_replicated_per_layer()``."""
+        tp_replicated_per_layer()``; ``biases=False``: the weight matrices alone."""
         h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_dim
-        b = 1 if self.has_bias else 0
+        b = 1 if self.has_bias and biases else 0
         up = 2 if self.gated_mlp else 1
         out: dict[int, int] = {}
         for size, n in ((h, h * h + b * h), (kv, 2 * (h * kv + b * kv)), (h, h * h),   # q; k, v; out
