@@ -35,7 +35,11 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, metavar="SEC",
                    help="communicator timeout: a silent peer ends the job with an error naming it (default 60)")
     p.add_argument("--inject-failure", metavar="STEP:RANK", help="that rank exits at that (1-based) step")
-    p.add_argument("--elastic", action="store_true", help="(reserved for elastic reconfiguration; not yet)")
+    p.add_argument("--elastic", action="store_true",
+                   help="when a device leaves (its rank dies or --inject-failure ends it), the survivors hand off "
+                        "their live state, the planner replans on the remaining devices with the same global "
+                        "batch, and training goes on from that step (native engine, zero_stage 0, one machine "
+                        "launching every node slot)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -131,8 +135,6 @@ def run(args) -> int:
     cluster, model, plan = load_inputs(args)
     if args.steps < 1:
         raise HeteroError(f"--steps must be >= 1, got {args.steps}")
-    if args.elastic:
-        raise HeteroError("--elastic is not available yet in this build")
     if args.load and args.engine == "deepspeed" and not args.trust_checkpoint:
         # DeepSpeed's loader calls torch.load(weights_only=False): unpickling runs code from the files.
         raise HeteroError(f"--load {args.load} with --engine deepspeed: DeepSpeed's checkpoint loader unpickles the "
@@ -151,7 +153,7 @@ def run(args) -> int:
                          weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
                          save=os.path.abspath(args.save) if args.save else None,
                          load=os.path.abspath(args.load) if args.load else None,
-                         threads=args.threads, quiet=args.quiet, extra=extra)
+                         threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)
@@ -159,9 +161,19 @@ def run(args) -> int:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
+    out = console()
+    if args.elastic:
+        from hetero.runtime.elastic import check_elastic, run_elastic
+
+        check_elastic(plan, options, args.node_rank)
+        if not args.dry_run:
+            run_elastic(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
+                        print_fn=out.print, run_dir=args.run_dir)
+            if options.summary and not options.quiet:
+                out.print(f"summary: {options.summary}")
+            return 0
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir, separate=args.node_rank is not None)
-    out = console()
     try:
         if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
             raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "

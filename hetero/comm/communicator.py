@@ -200,7 +200,11 @@ class Communicator:
             missing = [peer]
             what = f"{op} between rank {self.rank} and rank {peer} (vendor {self.vendor_of_rank[peer]})"
         else:
-            grace = max(0.3, min(2.0, 0.2 * self.timeout))
+            # After a timeout every member times out about together and must get to publish its counter;
+            # a closed or reset connection comes the moment a peer dies, when the live members'
+            # counters are already published (every monitor interval), so a short wait reads them.
+            closed = any(s in low for s in ("connection closed", "connection reset", "broken pipe"))
+            grace = 2 * self._monitor.interval if closed else max(0.3, min(2.0, 0.2 * self.timeout))
             missing = self._monitor.missing(g.name, seq, g.ranks, grace=grace)
             what = f"{op} #{seq} on group '{g.name}' (ranks {g.ranks})"
         if missing is None:

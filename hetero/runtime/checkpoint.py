@@ -111,7 +111,7 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
         shutil.rmtree(staging, ignore_errors=True)
     dcp.save(state, checkpoint_id=staging)
     if rank == 0:
-        _put_in_place(staging, path)
+        put_in_place(staging, path)
 
 
 def staging_dir(path: str) -> str:
@@ -119,7 +119,7 @@ def staging_dir(path: str) -> str:
     return os.path.normpath(path) + ".partial"
 
 
-def _put_in_place(staging: str, path: str) -> None:
+def put_in_place(staging: str, path: str) -> None:
     """Replace ``path`` (a previous checkpoint, or nothing) with the complete ``staging`` directory;
     a crash in between leaves the previous one as ``<path>.old``."""
     old = None

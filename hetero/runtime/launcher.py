@@ -61,6 +61,15 @@ class LaunchError(HeteroError):
     """The job failed; the message names the rank(s) and their stage."""
 
 
+class RankFailure(LaunchError):
+    """An elastic run lost devices: ``lost`` ranks died or were ended (``--inject-failure``) at ``time``,
+    and every other rank has reported or is gone (:func:`_settle`)."""
+
+    def __init__(self, message: str, lost: list[int], reason: str, at: float):
+        super().__init__(message)
+        self.lost, self.reason, self.time = lost, reason, at
+
+
 @dataclass
 class NodeCommand:
     """One node slot's torchrun: its ranks, environment and arguments."""
@@ -461,7 +470,8 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
             failed = {s: c for s, c in codes.items() if c not in (None, 0)}
             if errors or failed:
                 time.sleep(0.3)  # let simultaneous reports land, then name the first
-                raise LaunchError(_failure_message(job, layout, job.errors(), failed))
+                raise _lost_devices(job, layout, timeout) or LaunchError(
+                    _failure_message(job, layout, job.errors(), failed))
             if all(c == 0 for c in codes.values()):
                 return
             started = [r for r in job.ranks if job.has(r, "pid")]
@@ -486,13 +496,43 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
             dead = job.dead_ranks()
             if dead:
                 time.sleep(0.3)
-                raise LaunchError(_failure_message(job, layout, job.errors(), {}, dead))
+                raise _lost_devices(job, layout, timeout) or LaunchError(
+                    _failure_message(job, layout, job.errors(), {}, dead))
     finally:
         for sig in previous:  # a second signal must not cut the teardown short
             signal.signal(sig, signal.SIG_IGN)
         job.teardown()
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _lost_devices(job: _Job, layout: RankLayout, timeout: float) -> RankFailure | None:
+    """Elastic runs: the ranks whose devices left (ended by ``--inject-failure``, or gone without a
+    report), once every other rank has handed off its state and reported, or is gone (at most the
+    communicator timeout plus the node launcher's 30 s stop grace). None when the run is not elastic
+    or no device left (a rank that raised on a working device ends the run as usual)."""
+    if not job.launch.spec.options.elastic:
+        return None
+    dead = set(job.dead_ranks())   # gone before the survivors' reports: not the cascade that follows
+    first_seen = time.time()
+    deadline = first_seen + timeout + 30.0
+    while time.time() < deadline:
+        pending = [r for r in job.ranks if not (job.has(r, "error.json") or job.has(r, "done"))
+                   and (pid := job.worker_pid(r)) and _alive_worker(pid)]
+        if not pending:
+            break
+        time.sleep(0.1)
+    errors = job.errors()
+    injected = [e for e in errors if e.get("kind") == "injected"]
+    lost = sorted({e["rank"] for e in injected} | dead)
+    if not lost:
+        return None
+    if injected:
+        e = injected[0]
+        reason, at = f"failed at step {e.get('step')}: {e.get('message')}", float(e.get("time", first_seen))
+    else:
+        reason, at = "died without reporting (killed or crashed)", first_seen
+    return RankFailure(_failure_message(job, layout, errors, {}, sorted(dead)), lost, reason, at)
 
 
 def _catch_termination() -> dict:

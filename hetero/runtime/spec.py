@@ -47,6 +47,9 @@ class RunOptions:
     threads: int = 1
     """torch intra-op threads per worker."""
     quiet: bool = False
+    elastic: bool = False
+    """On a peer's failure, survivors hand off their live state (:mod:`hetero.runtime.handoff`) and the
+    launcher replans on the remaining devices (:mod:`hetero.runtime.elastic`)."""
     extra: list[str] = field(default_factory=list)
 
 

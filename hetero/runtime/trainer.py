@@ -84,6 +84,9 @@ class Trainer:
         self.step = 0
         if opts.load:
             self.step = self.engine.load(opts.load)
+        self.applied_step = self.step
+        """The last step whose optimizer update this rank applied: ahead of ``step`` when a peer fails
+        between the update and the step's closing all-reduce (an elastic handoff records it)."""
         self.hooks: list[Callable] = []
         self._pause = False
         self.state = TrainState()
@@ -108,6 +111,7 @@ class Trainer:
             timings = Timings()
             t0 = time.perf_counter()
             loss, norm = self.engine.train_step(self.step, timings)
+            self.applied_step = number
             # One all-reduce gives every rank the loss and every rank's compute times.
             W, K = self.world, len(PER_RANK)
             row = torch.zeros(K * W + 1, dtype=torch.float64)

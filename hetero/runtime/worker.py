@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         _write(base + ".pid", str(os.getpid()))
     info = spec.rank_layout().ranks[rank]
-    step_box = {"step": 0, "phase": "setting up (model, process groups, --load)"}
+    step_box = {"step": 0, "phase": "setting up (model, process groups, --load)", "trainer": None}
+    if spec.options.elastic:
+        _outlive_node_stop()
     try:
         _train(spec, rank, base, step_box)
         if base:
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
         injected = isinstance(e, InjectedFailure)
         msg = str(e) if injected else f"{type(e).__name__}: {e}"
+        if base and spec.options.elastic and not injected and step_box["phase"] == "training":
+            _hand_off(base, step_box["trainer"], describe_rank(info))
         if base:
             _write(base + ".error.json", json.dumps({
                 "rank": rank, "time": time.time(), "step": step_box["step"] + 1, "phase": step_box["phase"],
@@ -71,12 +75,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _outlive_node_stop() -> None:
+    """Elastic runs: the SIGTERM torchrun sends the other workers of a node when one of them fails
+    must not kill a survivor before it has handed off its state. The handler only notes it; the
+    survivor's next collective with the failed peer raises, and the handoff follows."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: None)
+
+
+def _hand_off(base: str, trainer, where: str) -> None:
+    """Write this survivor's live state (:mod:`hetero.runtime.handoff`); a failure to do so is said,
+    and the launcher then finds no state for this rank."""
+    if trainer is None:
+        return
+    try:
+        from hetero.runtime.handoff import write_handoff
+
+        write_handoff(base, trainer)
+    except Exception as e:  # noqa: BLE001 - the failure report must still be written
+        print(f"[hetero worker] {where}: could not hand off its state: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+
+
 def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
     from hetero.runtime.report import Reporter
     from hetero.runtime.trainer import Trainer, summary_dict, trace_dict
 
     trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
+    step_box["trainer"] = trainer
     opts = spec.options
+    if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)
+        _write(base + ".training", repr(time.time()))
     reporter = Reporter(trainer) if rank == 0 and not opts.quiet else None
     if reporter:
         reporter.header()

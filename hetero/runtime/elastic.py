@@ -1,0 +1,253 @@
+"""Elastic runs (``hetero launch --elastic``): when a device leaves, replan on the devices that remain
+and go on training from the survivors' live state.
+
+One attempt is an ordinary launch. When a rank's device is lost (the rank died, was killed, or
+``--inject-failure`` ended it), the survivors' next collective with it fails; each writes its live
+state (:mod:`hetero.runtime.handoff`) and reports. The launcher then
+
+1. assembles the full tensors from the survivors and writes them as a plan-independent checkpoint
+   (a parameter no survivor holds whole ends the run, naming its layers);
+2. removes the lost devices from the cluster (:func:`without_devices`) and asks the planner for the
+   best plan on what remains, with the same global batch, so the token stream and the losses go on
+   as if nothing happened (up to floating-point reduction order);
+3. launches the new plan, whose ranks load the state and reshard it for their layers and tp degree,
+   and trains the remaining steps.
+
+The run summary lists every reconfiguration (SCHEMAS.md ``reconfigurations``): the step (the first one
+run under the new plan; the survivors' state is that after the step before it), the reason,
+the world sizes, and ``reshard_time_s``, the time from the failure to the first step under the new
+plan (handoff, replanning, restart and load), split into ``handoff_time_s``, ``replan_time_s`` and
+``restart_time_s``.
+
+What it needs: the native engine with ``zero_stage: 0`` (ZeRO keeps each optimizer-state slice on
+one rank only, so a lost slice has no copy), and every node slot launched from this machine. A
+rank that raises on a working device (a bug, an out-of-memory error) is not a departed device: the
+run ends as without ``--elastic``. Devices that join are not handled.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+
+from hetero.errors import HeteroError
+
+MAX_RECONFIGURATIONS = 8
+"""A run that loses more devices than this ends: something beyond single failures is going on."""
+
+
+def check_elastic(plan, options, node_rank: int | None) -> None:
+    """Refuse what an elastic run cannot recover, before anything starts."""
+    if node_rank is not None:
+        raise HeteroError("--elastic with --node-rank: an elastic run is launched from one machine, which starts "
+                          "every node slot and replans (fix: drop --node-rank, or drop --elastic)")
+    if options.engine != "native":
+        raise HeteroError("--elastic with --engine deepspeed: only the native engine hands off its live state "
+                          "(fix: --engine native)")
+    if plan.zero_stage:
+        raise HeteroError(f"--elastic with zero_stage {plan.zero_stage}: ZeRO keeps each slice of the optimizer "
+                          f"state on one rank only, so a lost rank's slice has no copy (fix: a plan with "
+                          f"zero_stage: 0)")
+
+
+def without_devices(cluster, lost: list) -> object:
+    """``cluster`` less the devices of the ``lost`` ranks (:class:`hetero.layout.RankInfo`). A group of
+    one node loses them from ``devices_per_node``; in a group of several nodes, a node that lost some
+    becomes a group of its own (``<group>-n<node>``) with the devices it has left. Groups left with no
+    device are dropped."""
+    from hetero.specs.cluster import load_cluster
+
+    count: dict[tuple[str, int], int] = {}
+    for info in lost:
+        count[(info.group, info.node)] = count.get((info.group, info.node), 0) + 1
+    d = copy.deepcopy(cluster.to_dict())
+    groups = []
+    for g in d["groups"]:
+        touched = {n: c for (name, n), c in count.items() if name == g["name"]}
+        if not touched:
+            groups.append(g)
+            continue
+        hosts = g.get("hosts")
+        whole = [n for n in range(g["nodes"]) if n not in touched]
+        if whole:
+            groups.append({**g, "nodes": len(whole), **({"hosts": [hosts[n] for n in whole]} if hosts else {})})
+        for n, c in sorted(touched.items()):
+            left = g["devices_per_node"] - c
+            if left <= 0:
+                continue
+            name = g["name"] if g["nodes"] == 1 else f"{g['name']}-n{n}"
+            groups.append({**g, "name": name, "nodes": 1, "devices_per_node": left,
+                           **({"hosts": [hosts[n]]} if hosts else {})})
+    if not groups:
+        raise HeteroError("elastic: no device is left to train on")
+    d["groups"] = groups
+    return load_cluster(d, source=f"{cluster.name} less {len(lost)} device(s)")
+
+
+def replan(cluster, model, plan):
+    """The planner's best plan on ``cluster`` for ``plan``'s global batch, with ``zero_stage: 0`` so the
+    next failure can be handed off too (a :class:`hetero.planner.SearchResult`)."""
+    from hetero.planner import PlannerError, search
+
+    try:
+        return search(cluster, model, global_batch_size=plan.global_batch_size, top_k=1, upper_bound=False,
+                      zero_stages=(0,))[0]
+    except PlannerError as e:
+        raise HeteroError(f"elastic: no plan fits the remaining devices ({cluster.num_devices}): {e}") from None
+
+
+@dataclasses.dataclass
+class _Attempt:
+    cluster: object
+    plan: object
+    options: object
+    run_dir: str
+    start_step: int = 0
+    """The step its state starts at (its ``--load``)."""
+
+
+def run_elastic(cluster, model, plan, options, *, master_addr: str | None, master_port: int | None = None,
+                print_fn=print, run_dir: str | None = None) -> dict:
+    """Train ``options.steps`` steps, replanning after each lost device; returns the merged summary
+    (SCHEMAS.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
+    ``master_port``: the first attempt's (later ones take a free port)."""
+    from hetero.runtime.grads import param_holders
+    from hetero.runtime.launcher import RankFailure, prepare, run
+    from hetero.specs.io import write_text_atomic
+
+    _import_recovery_modules()
+
+    base = run_dir or tempfile.mkdtemp(prefix="hetero-elastic-")
+    os.makedirs(base, exist_ok=True)
+    user_summary, total = options.summary, options.steps
+    done: list[dict] = []           # step results of the attempts that failed
+    reconfigurations: list[dict] = []
+    attempt = _Attempt(cluster, plan, options, os.path.join(base, "attempt0"))
+    summary = None
+    try:
+        for k in range(MAX_RECONFIGURATIONS + 1):
+            opts = dataclasses.replace(attempt.options, summary=os.path.join(attempt.run_dir, "summary.json"))
+            launch = prepare(attempt.cluster, model, attempt.plan, opts, master_addr=master_addr,
+                             master_port=master_port if k == 0 else None, run_dir=attempt.run_dir)
+            # which ranks hold each parameter: worked out before the run, not in the downtime after a failure
+            holders = param_holders(model, attempt.plan, launch.layout)
+            if reconfigurations:
+                reconfigurations[-1]["_launched_at"] = time.time()
+            try:
+                run(launch, print_fn=print_fn)
+            except RankFailure as failure:
+                _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
+                if k == MAX_RECONFIGURATIONS:
+                    raise HeteroError(f"elastic: {k} reconfigurations already; giving up: {failure}") from None
+                attempt = _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base,
+                                   k + 1, print_fn)
+                if attempt is None:     # the failure came after the last step's update
+                    break
+                continue
+            _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
+            with open(opts.summary) as f:
+                summary = json.load(f)
+            break
+        merged = _merge(summary, done, reconfigurations, total)
+        if user_summary:
+            write_text_atomic(user_summary, json.dumps(merged, indent=2), "--summary")
+        return merged
+    finally:
+        if not run_dir:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _import_recovery_modules() -> None:
+    """Import what a recovery needs (torch.distributed.checkpoint and .tensor, the planner) while
+    training runs, so its 0.5-1 s do not count into the downtime after a failure."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    import hetero.planner  # noqa: F401
+    from hetero.runtime import handoff  # noqa: F401
+
+
+def _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base, k, print_fn):
+    """Hand off, replan and prepare the next attempt after ``failure`` (or None when no step is left);
+    ``holders``: parameter name -> ranks of the failed attempt's plan."""
+    from hetero.runtime.handoff import Survivors, write_checkpoint
+    from hetero.runtime.spec import describe_rank
+
+    layout = launch.layout
+    survivors = Survivors(attempt.run_dir, layout)
+    lost = [layout.ranks[r] for r in failure.lost]
+    who = "; ".join(describe_rank(i) for i in lost)
+    reason = f"{who} {failure.reason}"
+    print_fn(f"elastic: {reason}")
+    if not survivors.ranks:
+        raise HeteroError(f"elastic: no rank handed off its state after {reason} (fix: restart from a --save "
+                          f"checkpoint)")
+    step = survivors.applied_step()
+    results = survivors.results()
+    done.extend(results)   # this attempt's steps: start_step + 1 ...
+    done.extend({"step": s, "loss": None, "time_s": None, "grad_norm": None}   # updated; the step's
+                for s in range(attempt.start_step + len(results) + 1, step + 1))  # closing all-reduce lost
+    state = survivors.assemble(holders)
+    ckpt = os.path.join(base, f"handoff{k}")
+    write_checkpoint(ckpt, state, step, survivors.loss_scale())
+    handed_at = time.time()
+    print_fn(f"elastic: {len(survivors.ranks)} surviving rank(s) handed off their state after step {step} "
+             f"({handed_at - failure.time:.1f} s after the failure)")
+    cluster = without_devices(attempt.cluster, lost)
+    result = replan(cluster, model, attempt.plan)
+    replanned_at = time.time()
+    world_after = sum(result.plan.devices_by_group().values())
+    print_fn(f"elastic: replanned on {cluster.num_devices} device(s) in {replanned_at - handed_at:.1f} s: "
+             f"{result.one_line} (predicted {result.tokens_per_s:,.0f} tokens/s)")
+    reconfigurations.append({"step": step + 1, "reason": reason, "world_size_before": layout.world_size,
+                             "world_size_after": world_after, "devices_left": cluster.num_devices,
+                             "_failed_at": failure.time,
+                             "handoff_time_s": handed_at - failure.time, "replan_time_s": replanned_at - handed_at,
+                             "plan": result.plan.to_dict(), "predicted_tokens_per_s": result.tokens_per_s})
+    if step >= total:   # every step's update was applied: what is left is --save
+        if attempt.options.save:
+            from hetero.runtime.checkpoint import put_in_place, staging_dir
+
+            shutil.rmtree(staging_dir(attempt.options.save), ignore_errors=True)
+            shutil.copytree(ckpt, staging_dir(attempt.options.save))
+            put_in_place(staging_dir(attempt.options.save), attempt.options.save)
+        return None
+    options = dataclasses.replace(attempt.options, load=ckpt, steps=total - step, inject_failure=None)
+    return _Attempt(cluster, result.plan, options, os.path.join(base, f"attempt{k}"), start_step=step)
+
+
+def _close_timing(reconfigurations: list[dict], run_dir: str, world: int) -> None:
+    """The last reconfiguration's restart time: from the new launch (``run_dir``, the attempt it
+    started) to its last rank's state loaded."""
+    if not reconfigurations or "restart_time_s" in reconfigurations[-1]:
+        return
+    rc = reconfigurations[-1]
+    loaded = []
+    for r in range(world):
+        try:
+            with open(os.path.join(run_dir, f"rank{r}.training")) as f:
+                loaded.append(float(f.read()))
+        except (OSError, ValueError):
+            pass
+    if loaded:
+        rc["restart_time_s"] = max(loaded) - rc["_launched_at"]
+        rc["reshard_time_s"] = max(loaded) - rc["_failed_at"]
+
+
+def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict], total: int) -> dict:
+    """The final attempt's summary with the earlier attempts' steps in front and the reconfigurations."""
+    out = dict(summary or {"ranks": [], "tokens_per_s": 0.0, "predicted_iteration_time_s": None})
+    earlier = {"losses": [r["loss"] for r in done], "iteration_times_s": [r["time_s"] for r in done],
+               "grad_norms": [r["grad_norm"] for r in done]}
+    for key, values in earlier.items():
+        values = [v if v is None or v == v and abs(v) != float("inf") else None for v in values]
+        out[key] = values + list(out.get(key, []))
+    out["steps"] = len(out["losses"])
+    out["reconfigurations"] = [{k: v for k, v in rc.items() if not k.startswith("_")} for rc in reconfigurations]
+    for rc in out["reconfigurations"]:
+        rc.setdefault("reshard_time_s", None)
+    return out

@@ -1,0 +1,173 @@
+"""Elastic runs (``hetero launch --elastic``): a lost device, a handoff of the survivors' live state,
+a new plan on the remaining devices, and the same losses as a run that lost nothing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_runtime import CLUSTER, GPT, ROOT, _assert_matches, _launch, _leftover, _plan, _write
+
+REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                                   {"group": "slow", "layers": [2, 4]}]}])
+
+
+# ---------------------------------------------------------------------------- in-process units
+
+
+def _cluster(groups):
+    import hetero
+
+    return hetero.load_cluster({**CLUSTER, "groups": groups})
+
+
+def _lost(group, node):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(group=group, node=node)
+
+
+def test_without_devices_shrinks_a_one_node_group_and_drops_an_empty_one():
+    from hetero.runtime.elastic import without_devices
+
+    c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2},
+                  {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1}])
+    out = without_devices(c, [_lost("fast", 0), _lost("slow", 0)])
+    assert [(g.name, g.nodes, g.devices_per_node) for g in out.groups] == [("fast", 1, 1)]
+    assert out.device_type("fast").slowdown == c.device_type("fast").slowdown
+
+
+def test_without_devices_splits_the_node_that_lost_devices_into_a_group_of_its_own():
+    from hetero.runtime.elastic import without_devices
+
+    c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 3, "devices_per_node": 4,
+                   "hosts": ["h0", "h1", "h2"]}])
+    out = without_devices(c, [_lost("fast", 1), _lost("fast", 1), _lost("fast", 2)])
+    got = [(g.name, g.nodes, g.devices_per_node, list(g.hosts)) for g in out.groups]
+    assert got == [("fast", 1, 4, ["h0"]), ("fast-n1", 1, 2, ["h1"]), ("fast-n2", 1, 3, ["h2"])]
+    assert out.num_devices == c.num_devices - 3
+
+
+def test_without_devices_refuses_when_nothing_is_left():
+    from hetero.errors import HeteroError
+    from hetero.runtime.elastic import without_devices
+
+    c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1}])
+    with pytest.raises(HeteroError, match="no device is left"):
+        without_devices(c, [_lost("fast", 0)])
+
+
+def test_survivors_at_different_steps_are_not_one_model(tmp_path):
+    """A handoff is used only when every survivor applied the same updates."""
+    import hetero
+    from hetero.errors import HeteroError
+    from hetero.layout import build_layout
+    from hetero.runtime.handoff import Survivors
+
+    cluster, plan = hetero.load_cluster(CLUSTER), hetero.load_plan(REPLICATED)
+    layout = build_layout(cluster, plan)
+    for rank, step in ((0, 3), (1, 4)):
+        torch.save({}, tmp_path / f"rank{rank}.handoff.pt")
+        (tmp_path / f"rank{rank}.handoff.json").write_text(json.dumps(
+            {"rank": rank, "applied_step": step, "results": [], "shards": {}, "loss_scale": None}))
+    survivors = Survivors(str(tmp_path), layout)
+    assert survivors.ranks == [0, 1]
+    with pytest.raises(HeteroError, match="different steps"):
+        survivors.applied_step()
+
+
+# ---------------------------------------------------------------------------- launches
+
+
+def _elastic(tmp_path, plan, *extra, timeout=200, check=True):
+    return _launch(tmp_path, GPT, plan, "--elastic", *extra, timeout=timeout, check=check)
+
+
+@pytest.mark.timeout(240)
+def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothing(tmp_path):
+    summary, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "3:3", "--save", str(tmp_path / "ckpt"))
+    _assert_matches(summary, GPT)    # the single-device reference's losses and norms, all 5 steps
+    assert (tmp_path / "ckpt" / ".metadata").exists()   # --save: written by the plan that finished
+    (rc,) = summary["reconfigurations"]
+    assert rc["step"] == 3 and rc["world_size_before"] == 4 and 1 <= rc["world_size_after"] <= 3
+    assert "rank 3 (group slow" in rc["reason"] and "step 3" in rc["reason"]
+    assert 0 < rc["handoff_time_s"] < rc["reshard_time_s"] < 60
+    # the final summary describes the new plan's ranks, none of them on the lost device's slot
+    assert len(summary["ranks"]) == rc["world_size_after"]
+    assert "elastic: replanned on 3 device(s)" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_tp_shards_of_the_survivors_are_assembled(tmp_path):
+    """Two pipelines at tp 2 in different groups: one loses a tp rank, the other's shards rebuild
+    every tensor (split dims concatenated in mesh order)."""
+    plan = _plan([{"micro_batches": 2, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
+                  {"micro_batches": 2, "stages": [{"group": "slow", "tp": 2, "layers": [0, 4]}]}])
+    summary, _ = _elastic(tmp_path, plan, "--inject-failure", "2:3")
+    _assert_matches(summary, GPT)
+    assert [rc["step"] for rc in summary["reconfigurations"]] == [2]
+
+
+@pytest.mark.timeout(240)
+def test_a_stage_without_a_replica_ends_the_run_naming_its_layers(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    _, proc = _elastic(tmp_path, plan, "--inject-failure", "2:1", check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no surviving rank holds a whole copy" in proc.stderr and "layer 2" in proc.stderr, proc.stderr
+    assert "replicas" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_is_a_lost_device(tmp_path):
+    """SIGKILL, no report: the device is removed, the run finishes every step."""
+    steps = 600
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", CLUSTER),
+           "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", REPLICATED),
+           "--steps", str(steps), "--lr", "1e-3", "--summary", str(tmp_path / "summary.json"), "--timeout", "20",
+           "--run-dir", str(run_dir), "--quiet", "--elastic"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        marker = run_dir / "attempt0" / "rank2.training"
+        deadline = time.time() + 120
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "rank 2 never started training"
+        time.sleep(1.0)
+        os.kill(int((run_dir / "attempt0" / "rank2.pid").read_text()), signal.SIGKILL)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (rc,) = summary["reconfigurations"]
+    assert "rank 2" in rc["reason"] and "died without reporting" in rc["reason"]
+    assert summary["steps"] == steps and len(summary["iteration_times_s"]) == steps
+    # at most one step's loss is unknown: updated everywhere, its closing all-reduce lost with rank 2
+    assert sum(loss is None for loss in summary["losses"]) <= 1
+    assert 1 < rc["step"] < steps
+    assert not _leftover(run_dir)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (("--node-rank", "0"), "--elastic with --node-rank"),
+    (("--engine", "deepspeed"), "--elastic with --engine deepspeed"),
+])
+def test_what_elastic_cannot_recover_is_refused_up_front(tmp_path, extra, words):
+    _, proc = _elastic(tmp_path, REPLICATED, *extra, timeout=60, check=False)
+    assert proc.returncode == 1 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_zero_is_refused_up_front(tmp_path):
+    _, proc = _elastic(tmp_path, {**REPLICATED, "zero_stage": 1}, timeout=60, check=False)
+    assert proc.returncode == 1 and "zero_stage 1" in proc.stderr and "zero_stage: 0" in proc.stderr, proc.stderr
