@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from test_runtime import CLUSTER, GPT, ROOT, _assert_matches, _launch, _leftover, _plan, _write
+from test_runtime import CLUSTER, GPT, LLAMA, ROOT, _assert_matches, _launch, _leftover, _plan, _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                                    {"group": "slow", "layers": [2, 4]}]}])
@@ -112,6 +112,17 @@ def test_tp_shards_of_the_survivors_are_assembled(tmp_path):
     summary, _ = _elastic(tmp_path, plan, "--inject-failure", "2:3")
     _assert_matches(summary, GPT)
     assert [rc["step"] for rc in summary["reconfigurations"]] == [2]
+
+
+@pytest.mark.timeout(240)
+def test_fp16_hands_off_its_loss_scale_and_keeps_every_step_in_the_summary(tmp_path):
+    """A start scale of 2^40 overflows fp16 gradients at every step: each step is skipped and the scale
+    halves. The new plan goes on from the handed-off scale, not from the one given at launch."""
+    summary, _ = _launch(tmp_path, {**LLAMA, "dtype": "fp16"}, REPLICATED, "--elastic", "--inject-failure", "3:2",
+                         "--loss-scale", str(2.0 ** 40), timeout=200)
+    assert summary["steps"] == 5 and [rc["step"] for rc in summary["reconfigurations"]] == [3]
+    assert summary["loss_scales"] == [2.0 ** (40 - i) for i in range(5)], summary["loss_scales"]
+    assert summary["skipped_steps"] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.timeout(240)

@@ -216,7 +216,9 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
             shutil.copytree(ckpt, staging_dir(attempt.options.save))
             put_in_place(staging_dir(attempt.options.save), attempt.options.save)
         return None
-    options = dataclasses.replace(attempt.options, load=ckpt, steps=total - step, inject_failure=None)
+    # loss_scale None: the handed-off fp16 scale is the one to go on with (an explicit one would win)
+    options = dataclasses.replace(attempt.options, load=ckpt, steps=total - step, inject_failure=None,
+                                  loss_scale=None)
     return _Attempt(cluster, result.plan, options, os.path.join(base, f"attempt{k}"), start_step=step)
 
 
@@ -246,6 +248,9 @@ def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict],
     for key, values in earlier.items():
         values = [v if v is None or v == v and abs(v) != float("inf") else None for v in values]
         out[key] = values + list(out.get(key, []))
+    if "loss_scales" in out:   # fp16
+        out["loss_scales"] = [r.get("loss_scale") for r in done] + list(out["loss_scales"])
+        out["skipped_steps"] = [r["step"] for r in done if r.get("skipped")] + list(out.get("skipped_steps", []))
     out["steps"] = len(out["losses"])
     out["reconfigurations"] = [{k: v for k, v in rc.items() if not k.startswith("_")} for rc in reconfigurations]
     for rc in out["reconfigurations"]:
