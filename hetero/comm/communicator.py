@@ -48,6 +48,9 @@ from .work import Work
 
 DEFAULT_TIMEOUT = 300.0
 
+_CLOSED_CONNECTION = ("connection closed", "connection reset", "broken pipe")
+"""Phrases of a transport error that says a peer's connection went away (the peer died or left)."""
+
 
 class Communicator:
     """One communicator over vendor libraries and a host bridge. See the module docstring.
@@ -192,8 +195,8 @@ class Communicator:
     def _failure(self, op: str, g: Group, seq: int, exc: BaseException, peer: Optional[int]) -> Exception:
         msg = str(exc)
         low = msg.lower()
-        timeoutish = isinstance(exc, TimeoutError) or any(
-            s in low for s in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe"))
+        closed = any(s in low for s in _CLOSED_CONNECTION)
+        timeoutish = isinstance(exc, TimeoutError) or closed or "timed out" in low or "timeout" in low
         if not timeoutish:
             return exc if isinstance(exc, Exception) else RuntimeError(msg)
         if peer is not None:
@@ -203,7 +206,6 @@ class Communicator:
             # After a timeout every member times out about together and must get to publish its counter;
             # a closed or reset connection comes the moment a peer dies, when the live members'
             # counters are already published (every monitor interval), so a short wait reads them.
-            closed = any(s in low for s in ("connection closed", "connection reset", "broken pipe"))
             grace = 2 * self._monitor.interval if closed else max(0.3, min(2.0, 0.2 * self.timeout))
             missing = self._monitor.missing(g.name, seq, g.ranks, grace=grace)
             what = f"{op} #{seq} on group '{g.name}' (ranks {g.ranks})"

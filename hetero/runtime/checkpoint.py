@@ -99,9 +99,7 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
             if "step" in st:
                 state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu", copy=True)
     if rank == 0:
-        state["meta/step"] = torch.tensor(step, dtype=torch.int64)
-        if loss_scale is not None:
-            state["meta/loss_scale"] = torch.tensor(loss_scale, dtype=torch.float64)
+        state.update(_meta_entries(step, loss_scale))
     # Written beside ``path`` and moved into place when complete, so an interrupted save leaves the
     # previous checkpoint whole (not its .metadata next to half of the new files). No rank writes
     # before dcp.save's planning collective, which rank 0 joins after clearing a stale staging dir;
@@ -112,6 +110,25 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
     dcp.save(state, checkpoint_id=staging)
     if rank == 0:
         put_in_place(staging, path)
+
+
+def _meta_entries(step: int, loss_scale: float | None) -> dict[str, torch.Tensor]:
+    """The run's own entries: the step to resume at and, for fp16, the loss scale."""
+    out = {"meta/step": torch.tensor(step, dtype=torch.int64)}
+    if loss_scale is not None:
+        out["meta/loss_scale"] = torch.tensor(loss_scale, dtype=torch.float64)
+    return out
+
+
+def save_assembled_checkpoint(path: str, state: dict[str, torch.Tensor], step: int,
+                              loss_scale: float | None) -> None:
+    """Write full tensors keyed as :func:`save_checkpoint` keys them (``model/...``, ``optim/...``) as a
+    checkpoint, from one process without a process group (an elastic handoff's assembled state)."""
+    import warnings
+
+    with warnings.catch_warnings():   # "no process group: saving as a single process" is the intent here
+        warnings.simplefilter("ignore")
+        dcp.save({**state, **_meta_entries(step, loss_scale)}, checkpoint_id=path, no_dist=True)
 
 
 def staging_dir(path: str) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -152,7 +153,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             with open(opts.summary) as f:
                 summary = json.load(f)
             break
-        merged = _merge(summary, done, reconfigurations, total)
+        merged = _merge(summary, done, reconfigurations)
         if user_summary:
             write_text_atomic(user_summary, json.dumps(merged, indent=2), "--summary")
         return merged
@@ -174,7 +175,8 @@ def _import_recovery_modules() -> None:
 def _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base, k, print_fn):
     """Hand off, replan and prepare the next attempt after ``failure`` (or None when no step is left);
     ``holders``: parameter name -> ranks of the failed attempt's plan."""
-    from hetero.runtime.handoff import Survivors, write_checkpoint
+    from hetero.runtime.checkpoint import save_assembled_checkpoint
+    from hetero.runtime.handoff import Survivors
     from hetero.runtime.spec import describe_rank
 
     layout = launch.layout
@@ -193,7 +195,7 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
                 for s in range(attempt.start_step + len(results) + 1, step + 1))  # closing all-reduce lost
     state = survivors.assemble(holders)
     ckpt = os.path.join(base, f"handoff{k}")
-    write_checkpoint(ckpt, state, step, survivors.loss_scale())
+    save_assembled_checkpoint(ckpt, state, step, survivors.loss_scale())
     handed_at = time.time()
     print_fn(f"elastic: {len(survivors.ranks)} surviving rank(s) handed off their state after step {step} "
              f"({handed_at - failure.time:.1f} s after the failure)")
@@ -240,13 +242,13 @@ def _close_timing(reconfigurations: list[dict], run_dir: str, world: int) -> Non
         rc["reshard_time_s"] = max(loaded) - rc["_failed_at"]
 
 
-def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict], total: int) -> dict:
+def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict]) -> dict:
     """The final attempt's summary with the earlier attempts' steps in front and the reconfigurations."""
     out = dict(summary or {"ranks": [], "tokens_per_s": 0.0, "predicted_iteration_time_s": None})
     earlier = {"losses": [r["loss"] for r in done], "iteration_times_s": [r["time_s"] for r in done],
                "grad_norms": [r["grad_norm"] for r in done]}
     for key, values in earlier.items():
-        values = [v if v is None or v == v and abs(v) != float("inf") else None for v in values]
+        values = [v if v is not None and math.isfinite(v) else None for v in values]   # JSON: no NaN / inf
         out[key] = values + list(out.get(key, []))
     if "loss_scales" in out:   # fp16
         out["loss_scales"] = [r.get("loss_scale") for r in done] + list(out["loss_scales"])

@@ -7,7 +7,8 @@ rank shares (losses, times). That is the live state: nothing is read back from a
 
 The launcher then assembles the full tensors from the survivors (:func:`assemble`): each parameter
 from one tp group whose shards all survived, any data-parallel replica will do, and writes them as
-the plan-independent checkpoint of :mod:`hetero.runtime.checkpoint`, which ranks of the new plan
+the plan-independent checkpoint of :mod:`hetero.runtime.checkpoint`
+(:func:`~hetero.runtime.checkpoint.save_assembled_checkpoint`), which ranks of the new plan
 load and reshard as any ``--load``. A parameter no survivor holds (a stage without a replica) ends
 the run with an error that names its layers.
 
@@ -24,6 +25,7 @@ from dataclasses import asdict
 import torch
 
 from hetero.errors import HeteroError
+from hetero.runtime.spec import describe_rank
 
 
 def write_handoff(base: str, trainer) -> None:
@@ -121,7 +123,7 @@ class Survivors:
                 out.update(got)
         if missing:
             lost = sorted(set(holders[missing[0]]) - set(self.ranks))
-            where = "; ".join(_describe(self.layout.ranks[r]) for r in lost[:3])
+            where = "; ".join(describe_rank(self.layout.ranks[r]) for r in lost[:3])
             raise HeteroError(f"elastic: no surviving rank holds a whole copy of {len(missing)} parameter(s), "
                               f"e.g. {_layer_of(missing[0])} ({missing[0]}), held only by {where}: the live state "
                               f"cannot be rebuilt (fix: a plan whose stages have data-parallel replicas, "
@@ -164,25 +166,3 @@ def _param_of(key: str) -> str:
 def _layer_of(name: str) -> str:
     parts = name.split(".")
     return f"layer {parts[1]}" if parts[0] == "layers" and len(parts) > 1 else "the embedding or head"
-
-
-def _describe(info) -> str:
-    from hetero.runtime.spec import describe_rank
-
-    return describe_rank(info)
-
-
-def write_checkpoint(path: str, state: dict[str, torch.Tensor], step: int, loss_scale: float | None) -> None:
-    """Write the assembled state as a checkpoint :func:`hetero.runtime.checkpoint.load_checkpoint` reads
-    (one process, no process group)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    state = dict(state)
-    state["meta/step"] = torch.tensor(step, dtype=torch.int64)
-    if loss_scale is not None:
-        state["meta/loss_scale"] = torch.tensor(loss_scale, dtype=torch.float64)
-    with warnings.catch_warnings():   # "no process group: saving as a single process" is the intent here
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=path, no_dist=True)

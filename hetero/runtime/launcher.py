@@ -63,7 +63,7 @@ class LaunchError(HeteroError):
 
 class RankFailure(LaunchError):
     """An elastic run lost devices: ``lost`` ranks died or were ended (``--inject-failure``) at ``time``,
-    and every other rank has reported or is gone (:func:`_settle`)."""
+    and every other rank has reported or is gone (:func:`_lost_devices`)."""
 
     def __init__(self, message: str, lost: list[int], reason: str, at: float):
         super().__init__(message)

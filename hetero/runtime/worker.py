@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _outlive_node_stop() -> None:
     """Elastic runs: the SIGTERM torchrun sends the other workers of a node when one of them fails
-    must not kill a survivor before it has handed off its state. The handler only notes it; the
-    survivor's next collective with the failed peer raises, and the handoff follows."""
+    must not kill a survivor before it has handed off its state, so it is ignored: the survivor's
+    next collective with the failed peer raises, the handoff follows, and the worker exits."""
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: None)
