@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from test_runtime import CLUSTER, GPT, LLAMA, ROOT, _assert_matches, _launch, _leftover, _plan, _write
+from test_runtime import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, _assert_matches, _launch, _leftover, _plan, _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                                    {"group": "slow", "layers": [2, 4]}]}])
@@ -136,30 +136,42 @@ def test_a_stage_without_a_replica_ends_the_run_naming_its_layers(tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
-@pytest.mark.timeout(240)
-def test_a_killed_worker_is_a_lost_device(tmp_path):
-    """SIGKILL, no report: the device is removed, the run finishes every step."""
-    steps = 600
+def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, lr: float = LR):
+    """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir)``.
+    Returns the process's return code, stdout and stderr (no process may be left behind)."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", CLUSTER),
-           "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", REPLICATED),
-           "--steps", str(steps), "--lr", "1e-3", "--summary", str(tmp_path / "summary.json"), "--timeout", "20",
-           "--run-dir", str(run_dir), "--quiet", "--elastic"]
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", cluster),
+           "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
+           "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--summary", str(tmp_path / "summary.json"),
+           "--timeout", "20", "--run-dir", str(run_dir), "--elastic"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        marker = run_dir / "attempt0" / "rank2.training"
+        path = run_dir / "attempt0" / marker
         deadline = time.time() + 120
-        while not marker.exists() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert marker.exists(), "rank 2 never started training"
-        time.sleep(1.0)
-        os.kill(int((run_dir / "attempt0" / "rank2.pid").read_text()), signal.SIGKILL)
+        while not path.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert path.exists(), f"{marker} never appeared"
+        act(run_dir)
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert not _leftover(run_dir), "worker or launcher processes left behind"
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_is_a_lost_device(tmp_path):
+    """SIGKILL, no report: the device is removed, the run finishes every step."""
+    steps = 600
+
+    def kill_rank2(run_dir):
+        time.sleep(1.0)
+        os.kill(int((run_dir / "attempt0" / "rank2.pid").read_text()), signal.SIGKILL)
+
+    rc_, out, err = _launch_and_act(tmp_path, CLUSTER, REPLICATED, steps, "rank2.training", kill_rank2, lr=1e-3)
+    assert rc_ == 0, out[-2000:] + err[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     (rc,) = summary["reconfigurations"]
     assert "rank 2" in rc["reason"] and "died without reporting" in rc["reason"]
@@ -167,7 +179,6 @@ def test_a_killed_worker_is_a_lost_device(tmp_path):
     # at most one step's loss is unknown: updated everywhere, its closing all-reduce lost with rank 2
     assert sum(loss is None for loss in summary["losses"]) <= 1
     assert 1 < rc["step"] < steps
-    assert not _leftover(run_dir)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -182,3 +193,111 @@ def test_what_elastic_cannot_recover_is_refused_up_front(tmp_path, extra, words)
 def test_zero_is_refused_up_front(tmp_path):
     _, proc = _elastic(tmp_path, {**REPLICATED, "zero_stage": 1}, timeout=60, check=False)
     assert proc.returncode == 1 and "zero_stage 1" in proc.stderr and "zero_stage: 0" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------- devices that come and go on purpose
+
+ONE_FAST = {**CLUSTER, "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1}]}
+TWO_FAST = {**CLUSTER, "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2}]}
+
+
+def _watch(tmp_path, loaded: dict, printed: list):
+    import hetero
+    from hetero.runtime.cluster_watch import ClusterWatch
+
+    path = _write(tmp_path, "cluster.yaml", loaded)
+    plan = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}]))
+    return path, ClusterWatch(path, hetero.load_cluster(loaded), hetero.load_model(GPT), plan,
+                              print_fn=printed.append)
+
+
+def test_a_changed_cluster_file_is_planned_for_and_asks_the_attempt_to_pause(tmp_path):
+    from hetero.runtime.cluster_watch import REQUEST
+
+    printed: list = []
+    path, watch = _watch(tmp_path, ONE_FAST, printed)
+    run_dir = tmp_path / "attempt"
+    run_dir.mkdir()
+    watch.attach(str(run_dir))
+    assert watch.poll() is None and not (run_dir / REQUEST).exists()    # the file says what was loaded
+    _write(tmp_path, "cluster.yaml", CLUSTER)
+    change = watch.poll()
+    assert change is not None and (run_dir / REQUEST).exists()
+    assert (change.added, change.removed) == (3, 0) and change.cluster.num_devices == 4
+    assert "group 'fast' 1 -> 2, group 'slow' 0 -> 2" in change.reason and path in change.reason
+    assert sum(change.result.plan.devices_by_group().values()) >= 2    # the new plan uses what joined
+    assert watch.take() is change and watch.take() is None
+
+
+@pytest.mark.parametrize("text, words", [
+    ("groups: [", "cannot be used"),                                            # not YAML
+    (None, "cannot be used"),                                                   # a field wrong
+    ("same", None),                                                             # reformatted only
+])
+def test_an_unusable_or_unchanged_cluster_file_leaves_the_run_as_it_was(tmp_path, text, words):
+    import yaml
+
+    printed: list = []
+    path, watch = _watch(tmp_path, ONE_FAST, printed)
+    watch.poll()
+    if text == "same":   # the same cluster written otherwise (flow style): not a change
+        text = yaml.safe_dump(ONE_FAST, default_flow_style=True)
+    elif text is None:
+        text = yaml.safe_dump({**ONE_FAST, "groups": [{**ONE_FAST["groups"][0], "devices_per_node": 0}]})
+    time.sleep(0.01)
+    with open(path, "w") as f:
+        f.write(text)
+    assert watch.poll() is None and watch.pending is None
+    if words:
+        assert any(words in line for line in printed), printed
+    else:
+        assert printed == []
+
+
+def test_a_cluster_file_that_no_plan_fits_is_said_and_ignored(tmp_path):
+    import hetero
+    from hetero.runtime.cluster_watch import ClusterWatch
+
+    printed: list = []
+    path = _write(tmp_path, "cluster.yaml", ONE_FAST)
+    big = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}], gbs=8))
+    watch = ClusterWatch(path, hetero.load_cluster(ONE_FAST), hetero.load_model(GPT), big, print_fn=printed.append)
+    tiny_memory = {**ONE_FAST, "devices": {**ONE_FAST["devices"],
+                                          "cpu-emu-a": {**ONE_FAST["devices"]["cpu-emu-a"], "memory": "1 MiB"}}}
+    _write(tmp_path, "cluster.yaml", tiny_memory)
+    assert watch.poll() is None and watch.pending is None
+    assert any("no plan fits" in line and "goes on as it was" in line for line in printed), printed
+
+
+def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, steps: int = STEPS):
+    """Launch on ``start``; once the launcher has prepared the first attempt, write ``edited`` over its
+    cluster file. Returns the summary and the launcher's output."""
+    code, out, err = _launch_and_act(tmp_path, start, plan, steps, "rank0.pid",
+                                     lambda _run_dir: _write(tmp_path, "cluster.yaml", edited))
+    assert code == 0, out[-3000:] + err[-3000:]
+    return json.loads((tmp_path / "summary.json").read_text()), out
+
+
+@pytest.mark.timeout(240)
+def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_nothing(tmp_path):
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}])
+    summary, out = _launch_then_edit(tmp_path, ONE_FAST, plan, CLUSTER)
+    _assert_matches(summary, GPT)     # the single-device reference's losses and norms, all 5 steps
+    (rc,) = summary["reconfigurations"]
+    assert 2 <= rc["step"] <= STEPS and rc["world_size_before"] == 1 and rc["world_size_after"] >= 2
+    assert (rc["devices_added"], rc["devices_removed"], rc["devices_left"]) == (3, 0, 4)
+    assert "group 'slow' 0 -> 2" in rc["reason"]
+    assert 0 < rc["handoff_time_s"] < rc["reshard_time_s"] < 60
+    assert len(summary["ranks"]) == rc["world_size_after"]
+    assert "pausing at the next step boundary" in out
+
+
+@pytest.mark.timeout(240)
+def test_a_device_removed_from_the_file_is_drained_without_losing_a_step(tmp_path):
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])
+    summary, _ = _launch_then_edit(tmp_path, TWO_FAST, plan, ONE_FAST)
+    _assert_matches(summary, GPT)
+    (rc,) = summary["reconfigurations"]
+    assert (rc["world_size_before"], rc["world_size_after"]) == (2, 1)
+    assert (rc["devices_added"], rc["devices_removed"]) == (0, 1)
+    assert None not in summary["losses"]      # a pause loses no step result, unlike a failure

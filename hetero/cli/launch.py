@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--elastic", action="store_true",
                    help="when a device leaves (its rank dies or --inject-failure ends it), the survivors hand off "
                         "their live state, the planner replans on the remaining devices with the same global "
-                        "batch, and training goes on from that step (native engine, zero_stage 0, one machine "
-                        "launching every node slot)")
+                        "batch, and training goes on from that step; devices join or leave on purpose by editing "
+                        "the --cluster file while the run trains (the ranks pause at a step boundary and go on "
+                        "under a new plan). Native engine, zero_stage 0, one machine launching every node slot")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -168,7 +169,7 @@ def run(args) -> int:
         check_elastic(plan, options, args.node_rank)
         if not args.dry_run:
             run_elastic(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
-                        print_fn=out.print, run_dir=args.run_dir)
+                        print_fn=out.print, run_dir=args.run_dir, cluster_path=args.cluster)
             if options.summary and not options.quiet:
                 out.print(f"summary: {options.summary}")
             return 0

@@ -13,16 +13,22 @@ state (:mod:`hetero.runtime.handoff`) and reports. The launcher then
 3. launches the new plan, whose ranks load the state and reshard it for their layers and tp degree,
    and trains the remaining steps.
 
+Devices also come and go on purpose: a change of the ``--cluster`` file while the run trains
+(:mod:`hetero.runtime.cluster_watch`) is planned for at once; then every rank pauses at the next
+step boundary, hands off its state as above, and the new plan goes on from it.
+
 The run summary lists every reconfiguration (SCHEMAS.md ``reconfigurations``): the step (the first one
-run under the new plan; the survivors' state is that after the step before it), the reason,
-the world sizes, and ``reshard_time_s``, the time from the failure to the first step under the new
-plan (handoff, replanning, restart and load), split into ``handoff_time_s``, ``replan_time_s`` and
-``restart_time_s``.
+run under the new plan; the handed-off state is that after the step before it), the reason,
+the world sizes, the devices there are now (``devices_left``), added and removed, and
+``reshard_time_s``, the time from the failure or the change to the first step under the new plan
+(handoff, replanning, restart and load), split into ``handoff_time_s``, ``replan_time_s`` and
+``restart_time_s``. For a change the plan is made first, while training goes on, and the handoff
+counts from the pause request (finishing the step under way, then writing the state).
 
 What it needs: the native engine with ``zero_stage: 0`` (ZeRO keeps each optimizer-state slice on
 one rank only, so a lost slice has no copy), and every node slot launched from this machine. A
 rank that raises on a working device (a bug, an out-of-memory error) is not a departed device: the
-run ends as without ``--elastic``. Devices that join are not handled.
+run ends as without ``--elastic``.
 """
 from __future__ import annotations
 
@@ -112,15 +118,16 @@ class _Attempt:
 
 
 def run_elastic(cluster, model, plan, options, *, master_addr: str | None, master_port: int | None = None,
-                print_fn=print, run_dir: str | None = None) -> dict:
-    """Train ``options.steps`` steps, replanning after each lost device; returns the merged summary
-    (SCHEMAS.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
+                print_fn=print, run_dir: str | None = None, cluster_path: str | None = None) -> dict:
+    """Train ``options.steps`` steps, replanning after each lost device and, with ``cluster_path``
+    (the file ``cluster`` was read from), after each usable change of that file; returns the merged
+    summary (SCHEMAS.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
     ``master_port``: the first attempt's (later ones take a free port)."""
     from hetero.runtime.grads import param_holders
     from hetero.runtime.launcher import RankFailure, prepare, run
     from hetero.specs.io import write_text_atomic
 
-    _import_recovery_modules()
+    _import_recovery_modules(cluster, model, plan)
 
     base = run_dir or tempfile.mkdtemp(prefix="hetero-elastic-")
     os.makedirs(base, exist_ok=True)
@@ -129,6 +136,11 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     reconfigurations: list[dict] = []
     attempt = _Attempt(cluster, plan, options, os.path.join(base, "attempt0"))
     summary = None
+    watch = None
+    if cluster_path:
+        from hetero.runtime.cluster_watch import ClusterWatch
+
+        watch = ClusterWatch(cluster_path, cluster, model, plan, print_fn=print_fn).start()
     try:
         for k in range(MAX_RECONFIGURATIONS + 1):
             opts = dataclasses.replace(attempt.options, summary=os.path.join(attempt.run_dir, "summary.json"))
@@ -138,10 +150,14 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             holders = param_holders(model, attempt.plan, launch.layout)
             if reconfigurations:
                 reconfigurations[-1]["_launched_at"] = time.time()
+            if watch:
+                watch.attach(attempt.run_dir, attempt.cluster)
             try:
                 run(launch, print_fn=print_fn)
             except RankFailure as failure:
                 _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
+                if watch:
+                    watch.attach(None)
                 if k == MAX_RECONFIGURATIONS:
                     raise HeteroError(f"elastic: {k} reconfigurations already; giving up: {failure}") from None
                 attempt = _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base,
@@ -150,6 +166,19 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                     break
                 continue
             _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
+            if watch:
+                watch.attach(None)
+            if _paused(attempt.run_dir, launch.layout.world_size):
+                if k == MAX_RECONFIGURATIONS:
+                    raise HeteroError(f"elastic: {k} reconfigurations already; giving up after {cluster_path} "
+                                      f"changed again (fix: restart from a --save checkpoint)")
+                attempt = _reconfigure(watch.take(), launch, attempt, holders, done, reconfigurations, total,
+                                       base, k + 1, print_fn)
+                if attempt is None:
+                    break
+                continue
+            if watch and watch.pending:
+                print_fn(f"elastic: {cluster_path} changed after the last step began; nothing left to replan")
             with open(opts.summary) as f:
                 summary = json.load(f)
             break
@@ -158,33 +187,71 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             write_text_atomic(user_summary, json.dumps(merged, indent=2), "--summary")
         return merged
     finally:
+        if watch:
+            watch.stop()
         if not run_dir:
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _import_recovery_modules() -> None:
-    """Import what a recovery needs (torch.distributed.checkpoint and .tensor, the planner) while
-    training runs, so its 0.5-1 s do not count into the downtime after a failure."""
+def _import_recovery_modules(cluster, model, plan) -> None:
+    """Import what a recovery needs (torch.distributed.checkpoint and .tensor, the planner) and load
+    the predictor's operator model (one prediction) before training starts, so their 0.5-1 s do not
+    count into the downtime after a failure (a cold first replan took 0.28 s, a warm one 0.02 s)."""
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
+    import hetero
     import hetero.planner  # noqa: F401
     from hetero.runtime import handoff  # noqa: F401
+
+    try:
+        hetero.predict(cluster, model, plan)
+    except Exception:  # noqa: BLE001 - only a warm-up: the replan itself says what is wrong
+        pass
 
 
 def _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base, k, print_fn):
     """Hand off, replan and prepare the next attempt after ``failure`` (or None when no step is left);
     ``holders``: parameter name -> ranks of the failed attempt's plan."""
-    from hetero.runtime.checkpoint import save_assembled_checkpoint
-    from hetero.runtime.handoff import Survivors
     from hetero.runtime.spec import describe_rank
 
     layout = launch.layout
-    survivors = Survivors(attempt.run_dir, layout)
     lost = [layout.ranks[r] for r in failure.lost]
     who = "; ".join(describe_rank(i) for i in lost)
     reason = f"{who} {failure.reason}"
     print_fn(f"elastic: {reason}")
+    step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, reason, failure.time, print_fn)
+    cluster = without_devices(attempt.cluster, lost)
+    result = replan(cluster, model, attempt.plan)
+    replanned_at = time.time()
+    print_fn(f"elastic: replanned on {cluster.num_devices} device(s) in {replanned_at - handed_at:.1f} s: "
+             f"{result.one_line} (predicted {result.tokens_per_s:,.0f} tokens/s)")
+    reconfigurations.append(_record(step, reason, layout, cluster, result, failure.time, handed_at - failure.time,
+                                    replanned_at - handed_at, added=0, removed=len(lost)))
+    return _next_attempt(attempt, step, ckpt, cluster, result, total, base, k)
+
+
+def _reconfigure(change, launch, attempt, holders, done, reconfigurations, total, base, k, print_fn):
+    """Every rank paused for a change of the cluster file (:mod:`hetero.runtime.cluster_watch`), with
+    its new plan already made: hand off and prepare the next attempt (None when no step is left)."""
+    layout = launch.layout
+    step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, change.reason, change.seen_at,
+                                       print_fn)
+    asked_at = change.seen_at + change.replan_time_s    # planned first, while training went on
+    reconfigurations.append(_record(step, change.reason, layout, change.cluster, change.result, change.seen_at,
+                                    handed_at - asked_at, change.replan_time_s, added=change.added,
+                                    removed=change.removed))
+    return _next_attempt(attempt, step, ckpt, change.cluster, change.result, total, base, k)
+
+
+def _hand_over(attempt, layout, holders, done, base, k, reason, since, print_fn):
+    """The ranks' handed-off state as one checkpoint; their step results go to ``done``. Returns the
+    step the state is at, the checkpoint directory and the time it was complete (``since``: the time
+    of the failure or of the change, for the message)."""
+    from hetero.runtime.checkpoint import save_assembled_checkpoint
+    from hetero.runtime.handoff import Survivors
+
+    survivors = Survivors(attempt.run_dir, layout)
     if not survivors.ranks:
         raise HeteroError(f"elastic: no rank handed off its state after {reason} (fix: restart from a --save "
                           f"checkpoint)")
@@ -197,19 +264,24 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
     ckpt = os.path.join(base, f"handoff{k}")
     save_assembled_checkpoint(ckpt, state, step, survivors.loss_scale())
     handed_at = time.time()
-    print_fn(f"elastic: {len(survivors.ranks)} surviving rank(s) handed off their state after step {step} "
-             f"({handed_at - failure.time:.1f} s after the failure)")
-    cluster = without_devices(attempt.cluster, lost)
-    result = replan(cluster, model, attempt.plan)
-    replanned_at = time.time()
-    world_after = sum(result.plan.devices_by_group().values())
-    print_fn(f"elastic: replanned on {cluster.num_devices} device(s) in {replanned_at - handed_at:.1f} s: "
-             f"{result.one_line} (predicted {result.tokens_per_s:,.0f} tokens/s)")
-    reconfigurations.append({"step": step + 1, "reason": reason, "world_size_before": layout.world_size,
-                             "world_size_after": world_after, "devices_left": cluster.num_devices,
-                             "_failed_at": failure.time,
-                             "handoff_time_s": handed_at - failure.time, "replan_time_s": replanned_at - handed_at,
-                             "plan": result.plan.to_dict(), "predicted_tokens_per_s": result.tokens_per_s})
+    print_fn(f"elastic: {len(survivors.ranks)} rank(s) handed off their state after step {step} "
+             f"({handed_at - since:.1f} s after it)")
+    return step, ckpt, handed_at
+
+
+def _record(step, reason, layout, cluster, result, since, handoff_s, replan_s, *, added, removed) -> dict:
+    """One ``reconfigurations`` entry; ``since``: the failure or the change, which reshard_time_s
+    counts from (it and the restart time are added by _close_timing)."""
+    return {"step": step + 1, "reason": reason, "world_size_before": layout.world_size,
+            "world_size_after": sum(result.plan.devices_by_group().values()),
+            "devices_left": cluster.num_devices, "devices_added": added, "devices_removed": removed,
+            "_failed_at": since, "handoff_time_s": handoff_s, "replan_time_s": replan_s,
+            "plan": result.plan.to_dict(), "predicted_tokens_per_s": result.tokens_per_s}
+
+
+def _next_attempt(attempt, step, ckpt, cluster, result, total, base, k):
+    """The attempt that trains the steps after ``step`` on ``result``'s plan from ``ckpt``; None (after
+    --save) when every step was done."""
     if step >= total:   # every step's update was applied: what is left is --save
         if attempt.options.save:
             from hetero.runtime.checkpoint import put_in_place, staging_dir
@@ -222,6 +294,11 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
     options = dataclasses.replace(attempt.options, load=ckpt, steps=total - step, inject_failure=None,
                                   loss_scale=None)
     return _Attempt(cluster, result.plan, options, os.path.join(base, f"attempt{k}"), start_step=step)
+
+
+def _paused(run_dir: str, world: int) -> bool:
+    """Whether the attempt's ranks paused for a cluster change (rather than finishing every step)."""
+    return any(os.path.exists(os.path.join(run_dir, f"rank{r}.paused")) for r in range(world))
 
 
 def _close_timing(reconfigurations: list[dict], run_dir: str, world: int) -> None:

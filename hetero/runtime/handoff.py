@@ -1,7 +1,8 @@
 """Live-state handoff for elastic runs (``hetero launch --elastic``).
 
 When a peer fails, every surviving rank writes what it holds, as of the last optimizer step it
-applied, into the run directory before it exits: its parameters and AdamW moments (tp ranks: their
+applied, into the run directory before it exits (and so does every rank when they pause for a
+change of the cluster file, :mod:`hetero.runtime.cluster_watch`): its parameters and AdamW moments (tp ranks: their
 local shards, with the split dimension), the step, the fp16 loss scale, and the step results every
 rank shares (losses, times). That is the live state: nothing is read back from an older checkpoint.
 

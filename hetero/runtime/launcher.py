@@ -474,6 +474,8 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
                     _failure_message(job, layout, job.errors(), failed))
             if all(c == 0 for c in codes.values()):
                 return
+            if all(job.has(r, "paused") for r in job.ranks):
+                return   # every rank handed off for a cluster change: no need to wait for the exits
             started = [r for r in job.ranks if job.has(r, "pid")]
             now = time.time()
             if started and first_seen is None:

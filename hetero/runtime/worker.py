@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 
+from hetero.runtime.cluster_watch import REQUEST
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunSpec, describe_rank
 
 
@@ -53,9 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if spec.options.elastic:
         _outlive_node_stop()
     try:
-        _train(spec, rank, base, step_box)
+        paused = _train(spec, rank, base, step_box)
         if base:
             _write(base + ".done", "ok")
+        if paused:   # the launcher starts the next plan now: skip the interpreter's teardown (~1 s)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         from hetero.runtime.trainer import InjectedFailure
@@ -98,7 +103,8 @@ def _hand_off(base: str, trainer, where: str) -> None:
               file=sys.stderr, flush=True)
 
 
-def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
+def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
+    """Train the run's steps; True when the ranks paused for a cluster change and handed off."""
     from hetero.runtime.report import Reporter
     from hetero.runtime.trainer import Trainer, summary_dict, trace_dict
 
@@ -117,7 +123,20 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
             reporter.step(result)
 
     step_box["phase"] = "training"
+    if base and opts.elastic:   # the launcher asks for a pause when the cluster file changed
+        request = os.path.join(opts.run_dir, REQUEST)
+        trainer.add_hook(lambda _trainer, _result: not os.path.exists(request))
+    start = trainer.step
     trainer.train(opts.steps, log=log)
+    if trainer.step < start + opts.steps:   # paused: hand the live state to the next plan
+        step_box["phase"] = "handing off its state (the cluster changed)"
+        from hetero.runtime.handoff import write_handoff
+
+        write_handoff(base, trainer)
+        _write(base + ".paused", json.dumps({"rank": rank, "applied_step": trainer.applied_step}))
+        trainer.comm.barrier()
+        trainer.comm.shutdown()
+        return True
     if opts.save:
         step_box["phase"] = "saving the checkpoint (--save)"
         trainer.save(opts.save)
@@ -139,6 +158,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> None:
             reporter.footer(summary)
     trainer.comm.barrier()
     trainer.comm.shutdown()
+    return False
 
 
 def predict_iteration_time(ctx) -> float | None:

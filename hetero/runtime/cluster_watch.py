@@ -1,0 +1,190 @@
+"""Devices that come and go on purpose: an elastic run watches its cluster file.
+
+``hetero launch --elastic --cluster C.yaml`` re-reads ``C.yaml`` while it trains. When the file
+changes to a valid cluster with other devices (a group added, a node's device count raised or
+lowered, a group removed to drain it), the watcher plans for the new cluster (the same global
+batch, so the losses go on as if nothing happened) off the training's critical path, and only then
+asks the workers to pause: every rank stops at the next step boundary, hands off its live state
+(:mod:`hetero.runtime.handoff`) and exits cleanly, and the launcher relaunches on the new plan from
+that state (:mod:`hetero.runtime.elastic`).
+
+What a change to the file means: the file is the truth about the machines from the moment it
+changes. Devices that an earlier failure removed and that the file still lists are used again.
+
+A change that cannot be used (the YAML does not load, the model does not fit the devices, the
+planner finds no plan) is printed with its reason and the run goes on as it was. Edits that leave
+the cluster the same (comments, key order) do nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+POLL_S = 0.5
+"""How often the file is looked at (a stat; it is read only when its size or time changed)."""
+
+REQUEST = "reconfigure.request"
+"""The file in an attempt's run directory that asks its workers to pause at the next step boundary."""
+
+
+@dataclasses.dataclass
+class Change:
+    """A usable change of the cluster file, planned for."""
+
+    cluster: object
+    result: object
+    """The planner's best plan for ``cluster`` (:class:`hetero.planner.SearchResult`)."""
+    reason: str
+    seen_at: float
+    """When the change was seen (the reconfiguration's downtime counts from here)."""
+    replan_time_s: float
+    added: int
+    removed: int
+
+
+def device_counts(cluster) -> dict[str, int]:
+    """Devices per group name."""
+    return {g.name: g.num_devices for g in cluster.groups}
+
+
+def describe_change(before, after) -> tuple[str, int, int]:
+    """A line saying which groups gained or lost devices, and the devices added and removed."""
+    a, b = device_counts(before), device_counts(after)
+    parts, added, removed = [], 0, 0
+    for name in list(a) + [n for n in b if n not in a]:
+        old, new = a.get(name, 0), b.get(name, 0)
+        if old == new:
+            if name in a and name in b and before.group(name).device != after.group(name).device:
+                parts.append(f"group '{name}' now {after.group(name).device}")
+            continue
+        parts.append(f"group '{name}' {old} -> {new}")
+        added += max(0, new - old)
+        removed += max(0, old - new)
+    return ", ".join(parts) or "device settings", added, removed
+
+
+class ClusterWatch:
+    """Polls ``path`` in a thread; a usable change becomes :attr:`pending` and a pause request in
+    the attached run directory (:meth:`attach`)."""
+
+    def __init__(self, path: str, loaded, model, plan, print_fn=print, poll_s: float = POLL_S):
+        self.path, self.model, self.plan = path, model, plan
+        self.print_fn, self.poll_s = print_fn, poll_s
+        self._seen = loaded.to_dict()    # what the file said when last read: the launch's cluster at first
+        self._current = loaded           # the cluster the running attempt was planned for
+        self._signature = None           # None: compare the file with the launch's cluster at the first poll
+        self._lock = threading.Lock()
+        self._pending: Change | None = None
+        self._run_dir: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hetero-cluster-watch", daemon=True)
+
+    def start(self) -> "ClusterWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def attach(self, run_dir: str | None, current=None) -> None:
+        """The attempt now running (its run directory; None between attempts) and its cluster; a change
+        already pending asks it to pause at once."""
+        with self._lock:
+            self._run_dir = run_dir
+            if current is not None:
+                self._current = current
+            if self._pending is not None and run_dir:
+                _write_request(run_dir, self._pending)
+
+    def take(self) -> Change | None:
+        """The pending change, which the caller now carries out (None if there is none)."""
+        with self._lock:
+            change, self._pending = self._pending, None
+            return change
+
+    @property
+    def pending(self) -> Change | None:
+        with self._lock:
+            return self._pending
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s if self._signature is not None else 0.0):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a watcher bug must not end a training run
+                self.print_fn(f"elastic: watching {self.path} failed ({type(e).__name__}: {e}); "
+                              f"devices that come or go by editing it are not seen any more")
+                return
+
+    def poll(self) -> Change | None:
+        """Look at the file once; returns the new pending change, if this look found one."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None    # being replaced by an editor, or moved away: look again later
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == self._signature:
+            return None
+        self._signature = signature
+        cluster = self._load()
+        if cluster is None:
+            return None
+        with self._lock:
+            current = self._current
+        reason, added, removed = describe_change(current, cluster)
+        t0 = time.time()
+        result = self._replan(cluster)
+        if result is None:
+            return None
+        change = Change(cluster, result, f"{self.path} changed: {reason}", t0, time.time() - t0, added, removed)
+        self.print_fn(f"elastic: {change.reason}; new plan ready ({result.one_line}, predicted "
+                      f"{result.tokens_per_s:,.0f} tokens/s): pausing at the next step boundary")
+        with self._lock:
+            self._pending = change
+            if self._run_dir:
+                _write_request(self._run_dir, change)
+        return change
+
+    def _load(self):
+        """The file's cluster when it is valid for the model and differs from what it said before."""
+        from hetero.specs.cluster import load_cluster, model_problems
+        from hetero.specs.errors import SpecError
+
+        try:
+            cluster = load_cluster(self.path)
+            problems = model_problems(cluster, self.model)
+            if problems:
+                raise SpecError(problems)
+        except SpecError as e:
+            self.print_fn(f"elastic: {self.path} changed but cannot be used, training goes on as it was:\n{e}")
+            return None
+        except OSError as e:
+            self.print_fn(f"elastic: {self.path} changed but cannot be read ({e}); training goes on as it was")
+            return None
+        if cluster.to_dict() == self._seen:
+            return None
+        self._seen = cluster.to_dict()
+        return cluster
+
+    def _replan(self, cluster):
+        from hetero.errors import HeteroError
+        from hetero.runtime.elastic import replan
+
+        try:
+            return replan(cluster, self.model, self.plan)
+        except HeteroError as e:
+            why = str(e).removeprefix("elastic: ")
+            self.print_fn(f"elastic: {self.path} changed, but {why}; training goes on as it was")
+            return None
+
+
+def _write_request(run_dir: str, change: Change) -> None:
+    path = os.path.join(run_dir, REQUEST)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"reason": change.reason, "seen_at": change.seen_at}, f)
+    os.replace(tmp, path)
