@@ -136,6 +136,27 @@ def test_a_stage_without_a_replica_ends_the_run_naming_its_layers(tmp_path):
     assert not (tmp_path / "summary.json").exists()
 
 
+def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
+    """A slow device joins that the best plan leaves idle: the cluster is taken in, nothing pauses."""
+    import hetero
+    from hetero.runtime.cluster_watch import ClusterWatch
+    from hetero.runtime.elastic import replan
+
+    with_slow = {**ONE_FAST, "groups": [*ONE_FAST["groups"],
+                                        {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1}]}
+    model = hetero.load_model(GPT)
+    best = replan(hetero.load_cluster(with_slow), model,
+                  hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}])))
+    assert set(best.plan.devices_by_group()) == {"fast"}, best.one_line     # the premise: slow stays idle
+    printed: list = []
+    path = _write(tmp_path, "cluster.yaml", ONE_FAST)
+    watch = ClusterWatch(path, hetero.load_cluster(ONE_FAST), model, best.plan, print_fn=printed.append)
+    _write(tmp_path, "cluster.yaml", with_slow)
+    assert watch.poll() is None and watch.pending is None
+    assert any("no pause" in line for line in printed), printed
+    assert watch.attach(None).num_devices == 2      # a later failure is replanned on the cluster as it is
+
+
 def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, lr: float = LR):
     """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir)``.
     Returns the process's return code, stdout and stderr (no process may be left behind)."""

@@ -13,7 +13,8 @@ changes. Devices that an earlier failure removed and that the file still lists a
 
 A change that cannot be used (the YAML does not load, the model does not fit the devices, the
 planner finds no plan) is printed with its reason and the run goes on as it was. Edits that leave
-the cluster the same (comments, key order) do nothing.
+the cluster the same (comments, key order) do nothing; a change after which the best plan is the
+running one on the same devices is taken in without a pause (later replans start from it).
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ class ClusterWatch:
         self.print_fn, self.poll_s = print_fn, poll_s
         self._seen = loaded.to_dict()    # what the file said when last read: the launch's cluster at first
         self._current = loaded           # the cluster the running attempt was planned for
+        self._plan_now = plan            # and its plan
         self._signature = None           # None: compare the file with the launch's cluster at the first poll
         self._lock = threading.Lock()
         self._pending: Change | None = None
@@ -90,15 +92,19 @@ class ClusterWatch:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def attach(self, run_dir: str | None, current=None) -> None:
-        """The attempt now running (its run directory; None between attempts) and its cluster; a change
-        already pending asks it to pause at once."""
+    def attach(self, run_dir: str | None, current=None, plan=None):
+        """The attempt now running (its run directory; None between attempts), its cluster and plan; a
+        change already pending asks it to pause at once. Returns the cluster as it stands (a change
+        that left the running plan as it was is taken in without a pause)."""
         with self._lock:
             self._run_dir = run_dir
             if current is not None:
                 self._current = current
+            if plan is not None:
+                self._plan_now = plan
             if self._pending is not None and run_dir:
                 _write_request(run_dir, self._pending)
+            return self._current
 
     def take(self) -> Change | None:
         """The pending change, which the caller now carries out (None if there is none)."""
@@ -140,6 +146,14 @@ class ClusterWatch:
         result = self._replan(cluster)
         if result is None:
             return None
+        with self._lock:
+            unchanged = _runs_the_same(current, self._plan_now, cluster, result.plan)
+            if unchanged:
+                self._current = cluster
+        if unchanged:
+            self.print_fn(f"elastic: {self.path} changed: {reason}; the best plan is the running one, on the same "
+                          f"devices: no pause")
+            return None
         change = Change(cluster, result, f"{self.path} changed: {reason}", t0, time.time() - t0, added, removed)
         self.print_fn(f"elastic: {change.reason}; new plan ready ({result.one_line}, predicted "
                       f"{result.tokens_per_s:,.0f} tokens/s): pausing at the next step boundary")
@@ -180,6 +194,22 @@ class ClusterWatch:
             why = str(e).removeprefix("elastic: ")
             self.print_fn(f"elastic: {self.path} changed, but {why}; training goes on as it was")
             return None
+
+
+def _runs_the_same(cluster, plan, new_cluster, new_plan) -> bool:
+    """Whether ``new_plan`` on ``new_cluster`` launches exactly what ``plan`` on ``cluster`` does: the
+    same plan, and every group it uses defined as before (device type, nodes, devices, hosts)."""
+    if new_plan.to_dict() != plan.to_dict():
+        return False
+    for name in plan.devices_by_group():
+        try:
+            same = (new_cluster.group(name) == cluster.group(name)
+                    and new_cluster.device_type(name) == cluster.device_type(name))
+        except KeyError:
+            return False
+        if not same:
+            return False
+    return True
 
 
 def _write_request(run_dir: str, change: Change) -> None:

@@ -44,7 +44,8 @@ import time
 from hetero.errors import HeteroError
 
 MAX_RECONFIGURATIONS = 8
-"""A run that loses more devices than this ends: something beyond single failures is going on."""
+"""A run that loses devices more often than this ends: something beyond single failures is going on.
+Changes of the cluster file are not counted."""
 
 
 def check_elastic(plan, options, node_rank: int | None) -> None:
@@ -142,7 +143,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
 
         watch = ClusterWatch(cluster_path, cluster, model, plan, print_fn=print_fn).start()
     try:
-        for k in range(MAX_RECONFIGURATIONS + 1):
+        k = failures = 0    # attempts made; device losses (cluster changes are not limited)
+        while True:
             opts = dataclasses.replace(attempt.options, summary=os.path.join(attempt.run_dir, "summary.json"))
             launch = prepare(attempt.cluster, model, attempt.plan, opts, master_addr=master_addr,
                              master_port=master_port if k == 0 else None, run_dir=attempt.run_dir)
@@ -151,17 +153,19 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             if reconfigurations:
                 reconfigurations[-1]["_launched_at"] = time.time()
             if watch:
-                watch.attach(attempt.run_dir, attempt.cluster)
+                watch.attach(attempt.run_dir, attempt.cluster, attempt.plan)
+            k += 1
             try:
                 run(launch, print_fn=print_fn)
             except RankFailure as failure:
                 _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
-                if watch:
-                    watch.attach(None)
-                if k == MAX_RECONFIGURATIONS:
-                    raise HeteroError(f"elastic: {k} reconfigurations already; giving up: {failure}") from None
+                if watch:   # a change the running plan absorbed without a pause is the cluster now
+                    attempt = dataclasses.replace(attempt, cluster=watch.attach(None))
+                failures += 1
+                if failures > MAX_RECONFIGURATIONS:
+                    raise HeteroError(f"elastic: {failures - 1} devices lost already; giving up: {failure}") from None
                 attempt = _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base,
-                                   k + 1, print_fn)
+                                   k, print_fn)
                 if attempt is None:     # the failure came after the last step's update
                     break
                 continue
@@ -169,11 +173,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             if watch:
                 watch.attach(None)
             if _paused(attempt.run_dir, launch.layout.world_size):
-                if k == MAX_RECONFIGURATIONS:
-                    raise HeteroError(f"elastic: {k} reconfigurations already; giving up after {cluster_path} "
-                                      f"changed again (fix: restart from a --save checkpoint)")
                 attempt = _reconfigure(watch.take(), launch, attempt, holders, done, reconfigurations, total,
-                                       base, k + 1, print_fn)
+                                       base, k, print_fn)
                 if attempt is None:
                     break
                 continue
