@@ -1188,17 +1188,24 @@ def test_dynamic_loss_scale_rule():
 @pytest.mark.timeout(240)
 def test_fp16_dynamic_loss_scaling_skips_overflows_and_unscales(tmp_path):
     """fp16 autocast runs with a loss scale that every rank applies the same way: at the default
-    scale the unscaled gradient norms and losses follow the fp32 reference (clipping off, so a
-    missing unscale would show); at a scale whose backward overflows fp16, every rank skips that
-    update and halves the scale until it fits, and training goes on with finite numbers."""
+    scale the unscaled gradient norms and losses are those of the single-process fp16 reference
+    (autocast, the same scale; clipping off, so a missing unscale would show) and near the fp32
+    one; at a scale whose backward overflows fp16, every rank skips that update and halves the
+    scale until it fits, and training goes on with finite numbers."""
+    from hetero.runtime.reference import reference_run
+
     fp16 = {**GPT, "name": "tiny-fp16", "dtype": "fp16"}
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
                                                    {"group": "slow", "layers": [2, 4]}]}])
     summary, _ = _launch(tmp_path, fp16, plan, "--clip", "0")
-    ref_losses, ref_norms = reference_run_unclipped()
     assert summary["skipped_steps"] == [] and summary["loss_scales"] == [65536.0] * STEPS
-    assert summary["grad_norms"] == pytest.approx(ref_norms, rel=2e-2)
-    assert summary["losses"] == pytest.approx(ref_losses, rel=2e-2)
+    ref_losses, ref_norms = reference_run(fp16, 0, STEPS, 8, lr=LR, clip=0.0, chunk=2)
+    assert summary["grad_norms"] == pytest.approx(ref_norms, rel=RTOL)
+    assert summary["losses"] == pytest.approx(ref_losses, rel=RTOL)
+    # fp16 rounding alone: within a few percent of fp32 (how far depends on the CPU's fp16 kernels)
+    fp32_losses, fp32_norms = reference_run_unclipped()
+    assert summary["grad_norms"] == pytest.approx(fp32_norms, rel=5e-2)
+    assert summary["losses"] == pytest.approx(fp32_losses, rel=5e-2)
 
     (tmp_path / "big").mkdir()
     ckpt = str(tmp_path / "ckpt")

@@ -3,6 +3,11 @@
 ``reference_losses(model, seed, steps, global_batch)`` is what every plan's losses must match
 (tests: fp32, 1e-3 relative). It splits the global batch into chunks of ``chunk`` samples, each
 loss scaled by ``chunk / global_batch``, exactly the rule the distributed runtime follows.
+
+fp16 / bf16 models run as the runtime runs them: forward under autocast to that dtype with fp32
+master weights, and fp16 with a static loss scale (``loss_scale``, the runtime's default initial
+scale unless given) that backward's gradients are unscaled from. The reference does not skip
+overflowed steps: pick a scale that does not overflow.
 """
 from __future__ import annotations
 
@@ -17,10 +22,20 @@ from hetero.runtime.model import build_stage, loss_fn
 
 def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
                      lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
-                     return_model: bool = False, return_norms: bool = False):
+                     return_model: bool = False, return_norms: bool = False, loss_scale: float | None = None):
+    import contextlib
+
     import hetero
+    from hetero.runtime.engine import AUTOCAST
+    from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE
 
     model = hetero.load_model(model) if not hasattr(model, "num_layers") else model
+    low = AUTOCAST[model.dtype]
+    S = (loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else 1.0
+
+    def autocast():
+        return torch.autocast("cpu", dtype=low) if low is not None else contextlib.nullcontext()
+
     torch.manual_seed(seed)
     m = build_stage(model, (0, model.num_layers), True, True, seed)
     opt = make_optimizer(m.parameters(), lr, weight_decay)
@@ -33,11 +48,13 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
         for first in range(0, global_batch, chunk):
             n = min(chunk, global_batch - first)
             x, y = src.batch(step * global_batch + first, n)
-            loss = loss_fn(m(x), y) * (n / global_batch)
+            with autocast():
+                out = m(x)
+            loss = loss_fn(out, y) * (n / global_batch * S)
             loss.backward()
-            total += float(loss.detach())
-        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None))
-        scale_grads(m, clip_coefficient(norm, clip))
+            total += float(loss.detach()) / S
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None)) / S
+        scale_grads(m, clip_coefficient(norm, clip) / S)
         opt.step()
         losses.append(total)
         norms.append(norm)
