@@ -63,23 +63,48 @@ def test_without_devices_refuses_when_nothing_is_left():
         without_devices(c, [_lost("fast", 0)])
 
 
-def test_survivors_at_different_steps_are_not_one_model(tmp_path):
-    """A handoff is used only when every survivor applied the same updates."""
+def _handoffs(tmp_path, steps: dict):
+    """Handoff files of the REPLICATED plan's ranks: ``steps``: (replica, stage) -> the step that rank's
+    state is at (absent: lost). Each rank holds its stage's one parameter, valued at its step.
+    Returns Survivors and the holders (parameter -> ranks)."""
     import hetero
-    from hetero.errors import HeteroError
     from hetero.layout import build_layout
     from hetero.runtime.handoff import Survivors
 
-    cluster, plan = hetero.load_cluster(CLUSTER), hetero.load_plan(REPLICATED)
-    layout = build_layout(cluster, plan)
-    for rank, step in ((0, 3), (1, 4)):
-        torch.save({}, tmp_path / f"rank{rank}.handoff.pt")
-        (tmp_path / f"rank{rank}.handoff.json").write_text(json.dumps(
-            {"rank": rank, "applied_step": step, "results": [], "shards": {}, "loss_scale": None}))
-    survivors = Survivors(str(tmp_path), layout)
-    assert survivors.ranks == [0, 1]
-    with pytest.raises(HeteroError, match="different steps"):
-        survivors.applied_step()
+    layout = build_layout(hetero.load_cluster(CLUSTER), hetero.load_plan(REPLICATED))
+    holders: dict[str, list[int]] = {}
+    for info in layout.ranks:
+        name = f"layers.{2 * info.stage}.w"
+        holders.setdefault(name, []).append(info.rank)
+        step = steps.get((info.replica, info.stage))
+        if step is None:
+            continue
+        torch.save({f"model/{name}": torch.full((2,), float(step))}, tmp_path / f"rank{info.rank}.handoff.pt")
+        (tmp_path / f"rank{info.rank}.handoff.json").write_text(json.dumps(
+            {"rank": info.rank, "applied_step": step, "results": [], "shards": {}, "loss_scale": None}))
+    return Survivors(str(tmp_path), layout), {k: tuple(v) for k, v in holders.items()}
+
+
+@pytest.mark.parametrize("steps, expected", [
+    ({(0, 0): 4, (0, 1): 4, (1, 0): 4}, 4),          # the usual case: one step
+    ({(0, 0): 4, (0, 1): 3, (1, 0): 3}, 3),          # stage 1 only at 3: the model of step 3
+    ({(0, 0): 3, (0, 1): 4, (1, 0): 4}, 4),          # every stage has a copy at 4: the model of step 4
+])
+def test_survivors_at_different_steps_give_the_newest_whole_model(tmp_path, steps, expected):
+    """A rank lost inside a step's gradient-norm all-reduce leaves some survivors one update ahead:
+    the newest step at which every parameter has a copy is the model handed on."""
+    survivors, holders = _handoffs(tmp_path, steps)
+    step, state = survivors.assemble(holders)
+    assert step == expected
+    assert {k: float(v[0]) for k, v in state.items()} == {"model/layers.0.w": expected, "model/layers.2.w": expected}
+
+
+def test_survivors_with_no_whole_model_at_any_step_are_refused(tmp_path):
+    from hetero.errors import HeteroError
+
+    survivors, holders = _handoffs(tmp_path, {(0, 0): 4, (1, 1): 3})   # stage 1 only at 3, stage 0 only at 4
+    with pytest.raises(HeteroError, match="different steps .* at none of them"):
+        survivors.assemble(holders)
 
 
 # ---------------------------------------------------------------------------- launches
@@ -91,7 +116,8 @@ def _elastic(tmp_path, plan, *extra, timeout=200, check=True):
 
 @pytest.mark.timeout(240)
 def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothing(tmp_path):
-    summary, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "3:3", "--save", str(tmp_path / "ckpt"))
+    summary, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "3:3", "--save", str(tmp_path / "ckpt"),
+                             "--trace", str(tmp_path / "trace.json"))
     _assert_matches(summary, GPT)    # the single-device reference's losses and norms, all 5 steps
     assert (tmp_path / "ckpt" / ".metadata").exists()   # --save: written by the plan that finished
     (rc,) = summary["reconfigurations"]
@@ -101,6 +127,29 @@ def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothin
     # the final summary describes the new plan's ranks, none of them on the lost device's slot
     assert len(summary["ranks"]) == rc["world_size_after"]
     assert "elastic: replanned on 3 device(s)" in proc.stdout
+    _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=3, ranks_after=rc["world_size_after"])
+
+
+def _assert_merged_trace(path, step: int, ranks_before: int, ranks_after: int):
+    """--trace of an elastic run: every attempt's ranks, their steps on one time axis, and a marker at
+    the reconfiguration. ``ranks_before``: the ranks of the first attempt that left events."""
+    from hetero.runtime.trace import PIDS_PER_ATTEMPT
+
+    events = json.loads(path.read_text())["traceEvents"]
+    work = [e for e in events if e.get("ph") == "X"]
+    by_attempt = {a: [e for e in work if e["pid"] // PIDS_PER_ATTEMPT == a] for a in (0, 1)}
+    assert {e["args"]["step"] for e in by_attempt[0]} == set(range(1, step))
+    assert {e["args"]["step"] for e in by_attempt[1]} == set(range(step, STEPS + 1))
+    assert len({e["pid"] for e in by_attempt[0]}) == ranks_before
+    assert len({e["pid"] for e in by_attempt[1]}) == ranks_after
+    (mark,) = [e for e in events if e.get("ph") == "i"]
+    assert mark["name"].startswith(f"reconfiguration before step {step}")
+    # one time axis: the failure or change comes before the new plan's first event, and that after the
+    # old plan's last
+    start1 = min(e["ts"] for e in by_attempt[1])
+    assert mark["ts"] < start1 and max(e["ts"] + e["dur"] for e in by_attempt[0]) < start1
+    names = [e["args"]["name"] for e in events if e.get("name") == "process_name"]
+    assert any(n.startswith("attempt 0: rank 0") for n in names) and any(n.startswith("attempt 1:") for n in names)
 
 
 @pytest.mark.timeout(240)
@@ -157,14 +206,15 @@ def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
     assert watch.attach(None).num_devices == 2      # a later failure is replanned on the cluster as it is
 
 
-def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, lr: float = LR):
+def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, *extra: str,
+                    lr: float = LR):
     """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir)``.
     Returns the process's return code, stdout and stderr (no process may be left behind)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", cluster),
            "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
            "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--summary", str(tmp_path / "summary.json"),
-           "--timeout", "20", "--run-dir", str(run_dir), "--elastic"]
+           "--timeout", "20", "--run-dir", str(run_dir), "--elastic", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         path = run_dir / "attempt0" / marker
@@ -290,11 +340,11 @@ def test_a_cluster_file_that_no_plan_fits_is_said_and_ignored(tmp_path):
     assert any("no plan fits" in line and "goes on as it was" in line for line in printed), printed
 
 
-def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, steps: int = STEPS):
+def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, *extra: str):
     """Launch on ``start``; once the launcher has prepared the first attempt, write ``edited`` over its
     cluster file. Returns the summary and the launcher's output."""
-    code, out, err = _launch_and_act(tmp_path, start, plan, steps, "rank0.pid",
-                                     lambda _run_dir: _write(tmp_path, "cluster.yaml", edited))
+    code, out, err = _launch_and_act(tmp_path, start, plan, STEPS, "rank0.pid",
+                                     lambda _run_dir: _write(tmp_path, "cluster.yaml", edited), *extra)
     assert code == 0, out[-3000:] + err[-3000:]
     return json.loads((tmp_path / "summary.json").read_text()), out
 
@@ -302,7 +352,7 @@ def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, steps: in
 @pytest.mark.timeout(240)
 def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_nothing(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}])
-    summary, out = _launch_then_edit(tmp_path, ONE_FAST, plan, CLUSTER)
+    summary, out = _launch_then_edit(tmp_path, ONE_FAST, plan, CLUSTER, "--trace", str(tmp_path / "trace.json"))
     _assert_matches(summary, GPT)     # the single-device reference's losses and norms, all 5 steps
     (rc,) = summary["reconfigurations"]
     assert 2 <= rc["step"] <= STEPS and rc["world_size_before"] == 1 and rc["world_size_after"] >= 2
@@ -311,6 +361,7 @@ def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_no
     assert 0 < rc["handoff_time_s"] < rc["reshard_time_s"] < 60
     assert len(summary["ranks"]) == rc["world_size_after"]
     assert "pausing at the next step boundary" in out
+    _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=1, ranks_after=rc["world_size_after"])
 
 
 @pytest.mark.timeout(240)

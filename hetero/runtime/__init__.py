@@ -9,7 +9,8 @@
   :mod:`~hetero.runtime.grads` (gradient sync across pipeline shapes, clipping),
   :mod:`~hetero.runtime.data` (samples by global index), :mod:`~hetero.runtime.checkpoint` (DCP),
   :mod:`~hetero.runtime.collectives` (the one door to communication),
-  :mod:`~hetero.runtime.reference` (single-device reference losses).
+  :mod:`~hetero.runtime.reference` (single-device reference losses),
+  :mod:`~hetero.runtime.trace` (Chrome / Perfetto traces, merged over an elastic run's attempts).
 - :mod:`~hetero.runtime.elastic` (``--elastic``: replan on the devices left after a loss, or on those
   a change of the cluster file brings), :mod:`~hetero.runtime.cluster_watch` (that change, planned
   for while training goes on) and :mod:`~hetero.runtime.handoff` (the ranks' live state, assembled

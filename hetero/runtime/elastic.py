@@ -132,7 +132,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
 
     base = run_dir or tempfile.mkdtemp(prefix="hetero-elastic-")
     os.makedirs(base, exist_ok=True)
-    user_summary, total = options.summary, options.steps
+    user_summary, user_trace, total = options.summary, options.trace, options.steps
+    traces: list[str | None] = []   # each attempt's trace file (--trace), merged at the end
     done: list[dict] = []           # step results of the attempts that failed
     reconfigurations: list[dict] = []
     attempt = _Attempt(cluster, plan, options, os.path.join(base, "attempt0"))
@@ -145,7 +146,10 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     try:
         k = failures = 0    # attempts made; device losses (cluster changes are not limited)
         while True:
-            opts = dataclasses.replace(attempt.options, summary=os.path.join(attempt.run_dir, "summary.json"))
+            trace = os.path.join(attempt.run_dir, "trace.json") if user_trace else None
+            traces.append(trace)
+            opts = dataclasses.replace(attempt.options, summary=os.path.join(attempt.run_dir, "summary.json"),
+                                       trace=trace)
             launch = prepare(attempt.cluster, model, attempt.plan, opts, master_addr=master_addr,
                              master_port=master_port if k == 0 else None, run_dir=attempt.run_dir)
             # which ranks hold each parameter: worked out before the run, not in the downtime after a failure
@@ -164,6 +168,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 failures += 1
                 if failures > MAX_RECONFIGURATIONS:
                     raise HeteroError(f"elastic: {failures - 1} devices lost already; giving up: {failure}") from None
+                if trace:   # the survivors handed off their events: their part of the trace
+                    _failed_attempt_trace(attempt.run_dir, launch.layout, trace)
                 attempt = _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base,
                                    k, print_fn)
                 if attempt is None:     # the failure came after the last step's update
@@ -183,6 +189,11 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             with open(opts.summary) as f:
                 summary = json.load(f)
             break
+        if user_trace:
+            from hetero.runtime.trace import merge_traces
+
+            present = [t if t and os.path.exists(t) else None for t in traces]
+            write_text_atomic(user_trace, json.dumps(merge_traces(present, reconfigurations)), "--trace")
         merged = _merge(summary, done, reconfigurations)
         if user_summary:
             write_text_atomic(user_summary, json.dumps(merged, indent=2), "--summary")
@@ -192,6 +203,15 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             watch.stop()
         if not run_dir:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def _failed_attempt_trace(run_dir: str, layout, path: str) -> None:
+    """A failed attempt's trace from the events its survivors handed off (none from lost ranks)."""
+    from hetero.runtime.handoff import Survivors
+    from hetero.runtime.trace import trace_dict
+
+    with open(path, "w") as f:
+        json.dump(trace_dict(layout, Survivors(run_dir, layout).events()), f)
 
 
 def _import_recovery_modules(cluster, model, plan) -> None:
@@ -256,14 +276,13 @@ def _hand_over(attempt, layout, holders, done, base, k, reason, since, print_fn)
     if not survivors.ranks:
         raise HeteroError(f"elastic: no rank handed off its state after {reason} (fix: restart from a --save "
                           f"checkpoint)")
-    step = survivors.applied_step()
-    results = survivors.results()
+    step, state = survivors.assemble(holders)
+    results = survivors.results()[:step - attempt.start_step]
     done.extend(results)   # this attempt's steps: start_step + 1 ...
     done.extend({"step": s, "loss": None, "time_s": None, "grad_norm": None}   # updated; the step's
                 for s in range(attempt.start_step + len(results) + 1, step + 1))  # closing all-reduce lost
-    state = survivors.assemble(holders)
     ckpt = os.path.join(base, f"handoff{k}")
-    save_assembled_checkpoint(ckpt, state, step, survivors.loss_scale())
+    save_assembled_checkpoint(ckpt, state, step, survivors.loss_scale(step))
     handed_at = time.time()
     print_fn(f"elastic: {len(survivors.ranks)} rank(s) handed off their state after step {step} "
              f"({handed_at - since:.1f} s after it)")

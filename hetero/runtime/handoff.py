@@ -2,12 +2,14 @@
 
 When a peer fails, every surviving rank writes what it holds, as of the last optimizer step it
 applied, into the run directory before it exits (and so does every rank when they pause for a
-change of the cluster file, :mod:`hetero.runtime.cluster_watch`): its parameters and AdamW moments (tp ranks: their
-local shards, with the split dimension), the step, the fp16 loss scale, and the step results every
-rank shares (losses, times). That is the live state: nothing is read back from an older checkpoint.
+change of the cluster file, :mod:`hetero.runtime.cluster_watch`): its parameters and AdamW
+moments (tp ranks: their local shards, with the split dimension), the step, the fp16 loss scale,
+and the step results every rank shares (losses, times). That is the live state: nothing is read
+back from an older checkpoint.
 
-The launcher then assembles the full tensors from the survivors (:func:`assemble`): each parameter
-from one tp group whose shards all survived, any data-parallel replica will do, and writes them as
+The launcher then assembles the full tensors from the survivors (:meth:`Survivors.assemble`): each
+parameter from one tp group whose shards all survived at the newest step every parameter has such
+a copy at (survivors a step apart: see there), any data-parallel replica will do, and writes them as
 the plan-independent checkpoint of :mod:`hetero.runtime.checkpoint`
 (:func:`~hetero.runtime.checkpoint.save_assembled_checkpoint`), which ranks of the new plan
 load and reshard as any ``--load``. A parameter no survivor holds (a stage without a replica) ends
@@ -53,7 +55,9 @@ def write_handoff(base: str, trainer) -> None:
     scaler = getattr(engine, "scaler", None)
     meta = {"rank": trainer.rank, "applied_step": trainer.applied_step,
             "results": [asdict(r) for r in trainer.state.results], "shards": shards,
-            "loss_scale": scaler.scale if scaler else None}
+            "loss_scale": scaler.scale if scaler else None,
+            # --trace: this rank's forward / backward events, since the survivors cannot gather them
+            "events": trainer.state.events if trainer.ctx.options.trace else []}
     tmp = f"{base}.handoff.json.tmp"
     with open(tmp, "w") as f:
         json.dump(meta, f)
@@ -90,46 +94,58 @@ class Survivors:
     def ranks(self) -> list[int]:
         return sorted(self.meta)
 
-    def applied_step(self) -> int:
-        """The step every survivor's state is at; an error if they differ (no consistent state)."""
-        steps = {m["applied_step"] for m in self.meta.values()}
-        if len(steps) != 1:
-            by = ", ".join(f"rank {r}: {m['applied_step']}" for r, m in sorted(self.meta.items()))
-            raise HeteroError(f"elastic: the surviving ranks stopped at different steps ({by}), so their live "
-                              f"state is not one model (fix: restart from a checkpoint written by --save)")
-        return steps.pop()
-
     def results(self) -> list[dict]:
         """The step results of the attempt (every rank has them after each step's all-reduce)."""
         return max((m["results"] for m in self.meta.values()), key=len, default=[])
 
-    def loss_scale(self) -> float | None:
-        return next((m["loss_scale"] for m in self.meta.values() if m.get("loss_scale") is not None), None)
+    def loss_scale(self, step: int) -> float | None:
+        """The fp16 loss scale of the ranks whose state is at ``step`` (None: not fp16)."""
+        return next((m["loss_scale"] for m in self.meta.values()
+                     if m["applied_step"] == step and m.get("loss_scale") is not None), None)
+
+    def events(self) -> list[list]:
+        """Every rank's trace events as handed off (a lost rank's: none)."""
+        return [self.meta.get(info.rank, {}).get("events", []) for info in self.layout.ranks]
 
     def _tensors(self, rank: int) -> dict[str, torch.Tensor]:
         path = os.path.join(self.run_dir, f"rank{rank}.handoff.pt")
         return torch.load(path, map_location="cpu", weights_only=True)
 
-    def assemble(self, holders: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Full tensors of every parameter (``holders``: name -> ranks of the failed plan) and its AdamW
-        state, keyed as the checkpoint keys them; raises naming the parameters with no surviving copy."""
+    def assemble(self, holders: dict[str, tuple[int, ...]]) -> tuple[int, dict[str, torch.Tensor]]:
+        """The newest step at which every parameter has a whole copy among the survivors whose state is
+        at that step, and the full tensors there (``holders``: name -> ranks of the failed plan): every
+        parameter and its AdamW state, keyed as the checkpoint keys them.
+
+        Survivors normally all stand at one step. A rank lost inside a step's gradient-norm
+        all-reduce can leave some at step t (they got the norm and applied the update) and the rest
+        at t - 1. Every replica applies the same update, so parameters taken from ranks at t make
+        the model of step t whichever ranks they come from; when some parameter has no whole copy at
+        t, step t - 1 is tried the same way. Raises naming the parameters with no usable copy."""
         tensors = {r: self._tensors(r) for r in self.ranks}
-        out: dict[str, torch.Tensor] = {}
-        missing = []
-        for name, ranks in holders.items():
-            got = self._one(name, ranks, tensors)
-            if got is None:
-                missing.append(name)
-            else:
-                out.update(got)
-        if missing:
-            lost = sorted(set(holders[missing[0]]) - set(self.ranks))
-            where = "; ".join(describe_rank(self.layout.ranks[r]) for r in lost[:3])
-            raise HeteroError(f"elastic: no surviving rank holds a whole copy of {len(missing)} parameter(s), "
-                              f"e.g. {_layer_of(missing[0])} ({missing[0]}), held only by {where}: the live state "
-                              f"cannot be rebuilt (fix: a plan whose stages have data-parallel replicas, "
-                              f"'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
-        return out
+        steps = sorted({m["applied_step"] for m in self.meta.values()}, reverse=True)
+        for step in steps:
+            at = {r: t for r, t in tensors.items() if self.meta[r]["applied_step"] == step}
+            out: dict[str, torch.Tensor] = {}
+            missing = []
+            for name, ranks in holders.items():
+                got = self._one(name, ranks, at)
+                if got is None:
+                    missing.append(name)
+                else:
+                    out.update(got)
+            if not missing:
+                return step, out
+            if len(steps) == 1:
+                lost = sorted(set(holders[missing[0]]) - set(self.ranks))
+                where = "; ".join(describe_rank(self.layout.ranks[r]) for r in lost[:3])
+                raise HeteroError(f"elastic: no surviving rank holds a whole copy of {len(missing)} parameter(s), "
+                                  f"e.g. {_layer_of(missing[0])} ({missing[0]}), held only by {where}: the live "
+                                  f"state cannot be rebuilt (fix: a plan whose stages have data-parallel replicas, "
+                                  f"'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
+        by = ", ".join(f"rank {r}: {m['applied_step']}" for r, m in sorted(self.meta.items()))
+        raise HeteroError(f"elastic: the surviving ranks stopped at different steps ({by}) and at none of them "
+                          f"does every parameter have a whole copy, so their live state is not one model (fix: "
+                          f"restart from a checkpoint written by --save)")
 
     def _one(self, name: str, ranks: tuple[int, ...], tensors: dict) -> dict[str, torch.Tensor] | None:
         """``name``'s full tensors from the first tp group (one stage of one replica) whose every shard

@@ -201,21 +201,3 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
             "schedule": ctx.plan.schedule,
             "communicator": "hetero.comm" if trainer.comm.hc is not None else "torch.distributed", "global_batch_size": ctx.plan.global_batch_size,
             "seq_length": ctx.model.seq_length, "world_size": trainer.world, "pid": os.getpid()}
-
-
-def trace_dict(layout, events_by_rank: list) -> dict:
-    """A Chrome / Perfetto trace: one process per rank, one complete event per F / B."""
-    all_t = [e[3] for evs in events_by_rank for e in evs]
-    t0 = min(all_t) if all_t else 0.0
-    out = []
-    for info in layout.ranks:
-        out.append({"name": "process_name", "ph": "M", "pid": info.rank, "tid": 0,
-                    "args": {"name": f"rank {info.rank} {info.group} p{info.pipeline}r{info.replica}s{info.stage}"
-                                     + (f" tp{info.tp_rank}" if info.tp_size > 1 else "")}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": info.rank, "tid": 0,
-                    "args": {"sort_index": info.rank}})
-        for kind, mb, step, t, d in events_by_rank[info.rank]:
-            out.append({"name": f"{kind}{mb}", "cat": "forward" if kind == "F" else "backward", "ph": "X",
-                        "pid": info.rank, "tid": 0, "ts": (t - t0) * 1e6, "dur": d * 1e6,
-                        "args": {"step": step, "micro_batch": mb, "stage": info.stage, "pipeline": info.pipeline}})
-    return {"traceEvents": out, "displayTimeUnit": "ms"}

@@ -106,7 +106,7 @@ def _hand_off(base: str, trainer, where: str) -> None:
 def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
     """Train the run's steps; True when the ranks paused for a cluster change and handed off."""
     from hetero.runtime.report import Reporter
-    from hetero.runtime.trainer import Trainer, summary_dict, trace_dict
+    from hetero.runtime.trainer import Trainer, summary_dict
 
     trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
     step_box["trainer"] = trainer
@@ -133,6 +133,8 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
         from hetero.runtime.handoff import write_handoff
 
         write_handoff(base, trainer)
+        if opts.trace:   # this attempt's part of the elastic run's trace (every rank is here)
+            _write_trace(trainer, opts.trace)
         _write(base + ".paused", json.dumps({"rank": rank, "applied_step": trainer.applied_step}))
         trainer.comm.barrier()
         trainer.comm.shutdown()
@@ -141,7 +143,8 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
         step_box["phase"] = "saving the checkpoint (--save)"
         trainer.save(opts.save)
     step_box["phase"] = "finishing (summary, trace)"
-    events = trainer.gather_events() if opts.trace else None
+    if opts.trace:
+        _write_trace(trainer, opts.trace)
     state_bytes = trainer.gather_optimizer_state_bytes()
     if rank == 0:
         predicted = predict_iteration_time(trainer.ctx)
@@ -152,13 +155,22 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
 
         if opts.summary:
             write_text_atomic(opts.summary, json.dumps(summary, indent=2), "--summary")
-        if opts.trace and events is not None:
-            write_text_atomic(opts.trace, json.dumps(trace_dict(trainer.ctx.layout, events)), "--trace")
         if reporter:
             reporter.footer(summary)
     trainer.comm.barrier()
     trainer.comm.shutdown()
     return False
+
+
+def _write_trace(trainer, path: str) -> None:
+    """Gather every rank's events (a collective: all ranks call it); rank 0 writes the trace, as the
+    CLI writes every output (parents made, atomic, nothing left behind on failure)."""
+    from hetero.runtime.trace import trace_dict
+    from hetero.specs.io import write_text_atomic
+
+    events = trainer.gather_events()
+    if events is not None:
+        write_text_atomic(path, json.dumps(trace_dict(trainer.ctx.layout, events)), "--trace")
 
 
 def predict_iteration_time(ctx) -> float | None:

@@ -1,0 +1,69 @@
+"""Chrome / Perfetto traces of training runs (``hetero launch --trace``).
+
+A run's trace has one process per rank and one complete event per forward (F) or backward (B)
+of a micro-batch. Event times are wall-clock (``time.time()``) on the ranks, so the traces of an
+elastic run's attempts line up on one time axis: :func:`merge_traces` puts them in one file, each
+attempt's ranks as processes of their own, with a marker at each reconfiguration.
+"""
+from __future__ import annotations
+
+import json
+
+ORIGIN_KEY = "clock_origin_unix_s"
+"""``otherData`` entry: the wall-clock time (s) that a trace's ``ts`` 0 stands for."""
+
+
+def trace_dict(layout, events_by_rank: list) -> dict:
+    """A Chrome / Perfetto trace: one process per rank, one complete event per F / B.
+    ``events_by_rank[r]``: rank r's ``(kind, micro_batch, step, start_unix_s, duration_s)``."""
+    all_t = [e[3] for evs in events_by_rank for e in evs]
+    t0 = min(all_t) if all_t else 0.0
+    out = []
+    for info in layout.ranks:
+        out.append({"name": "process_name", "ph": "M", "pid": info.rank, "tid": 0,
+                    "args": {"name": f"rank {info.rank} {info.group} p{info.pipeline}r{info.replica}s{info.stage}"
+                                     + (f" tp{info.tp_rank}" if info.tp_size > 1 else "")}})
+        out.append({"name": "process_sort_index", "ph": "M", "pid": info.rank, "tid": 0,
+                    "args": {"sort_index": info.rank}})
+        for kind, mb, step, t, d in events_by_rank[info.rank]:
+            out.append({"name": f"{kind}{mb}", "cat": "forward" if kind == "F" else "backward", "ph": "X",
+                        "pid": info.rank, "tid": 0, "ts": (t - t0) * 1e6, "dur": d * 1e6,
+                        "args": {"step": step, "micro_batch": mb, "stage": info.stage, "pipeline": info.pipeline}})
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {ORIGIN_KEY: t0}}
+
+
+PIDS_PER_ATTEMPT = 100_000
+"""Attempt k's rank r is process ``k * PIDS_PER_ATTEMPT + r`` in a merged trace."""
+
+
+def merge_traces(paths: list[str | None], reconfigurations: list[dict]) -> dict:
+    """One trace of an elastic run: ``paths[k]`` is attempt k's trace (None: it left none), and
+    ``reconfigurations`` the summary's entries with the wall-clock time each began (``_failed_at``).
+    Each attempt's ranks become processes named ``attempt k: rank ...``; each reconfiguration is a
+    global instant event at the failure or change that started it."""
+    traces = []
+    for k, path in enumerate(paths):
+        if path is None:
+            continue
+        with open(path) as f:
+            traces.append((k, json.load(f)))
+    origins = [t.get("otherData", {}).get(ORIGIN_KEY) for _, t in traces]
+    origin = min((o for o in origins if o), default=0.0)
+    out = []
+    for (k, trace), own in zip(traces, origins):
+        shift = ((own or origin) - origin) * 1e6
+        for e in trace["traceEvents"]:
+            e = {**e, "pid": k * PIDS_PER_ATTEMPT + e["pid"]}
+            if e.get("ph") == "M" and e["name"] == "process_name":
+                e["args"] = {"name": f"attempt {k}: {e['args']['name']}"}
+            elif e.get("ph") == "M" and e["name"] == "process_sort_index":
+                e["args"] = {"sort_index": e["pid"]}
+            elif "ts" in e:
+                e["ts"] = e["ts"] + shift
+            out.append(e)
+    for rc in reconfigurations:
+        if rc.get("_failed_at") is not None:
+            out.append({"name": f"reconfiguration before step {rc['step']}: {rc['reason']}", "ph": "i", "s": "g",
+                        "pid": 0, "tid": 0, "ts": (rc["_failed_at"] - origin) * 1e6,
+                        "args": {k: v for k, v in rc.items() if not k.startswith("_") and k != "plan"}})
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {ORIGIN_KEY: origin}}
