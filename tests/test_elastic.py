@@ -300,6 +300,21 @@ def test_a_changed_cluster_file_is_planned_for_and_asks_the_attempt_to_pause(tmp
     assert watch.take() is change and watch.take() is None
 
 
+def test_a_file_still_being_written_is_read_once_it_settles(tmp_path):
+    """A writer that is not done yet (here: one whole cluster, then another 50 ms later) is waited
+    for: the change is the final file's, not the first version's."""
+    import threading
+
+    printed: list = []
+    _, watch = _watch(tmp_path, ONE_FAST, printed)
+    _write(tmp_path, "cluster.yaml", TWO_FAST)
+    rest = threading.Timer(0.05, lambda: _write(tmp_path, "cluster.yaml", CLUSTER))
+    rest.start()
+    change = watch.poll()
+    rest.join()
+    assert change is not None and (change.added, change.removed) == (3, 0), printed
+
+
 @pytest.mark.parametrize("text, words", [
     ("groups: [", "cannot be used"),                                            # not YAML
     (None, "cannot be used"),                                                   # a field wrong

@@ -27,6 +27,10 @@ import time
 POLL_S = 0.5
 """How often the file is looked at (a stat; it is read only when its size or time changed)."""
 
+SETTLE_S = 0.2
+"""A changed file is read once it has stayed the same this long: a copy or an editor that writes in
+place truncates first, and a read in between would see an empty or partial cluster."""
+
 REQUEST = "reconfigure.request"
 """The file in an attempt's run directory that asks its workers to pause at the next step boundary."""
 
@@ -71,9 +75,10 @@ class ClusterWatch:
     """Polls ``path`` in a thread; a usable change becomes :attr:`pending` and a pause request in
     the attached run directory (:meth:`attach`)."""
 
-    def __init__(self, path: str, loaded, model, plan, print_fn=print, poll_s: float = POLL_S):
+    def __init__(self, path: str, loaded, model, plan, print_fn=print, poll_s: float = POLL_S,
+                 settle_s: float = SETTLE_S):
         self.path, self.model, self.plan = path, model, plan
-        self.print_fn, self.poll_s = print_fn, poll_s
+        self.print_fn, self.poll_s, self.settle_s = print_fn, poll_s, settle_s
         self._seen = loaded.to_dict()    # what the file said when last read: the launch's cluster at first
         self._current = loaded           # the cluster the running attempt was planned for
         self._plan_now = plan            # and its plan
@@ -128,13 +133,17 @@ class ClusterWatch:
 
     def poll(self) -> Change | None:
         """Look at the file once; returns the new pending change, if this look found one."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None    # being replaced by an editor, or moved away: look again later
-        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if signature == self._signature:
-            return None
+        signature = self._stat()
+        if signature is None or signature == self._signature:
+            return None    # unchanged, or being replaced by an editor / moved away: look again later
+        while True:   # wait until the writer is done
+            time.sleep(self.settle_s)
+            settled = self._stat()
+            if settled is None:
+                return None
+            if settled == signature:
+                break
+            signature = settled
         self._signature = signature
         cluster = self._load()
         if cluster is None:
@@ -162,6 +171,13 @@ class ClusterWatch:
             if self._run_dir:
                 _write_request(self._run_dir, change)
         return change
+
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
 
     def _load(self):
         """The file's cluster when it is valid for the model and differs from what it said before."""
