@@ -206,6 +206,26 @@ def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
     assert watch.attach(None).num_devices == 2      # a later failure is replanned on the cluster as it is
 
 
+def test_a_change_while_another_is_pending_replaces_it(tmp_path):
+    """Devices join (a pause is asked for), then the file goes back before the ranks paused: the ranks
+    may already be pausing, so the second change replaces the first instead of cancelling it."""
+    from hetero.runtime.cluster_watch import REQUEST
+
+    printed: list = []
+    path, watch = _watch(tmp_path, ONE_FAST, printed)
+    run_dir = tmp_path / "attempt"
+    run_dir.mkdir()
+    watch.attach(str(run_dir))
+    _write(tmp_path, "cluster.yaml", CLUSTER)
+    first = watch.poll()
+    assert first is not None and (run_dir / REQUEST).exists()
+    time.sleep(0.01)
+    _write(tmp_path, "cluster.yaml", ONE_FAST)
+    second = watch.poll()
+    assert second is not None and watch.take() is second and second.cluster.num_devices == 1
+    assert (run_dir / REQUEST).exists() and not any("no pause" in line for line in printed), printed
+
+
 def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, *extra: str,
                     lr: float = LR):
     """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir)``.

@@ -156,7 +156,9 @@ class ClusterWatch:
         if result is None:
             return None
         with self._lock:
-            unchanged = _runs_the_same(current, self._plan_now, cluster, result.plan)
+            # with a change already asked for, the ranks may be pausing for it: this one then replaces
+            # it (a pause to the running plan at worst), never cancels it
+            unchanged = self._pending is None and _runs_the_same(current, self._plan_now, cluster, result.plan)
             if unchanged:
                 self._current = cluster
         if unchanged:

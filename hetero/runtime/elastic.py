@@ -179,8 +179,12 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             if watch:
                 watch.attach(None)
             if _paused(attempt.run_dir, launch.layout.world_size):
-                attempt = _reconfigure(watch.take(), launch, attempt, holders, done, reconfigurations, total,
-                                       base, k, print_fn)
+                change = watch.take() if watch else None
+                if change is None:   # a pause is asked for only with a change pending
+                    raise HeteroError(f"elastic: the ranks paused after a cluster change that is not pending any "
+                                      f"more (a bug; the handed-off state is in {attempt.run_dir})")
+                attempt = _reconfigure(change, launch, attempt, holders, done, reconfigurations, total, base, k,
+                                       print_fn)
                 if attempt is None:
                     break
                 continue
