@@ -290,14 +290,25 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
 
 
+def summed_gradients(model: ModelSpec, tp: int, first: bool, last: bool, replicas: int) -> str | None:
+    """Which gradients of a stage the runtime sums with other ranks (:mod:`hetero.runtime.grads`):
+    ``"all"`` when the layers have other holders (``replicas``: model replicas over every pipeline of
+    the plan) or tp peers, else ``"wte"`` (the tied word embedding alone) when one pipeline's first
+    and last stages both hold it, else None."""
+    if replicas > 1 or tp > 1:
+        return "all"
+    if model.tie_embeddings and first != last:
+        return "wte"
+    return None
+
+
 def summed_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: bool, replicas: int) -> float:
     """The parameters of a stage's tp rank whose gradients the runtime sums with other ranks in one
-    buffer (:func:`stage_memory`): all of them when the layers have other holders (``replicas``:
-    model replicas over every pipeline of the plan, or tp peers), else the tied word embedding
-    alone when one pipeline's first and last stages both hold it, else none."""
-    if replicas > 1 or tp > 1:
+    buffer (:func:`stage_memory`), by :func:`summed_gradients`."""
+    which = summed_gradients(model, tp, first, last, replicas)
+    if which == "all":
         return stage_params(model, num_layers, tp, first, last)
-    if model.tie_embeddings and first != last:
+    if which == "wte":
         return model.vocab_size * model.hidden_size / tp
     return 0.0
 

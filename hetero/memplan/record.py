@@ -94,7 +94,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hetero.predictor.memory import zero_degrees
+    from hetero.predictor.memory import summed_gradients, zero_degrees
     from hetero.runtime.engine import AUTOCAST
     from hetero.runtime.grads import make_optimizer
     from hetero.runtime.model import StageModel, backward_loss, loss_fn
@@ -103,11 +103,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     where = stage_of(plan, pipeline, stage)
     chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
-    # which gradients the runtime sums with other ranks (hetero.runtime.grads): every one when the
-    # layers have other holders or tp peers, else a tied embedding held by both ends of the pipeline
-    replicas = sum(p.replicas for p in plan.pipelines)
-    summed = ("all" if replicas > 1 or tp > 1 else
-              "wte" if model.tie_embeddings and where["first"] != where["last"] else None)
+    # which gradients the runtime sums with other ranks: the predictor's rule, so both count one buffer
+    summed = summed_gradients(model, tp, where["first"], where["last"], sum(p.replicas for p in plan.pipelines))
     actions = schedule_actions(plan.schedule, stage, where["physical_stages"], where["micro_batches"],
                                where["virtual"])
     autocast = AUTOCAST[model.dtype]
