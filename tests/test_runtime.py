@@ -369,6 +369,12 @@ def test_dry_run_prints_every_node(tmp_path):
     assert len(commands) == 2
     assert "-m hetero.runtime.torchrun_loopback" in commands[0] and "--node-rank=0" in commands[0]
     assert "-m hetero.runtime.torchrun_loopback" in commands[1] and "--node-rank=1" in commands[1]
+    # c10d's C++ warnings (stack frames after a peer is gone) stay out of failure reports, unless the
+    # user asks for them
+    assert text.count("TORCH_CPP_LOG_LEVEL=ERROR") == 2
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "TORCH_CPP_LOG_LEVEL": "INFO"})
+    assert out.returncode == 0 and "TORCH_CPP_LOG_LEVEL=ERROR" not in out.stdout, out.stderr
 
 
 def test_bad_inputs_exit_1(tmp_path):

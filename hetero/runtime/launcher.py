@@ -237,6 +237,11 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         if local and addr == "127.0.0.1":
             env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
         env["OMP_NUM_THREADS"] = str(max(1, options.threads))
+        # c10d's C++ warnings (a store or socket read that fails once a peer is gone, with dozens of
+        # stack-frame lines) would bury hetero's one-line failure reports; its errors still print.
+        # A TORCH_CPP_LOG_LEVEL set by the user wins.
+        if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         args = [f"--nnodes={len(layout.nodes)}", f"--node-rank={slot}", f"--nproc-per-node={node.num_ranks}",
                 "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}",
                 "--max-restarts=0", "--monitor-interval=0.2",
