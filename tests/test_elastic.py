@@ -396,6 +396,7 @@ def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_no
     assert 0 < rc["handoff_time_s"] < rc["reshard_time_s"] < 60
     assert len(summary["ranks"]) == rc["world_size_after"]
     assert "pausing at the next step boundary" in out
+    assert "reconfigurations" in out and "+3 / -0" in out     # the launcher's closing table
     _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=1, ranks_after=rc["world_size_after"])
 
 

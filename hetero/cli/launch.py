@@ -164,12 +164,15 @@ def run(args) -> int:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
     out = console()
     if args.elastic:
-        from hetero.runtime.elastic import check_elastic, run_elastic
+        from hetero.runtime.elastic import check_elastic, reconfiguration_table, run_elastic
 
         check_elastic(plan, options, args.node_rank)
         if not args.dry_run:
-            run_elastic(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
-                        print_fn=out.print, run_dir=args.run_dir, cluster_path=args.cluster)
+            merged = run_elastic(cluster, model, plan, options, master_addr=args.master_addr,
+                                 master_port=args.master_port, print_fn=out.print, run_dir=args.run_dir,
+                                 cluster_path=args.cluster)
+            if merged["reconfigurations"] and not options.quiet:
+                out.print(reconfiguration_table(merged["reconfigurations"]))
             if options.summary and not options.quiet:
                 out.print(f"summary: {options.summary}")
             return 0

@@ -209,6 +209,27 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             shutil.rmtree(base, ignore_errors=True)
 
 
+def reconfiguration_table(reconfigurations: list[dict]):
+    """A rich table of an elastic run's reconfigurations (the summary's entries): when, why, the
+    world sizes, and the downtime split."""
+    from rich.table import Table
+
+    table = Table(title="reconfigurations")
+    for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
+                 "event -> first step s", "new plan predicted tok/s"):
+        table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
+
+    def sec(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    for rc in reconfigurations:
+        table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
+                      f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", sec(rc.get("handoff_time_s")),
+                      sec(rc.get("replan_time_s")), sec(rc.get("restart_time_s")), sec(rc.get("reshard_time_s")),
+                      f"{rc['predicted_tokens_per_s']:,.0f}")
+    return table
+
+
 def _failed_attempt_trace(run_dir: str, layout, path: str) -> None:
     """A failed attempt's trace from the events its survivors handed off (none from lost ranks)."""
     from hetero.runtime.handoff import Survivors
