@@ -40,7 +40,8 @@ def add_parser(sub) -> None:
                         "their live state, the planner replans on the remaining devices with the same global "
                         "batch, and training goes on from that step; devices join or leave on purpose by editing "
                         "the --cluster file while the run trains (the ranks pause at a step boundary and go on "
-                        "under a new plan). Native engine, zero_stage 0, one machine launching every node slot")
+                        "under a new plan). Native engine, one machine launching every node slot; with ZeRO "
+                        "only the deliberate changes (a failure ends the run)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
@@ -166,7 +167,9 @@ def run(args) -> int:
     if args.elastic:
         from hetero.runtime.elastic import check_elastic, reconfiguration_table, run_elastic
 
-        check_elastic(plan, options, args.node_rank)
+        caveat = check_elastic(plan, options, args.node_rank)
+        if caveat and not options.quiet:
+            out.print(caveat)
         if not args.dry_run:
             merged = run_elastic(cluster, model, plan, options, master_addr=args.master_addr,
                                  master_port=args.master_port, print_fn=out.print, run_dir=args.run_dir,

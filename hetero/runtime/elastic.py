@@ -25,8 +25,9 @@ the world sizes, the devices there are now (``devices_left``), added and removed
 ``restart_time_s``. For a change the plan is made first, while training goes on, and the handoff
 counts from the pause request (finishing the step under way, then writing the state).
 
-What it needs: the native engine with ``zero_stage: 0`` (ZeRO keeps each optimizer-state slice on
-one rank only, so a lost slice has no copy), and every node slot launched from this machine. A
+What it needs: the native engine and every node slot launched from this machine. With ZeRO
+(``zero_stage`` > 0) only deliberate changes are taken in (every rank is alive, and the collective
+checkpoint gathers the optimizer slices); a failure ends the run, since a lost slice has no copy. A
 rank that raises on a working device (a bug, an out-of-memory error) is not a departed device: the
 run ends as without ``--elastic``.
 """
@@ -48,8 +49,9 @@ MAX_RECONFIGURATIONS = 8
 Changes of the cluster file are not counted."""
 
 
-def check_elastic(plan, options, node_rank: int | None) -> None:
-    """Refuse what an elastic run cannot recover, before anything starts."""
+def check_elastic(plan, options, node_rank: int | None) -> str | None:
+    """Refuse what an elastic run cannot recover, before anything starts; returns a caveat to print
+    (None: none)."""
     if node_rank is not None:
         raise HeteroError("--elastic with --node-rank: an elastic run is launched from one machine, which starts "
                           "every node slot and replans (fix: drop --node-rank, or drop --elastic)")
@@ -57,9 +59,17 @@ def check_elastic(plan, options, node_rank: int | None) -> None:
         raise HeteroError("--elastic with --engine deepspeed: only the native engine hands off its live state "
                           "(fix: --engine native)")
     if plan.zero_stage:
-        raise HeteroError(f"--elastic with zero_stage {plan.zero_stage}: ZeRO keeps each slice of the optimizer "
-                          f"state on one rank only, so a lost rank's slice has no copy (fix: a plan with "
-                          f"zero_stage: 0)")
+        return (f"elastic with zero_stage {plan.zero_stage}: devices that join or leave through the cluster file "
+                f"are taken in, but a device lost to a failure ends the run, since ZeRO keeps each slice of the "
+                f"optimizer state on one rank only (a plan with zero_stage: 0 survives failures too)")
+    return None
+
+
+def _refuse_lost_slices(plan, reason: str) -> None:
+    if plan.zero_stage:
+        raise HeteroError(f"elastic: {reason}; with zero_stage {plan.zero_stage} the lost rank's slice of the "
+                          f"optimizer state has no copy, so the run cannot go on (fix: a plan with zero_stage: 0, "
+                          f"or restart from a checkpoint written by --save)")
 
 
 def without_devices(cluster, lost: list) -> object:
@@ -97,13 +107,14 @@ def without_devices(cluster, lost: list) -> object:
 
 
 def replan(cluster, model, plan):
-    """The planner's best plan on ``cluster`` for ``plan``'s global batch, with ``zero_stage: 0`` so the
-    next failure can be handed off too (a :class:`hetero.planner.SearchResult`)."""
+    """The planner's best plan on ``cluster`` for ``plan``'s global batch (a
+    :class:`hetero.planner.SearchResult`): with ``zero_stage: 0``, so the next failure can be handed
+    off too, unless ``plan`` used ZeRO (the planner then still prefers no ZeRO where it fits)."""
     from hetero.planner import PlannerError, search
 
     try:
         return search(cluster, model, global_batch_size=plan.global_batch_size, top_k=1, upper_bound=False,
-                      zero_stages=(0,))[0]
+                      zero_stages=(0,) if not plan.zero_stage else (0, 1, 2))[0]
     except PlannerError as e:
         raise HeteroError(f"elastic: no plan fits the remaining devices ({cluster.num_devices}): {e}") from None
 
@@ -266,6 +277,7 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
     who = "; ".join(describe_rank(i) for i in lost)
     reason = f"{who} {failure.reason}"
     print_fn(f"elastic: {reason}")
+    _refuse_lost_slices(attempt.plan, reason)
     step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, reason, failure.time, print_fn)
     cluster = without_devices(attempt.cluster, lost)
     result = replan(cluster, model, attempt.plan)
@@ -281,8 +293,17 @@ def _reconfigure(change, launch, attempt, holders, done, reconfigurations, total
     """Every rank paused for a change of the cluster file (:mod:`hetero.runtime.cluster_watch`), with
     its new plan already made: hand off and prepare the next attempt (None when no step is left)."""
     layout = launch.layout
-    step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, change.reason, change.seen_at,
-                                       print_fn)
+    with open(os.path.join(attempt.run_dir, "rank0.paused")) as f:
+        paused = json.load(f)
+    if "checkpoint" in paused:   # ZeRO: the ranks wrote the collective checkpoint (worker.py)
+        step, ckpt = paused["applied_step"], paused["checkpoint"]
+        done.extend(paused["results"][:step - attempt.start_step])
+        handed_at = time.time()
+        print_fn(f"elastic: {layout.world_size} rank(s) wrote their state after step {step} "
+                 f"({handed_at - change.seen_at:.1f} s after the change)")
+    else:
+        step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, change.reason, change.seen_at,
+                                           print_fn)
     asked_at = change.seen_at + change.replan_time_s    # planned first, while training went on
     reconfigurations.append(_record(step, change.reason, layout, change.cluster, change.result, change.seen_at,
                                     handed_at - asked_at, change.replan_time_s, added=change.added,

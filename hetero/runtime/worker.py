@@ -130,12 +130,22 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
     trainer.train(opts.steps, log=log)
     if trainer.step < start + opts.steps:   # paused: hand the live state to the next plan
         step_box["phase"] = "handing off its state (the cluster changed)"
-        from hetero.runtime.handoff import write_handoff
+        paused = {"rank": rank, "applied_step": trainer.applied_step}
+        if trainer.ctx.plan.zero_stage:
+            # ZeRO keeps each optimizer slice on one rank: every rank is here, so the collective
+            # checkpoint gathers them (the handoff of a failure writes what each rank holds alone)
+            from dataclasses import asdict
 
-        write_handoff(base, trainer)
+            paused["checkpoint"] = os.path.join(opts.run_dir, "paused-checkpoint")
+            paused["results"] = [asdict(r) for r in trainer.state.results]
+            trainer.save(paused["checkpoint"])
+        else:
+            from hetero.runtime.handoff import write_handoff
+
+            write_handoff(base, trainer)
         if opts.trace:   # this attempt's part of the elastic run's trace (every rank is here)
             _write_trace(trainer, opts.trace)
-        _write(base + ".paused", json.dumps({"rank": rank, "applied_step": trainer.applied_step}))
+        _write(base + ".paused", json.dumps(paused))
         trainer.comm.barrier()
         trainer.comm.shutdown()
         return True
