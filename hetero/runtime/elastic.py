@@ -109,7 +109,7 @@ def without_devices(cluster, lost: list) -> object:
 def replan(cluster, model, plan):
     """The planner's best plan on ``cluster`` for ``plan``'s global batch (a
     :class:`hetero.planner.SearchResult`): with ``zero_stage: 0``, so the next failure can be handed
-    off too, unless ``plan`` used ZeRO (the planner then still prefers no ZeRO where it fits)."""
+    off too, unless ``plan`` used ZeRO (then any ZeRO stage, whichever the planner predicts best)."""
     from hetero.planner import PlannerError, search
 
     try:
