@@ -61,8 +61,8 @@ def describe_change(before, after) -> tuple[str, int, int]:
     parts, added, removed = [], 0, 0
     for name in list(a) + [n for n in b if n not in a]:
         old, new = a.get(name, 0), b.get(name, 0)
-        if old == new:
-            if name in a and name in b and before.group(name).device != after.group(name).device:
+        if old == new:   # present in both (a group has at least one device)
+            if before.group(name).device != after.group(name).device:
                 parts.append(f"group '{name}' now {after.group(name).device}")
             continue
         parts.append(f"group '{name}' {old} -> {new}")

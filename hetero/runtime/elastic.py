@@ -145,6 +145,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     os.makedirs(base, exist_ok=True)
     user_summary, user_trace, total = options.summary, options.trace, options.steps
     traces: list[str | None] = []   # each attempt's trace file (--trace), merged at the end
+    failed_traces: list[tuple] = []  # (run dir, layout, trace file) of failed attempts: built at the end
     done: list[dict] = []           # step results of the attempts that failed
     reconfigurations: list[dict] = []
     attempt = _Attempt(cluster, plan, options, os.path.join(base, "attempt0"))
@@ -179,8 +180,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 failures += 1
                 if failures > MAX_RECONFIGURATIONS:
                     raise HeteroError(f"elastic: {failures - 1} devices lost already; giving up: {failure}") from None
-                if trace:   # the survivors handed off their events: their part of the trace
-                    _failed_attempt_trace(attempt.run_dir, launch.layout, trace)
+                if trace:   # the survivors handed off their events: their part of the trace, after the run
+                    failed_traces.append((attempt.run_dir, launch.layout, trace))
                 attempt = _recover(failure, launch, attempt, holders, model, done, reconfigurations, total, base,
                                    k, print_fn)
                 if attempt is None:     # the failure came after the last step's update
@@ -207,6 +208,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
         if user_trace:
             from hetero.runtime.trace import merge_traces
 
+            for failed in failed_traces:
+                _failed_attempt_trace(*failed)
             present = [t if t and os.path.exists(t) else None for t in traces]
             write_text_atomic(user_trace, json.dumps(merge_traces(present, reconfigurations)), "--trace")
         merged = _merge(summary, done, reconfigurations)
