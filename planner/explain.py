@@ -11,12 +11,15 @@ def _cost_model(cluster, model, cost_model, calibration):
 
 
 def _layers_by_group(plan) -> dict[str, tuple[int, int, int]]:
-    """group -> (layers per replica chain, stages, tp) of the first pipeline that uses it."""
+    """group -> (layers per replica chain, physical stages, tp) over the pipelines that use it."""
     out = {}
     for p in plan.pipelines:
         for s in p.stages:
             n, k, tp = out.get(s.group, (0, 0, s.tp))
-            out[s.group] = (n + s.num_layers, k + 1, tp)
+            out[s.group] = (n + s.num_layers, k, tp)
+        for s in plan.physical_stages(p):
+            n, k, tp = out[s.group]
+            out[s.group] = (n, k + 1, tp)
     return out
 
 
@@ -25,8 +28,6 @@ def _fmt_rate(x: float) -> str:
 
 
 def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model, calibration) -> list[str]:
-    from .search import describe
-
     reasons: list[str] = []
     if not results:
         return reasons
@@ -48,8 +49,8 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
             per_layer[g] = (f + b, tp)
         fastest = min(per_layer, key=lambda g: per_layer[g][0])
         for g, tp in groups:
-            stages = [s for s in p.stages if s.group == g]
-            n = sum(s.num_layers for s in stages)
+            stages = [s for s in plan.physical_stages(p) if s.group == g]
+            n = sum(s.num_layers for s in p.stages if s.group == g)
             ratio = per_layer[g][0] / per_layer[fastest][0]
             if g == fastest:
                 reasons.append(f"{g} stages get {n} of {L} layers ({len(stages)} stage(s), tp{tp}): fastest per layer "
@@ -75,12 +76,16 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     tp_pp = _tp_or_pp(cluster, model, B, best, candidates, scorer, cm)
     if tp_pp:
         reasons.append(tp_pp)
-    # 4. launch-bound stages: where only bigger kernels or fewer launches would help
+    # 4. the schedule: interleaved or not, against its twin on the same devices and layer counts
+    schedule = _schedule_reason(best, scorer)
+    if schedule:
+        reasons.append(schedule)
+    # 5. launch-bound stages: where only bigger kernels or fewer launches would help
     for s, mbs in best.prediction.launch_bound_stages():
         reasons.append(f"{s.group} stages (tp{s.tp}, micro-batch {mbs}) are launch-bound: the host issues a "
                        f"layer's kernels in {s.layer_dispatch_s * 1e3:.2f} ms, the device runs them in "
                        f"{s.layer_device_s * 1e3:.2f} ms")
-    # 5. upper bound
+    # 6. upper bound
     ub = getattr(results, "upper_bound_tokens_per_s", None)
     alone = getattr(results, "upper_bound_by_group", None) or {}
     cannot = [g for g, v in alone.items() if not v]
@@ -98,8 +103,42 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
     return reasons
 
 
+def _schedule_reason(best, scorer) -> str | None:
+    """Interleaved best: what 1F1B on the same devices would predict. A 1F1B best of several stages:
+    what its best interleaved twin predicts (it was scored, and lost or did not fit)."""
+    from .interleave import interleaved_twins, one_chunk_twin
+
+    plan, pred = best.plan, best.prediction
+    if plan.schedule == "interleaved":
+        alt = scorer(one_chunk_twin(plan))
+        if alt is None:
+            return None
+        gain = pred.tokens_per_s / alt.tokens_per_s - 1 if alt.tokens_per_s else 0.0
+        return (f"interleaved 1F1B with {plan.interleave} model chunks per device: the pipeline bubble shrinks "
+                f"{plan.interleave}x for {plan.interleave}x the stage-to-stage transfers; "
+                f"{_fmt_rate(pred.tokens_per_s)} vs {_fmt_rate(alt.tokens_per_s)} tokens/s with plain 1F1B on the "
+                f"same devices and layer counts ({gain * 100:+.1f}%)"
+                + ("" if alt.fits_memory else "; plain 1F1B would not fit memory"))
+    if plan.schedule != "1f1b" or all(len(p.stages) < 2 for p in plan.pipelines):
+        return None
+    twins = [(t, scorer(t)) for t in interleaved_twins(plan, (2, 3, 4))]
+    twins = [(t, p) for t, p in twins if p is not None]
+    if not twins:
+        return None
+    t, p = max(twins, key=lambda x: (x[1].fits_memory, x[1].tokens_per_s))
+    verdict = ("does not fit memory" if not p.fits_memory else
+               f"{(p.tokens_per_s / pred.tokens_per_s - 1) * 100:+.1f}%" if p.tokens_per_s <= pred.tokens_per_s else "")
+    if not verdict:
+        return None   # a better twin the search did not keep (--no-interleave): nothing to explain
+    return (f"1F1B: interleaving {t.interleave} model chunks per device predicts {_fmt_rate(p.tokens_per_s)} "
+            f"tokens/s ({verdict})")
+
+
 def _diff(a, b) -> str:
     out = []
+    if (a.schedule, a.interleave if a.schedule == "interleaved" else 0) != \
+            (b.schedule, b.interleave if b.schedule == "interleaved" else 0):
+        out.append(f"{_schedule_name(a)} vs {_schedule_name(b)}")
     if a.recompute != b.recompute:
         out.append(f"recompute {a.recompute} vs {b.recompute}")
     if a.zero_stage != b.zero_stage:
@@ -138,6 +177,10 @@ def _diff(a, b) -> str:
     return "; ".join(out)
 
 
+def _schedule_name(plan) -> str:
+    return f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule
+
+
 def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
     """Predict the best plan whose slowest used group has another tp; report the numbers (and whether
     the chosen plan gives that group TP, pipeline stages or plain data parallelism)."""
@@ -168,8 +211,6 @@ def _tp_or_pp(cluster, model, B, best, candidates, scorer, cm) -> str | None:
             break
     if not alts:
         return None
-    from .scoring import _score
-
     parts = []
     f1, b1 = cm.layer_times(slow, chosen_tp, mbs, plan.recompute)
     for tp, c in sorted(alts.items()):

@@ -13,6 +13,9 @@ class Options:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = RECOMPUTE
     zero_stages: tuple[int, ...] = (0, 1, 2)
+    interleaves: tuple[int, ...] = (2, 3, 4)
+    """Model chunks per device tried for the interleaved 1F1B schedule (twins of the best 1F1B
+    plans, :mod:`hetero.planner.interleave`); ``()`` plans 1F1B only."""
     keep_per_block: int = 6
     """Shapes kept per group set (by the ranking key) for the combination step."""
     combos_per_block: int = 3

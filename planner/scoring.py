@@ -1,6 +1,6 @@
-"""Scoring and refinement, the planner's last step: the best candidates (plus the even-split and
-higher-ZeRO twins of the best) go through ``predict()``, the single source of truth; a short hill
-climb moves single layers between neighbouring stages and micro-batches between pipelines.
+"""Scoring and refinement, the planner's last step: the best candidates (plus the even-split,
+higher-ZeRO and interleaved twins of the best) go through ``predict()``, the single source of truth;
+a short hill climb moves single layers between neighbouring stages and micro-batches between pipelines.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import math
 from hetero.specs.plan import Plan, check_plan
 
 from .candidates import Candidate
+from .interleave import interleaved_twins
 from .options import Options
 
 
@@ -82,9 +83,11 @@ def _neighbours(plan: Plan):
 
 def _structure(plan: Plan) -> tuple:
     """What the hill climb cannot change: the pipelines' stage groups, TP degrees and replicas, the
-    micro-batch size and recomputation (it moves layers and micro-batches; ZeRO stages come as twins)."""
-    return (plan.micro_batch_size, plan.recompute, plan.schedule,
-            tuple((p.replicas, p.micro_batch_size, tuple((st.group, st.tp) for st in p.stages)) for p in plan.pipelines))
+    micro-batch size and recomputation (it moves layers and micro-batches; ZeRO stages and
+    interleaving come as twins, so a plan and its twins are one structure: the physical stages)."""
+    return (plan.micro_batch_size, plan.recompute,
+            tuple((p.replicas, p.micro_batch_size, tuple((st.group, st.tp) for st in plan.physical_stages(p)))
+                  for p in plan.pipelines))
 
 
 def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options, scorer: _Scorer, progress
@@ -124,6 +127,13 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
                 zplan = dataclasses.replace(plan, zero_stage=z)
                 zpred = scorer(zplan)
                 scored.append((_score(zpred), zplan, zpred, c))
+    scored.sort(key=lambda x: -x[0])
+    # interleaved twins of the best (more chunks per device: a smaller bubble, more transfers and
+    # more activations held), the ZeRO twins among them
+    for s, plan, pred, c in list(scored[: max(opts.refine_top, 5)]):
+        for iplan in interleaved_twins(plan, opts.interleaves):
+            ipred = scorer(iplan)
+            scored.append((_score(ipred), iplan, ipred, c))
     scored.sort(key=lambda x: -x[0])
     # hill climb on the best plan of each of the top few structures: the list above holds twins
     # (even-split, higher ZeRO) that would climb to the same place and crowd out a structure whose

@@ -196,25 +196,33 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
 
 
 def describe(plan: Plan, cluster=None) -> str:
-    """``A100x16[tp4,L0-19] | MI250x8[tp8,L20-31]``: devices per stage run (over replicas) and layers."""
+    """``A100x16[tp4,L0-19] | MI250x8[tp8,L20-31]``: devices per stage run (over replicas) and layers.
+    Interleaved plans count each run's layers (its devices hold several ranges): ``A100x16[tp4,pp4,40 layers]``."""
     parts = []
     for p in plan.pipelines:
+        v = plan.virtual_chunks(p)
+        physical = plan.physical_stages(p)
+        held = [sum(s.layers[1] - s.layers[0] for s in p.stages[i::len(physical)]) for i in range(len(physical))]
         runs = []
-        for s in p.stages:
+        for s, n_layers in zip(physical, held):
             if runs and runs[-1][0] == s.group and runs[-1][1] == s.tp:
                 runs[-1][2] += 1
                 runs[-1][4] = s.layers[1]
+                runs[-1][5] += n_layers
             else:
-                runs.append([s.group, s.tp, 1, s.layers[0], s.layers[1]])
+                runs.append([s.group, s.tp, 1, s.layers[0], s.layers[1], n_layers])
         segs = []
-        for g, tp, n, a, b in runs:
+        for g, tp, n, a, b, n_layers in runs:
             dev = p.replicas * tp * n
             pp = f",pp{n}" if n > 1 else ""
             sep = "-x" if g[-1:].lower() == "x" else "x"
-            segs.append(f"{g}{sep}{dev}[tp{tp}{pp},L{a}-{b - 1}]")
+            where = f"{n_layers} layers" if v > 1 else f"L{a}-{b - 1}"
+            segs.append(f"{g}{sep}{dev}[tp{tp}{pp},{where}]")
         rep = f"{p.replicas}x " if p.replicas > 1 else ""
         parts.append(f"{rep}{' | '.join(segs)} mb{p.micro_batches}x{plan.mbs(p)}")
     tail = []
+    if plan.schedule != "1f1b":
+        tail.append(f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule)
     if plan.recompute != "none":
         tail.append(f"recompute={plan.recompute}")
     if plan.zero_stage:

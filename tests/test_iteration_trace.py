@@ -46,7 +46,7 @@ INTERLEAVED = {"global_batch_size": 48, "micro_batch_size": 1, "schedule": "inte
                "pipelines": [
                    {"replicas": 1, "micro_batches": 32, "stages": [_st("a100", 2, 0, 9), _st("mi250", 2, 9, 18),
                                                                    _st("a100", 2, 18, 27), _st("mi250", 2, 27, 36)]},
-                   {"replicas": 1, "micro_batches": 16, "stages": [_st("a100", 4, 0, 16), _st("a100", 4, 16, 36)]}]}
+                   {"replicas": 1, "micro_batches": 16, "stages": [_st("a100", 4, 6 * i, 6 * i + 6) for i in range(6)]}]}
 
 
 def _events(pred):

@@ -1026,11 +1026,11 @@ def test_node_slots_named_by_different_aliases_of_this_host_share_its_device_num
 def test_interleaving_two_gpu_stages_of_one_tagless_library_is_refused(tmp_path):
     """NCCL ignores send/recv tags; interleaved over exactly two physical stages, the same two ranks
     exchange activations and gradients in both directions in different orders, which only tags keep
-    apart. Such a launch is refused before anything starts; three stages, or two vendors (the host
-    bridge keeps tags), are not."""
+    apart. Such a plan is refused by the plan check (so also before a launch starts, and never
+    proposed by the planner); three stages, or two vendors (the host bridge keeps tags), are not."""
     import hetero
-    from hetero.errors import HeteroError
     from hetero.runtime.launcher import prepare
+    from hetero.specs.errors import SpecError
     from hetero.runtime.spec import RunOptions
 
     cluster = hetero.load_cluster({"name": "gpus", "groups": [
@@ -1045,8 +1045,8 @@ def test_interleaving_two_gpu_stages_of_one_tagless_library_is_refused(tmp_path)
         return hetero.load_plan(_plan([{"micro_batches": 5, "stages": stages}], gbs=10, schedule="interleaved",
                                       interleave=2))
 
-    with pytest.raises(HeteroError, match=r"interleaved over 2 physical stages of one NCCL vendor \(nvidia\).*"
-                                          r"fix: interleave over 3 or more"):
+    with pytest.raises(SpecError, match=r"pipelines\[0\]\.stages: schedule interleaved over 2 physical stages of "
+                                        r"one NCCL vendor \(nvidia\).*fix: interleave over 3 or more"):
         prepare(cluster, model, interleaved(["a100", "a100"]), RunOptions(), run_dir=str(tmp_path / "a"))
     for ok in (["a100", "a100", "a100"], ["a100", "mi"]):
         prepare(cluster, model, interleaved(ok), RunOptions(), run_dir=str(tmp_path / "-".join(ok)),

@@ -8,7 +8,8 @@ def add_parser(sub) -> None:
     from ._common import positive_int
 
     p = sub.add_parser("plan", help="search the best hybrid-parallel plan",
-                       description="Search pipelines, stage splits, tp, micro-batching, recompute and ZeRO for "
+                       description="Search pipelines, stage splits, tp, micro-batching, recompute, ZeRO and the "
+                                   "schedule (1F1B or interleaved) for "
                                    "the highest predicted throughput that fits in memory; show the top plans "
                                    "and why the best one wins.")
     p.add_argument("--cluster", required=True, help="cluster file")
@@ -18,6 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", metavar="PLAN", help="write the best plan here (YAML)")
     p.add_argument("--calibration", help="calibration file from `hetero calibrate`")
     p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
+                        "device is weighed too, and kept where it predicts faster)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -55,7 +59,8 @@ def run(args) -> int:
     calibration = load_calibration_arg(args.calibration, cluster)
     show_progress = not args.no_progress and sys.stderr.isatty()
     results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,
-                     calibration=calibration, progress=show_progress)
+                     calibration=calibration, progress=show_progress,
+                     **({"interleaves": ()} if args.no_interleave else {}))
     best = results[0]
     if args.output:
         header = (f"# hetero plan: {cluster.name} / {model.name}, predicted "

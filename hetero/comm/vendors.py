@@ -14,12 +14,8 @@ import re
 import threading
 from typing import Dict, Mapping, Optional, Sequence
 
-KNOWN = {
-    "nvidia": "nccl", "cuda": "nccl", "nccl": "nccl",
-    "amd": "nccl", "rocm": "nccl", "rccl": "nccl",
-    "ascend": "hccl", "npu": "hccl", "hccl": "hccl",
-    "cpu": "gloo", "gloo": "gloo",
-}
+from hetero.specs.vendors import LIBRARY_OF_VENDOR as KNOWN  # torch-free: plan checks use it too
+
 #: device type of the tensors each library takes
 DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
 _registered: Dict[str, str] = {}

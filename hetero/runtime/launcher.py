@@ -197,13 +197,6 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     from hetero.specs.plan import check_plan
 
     check_plan(plan, cluster, model)
-    if plan.schedule == "interleaved":
-        for pi, p in enumerate(plan.pipelines):
-            if plan.virtual_chunks(p) > 1 and len(plan.physical_stages(p)) < 2:
-                raise HeteroError(f"pipelines[{pi}]: schedule interleaved needs at least 2 physical stages to "
-                                  f"interleave over, this pipeline has 1 (fix: use schedule 1f1b, or list "
-                                  f"{2 * plan.interleave} or more stages)")
-            _check_tagless_interleave(cluster, plan, pi, p, options)
     if options.engine == "deepspeed":
         from hetero.runtime.ds_engine import check_deepspeed_plan
 
@@ -254,29 +247,6 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
                                     machine=node.host or (THIS_MACHINE if machines[slot] == THIS_MACHINE else None)))
     return Launch(spec=spec, spec_path=spec_path, layout=layout, nodes=commands, master_addr=addr,
                   master_port=port, local=local, owns_run_dir=owns_run_dir)
-
-
-TAGLESS_P2P = ("nccl", "hccl")
-"""Vendor libraries whose send/recv ignore the message tag: two ranks' messages arrive in the order sent."""
-
-
-def _check_tagless_interleave(cluster, plan, index: int, pipeline, options: RunOptions) -> None:
-    """Interleaved over exactly 2 physical stages sends activations (wrap-around) and gradients
-    between the same two ranks in both directions, in orders that differ; the runtime keeps them
-    apart by tag. NCCL / HCCL ignore tags, so between two ranks of one such vendor an activation
-    could be taken for a gradient of the same shape. Refused rather than trained wrong."""
-    from hetero.comm.vendors import KNOWN
-
-    stages = plan.physical_stages(pipeline)
-    if options.engine != "native" or plan.virtual_chunks(pipeline) < 2 or len(stages) != 2:
-        return
-    vendors = {cluster.vendor(s.group) for s in stages}
-    library = KNOWN.get(next(iter(vendors)).lower()) if len(vendors) == 1 else None
-    if library in TAGLESS_P2P:
-        raise HeteroError(f"pipelines[{index}]: schedule interleaved over 2 physical stages of one "
-                          f"{library.upper()} vendor ({', '.join(sorted(vendors))}) would mix activations and "
-                          f"gradients: {library.upper()} send/recv ignore the tags that keep them apart "
-                          f"(fix: interleave over 3 or more physical stages, or use schedule 1f1b)")
 
 
 def device_offsets(nodes, families: list[str]) -> list[int]:

@@ -13,6 +13,7 @@ from .errors import Problems, SpecError, did_you_mean, join_path
 from .io import read_mapping, write_yaml_atomic
 from .model import ModelSpec
 from .schema import is_missing, load_dataclass, to_plain
+from .vendors import TAGLESS_P2P, library_of
 
 
 MAX_GLOBAL_BATCH = 65536
@@ -225,7 +226,7 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
                              f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}'",
                              "tensor parallelism stays inside a node: lower tp or use pipeline stages")
         if plan.schedule == "interleaved":
-            _check_interleave(plan, p, join_path("pipelines", pi), problems)
+            _check_interleave(plan, p, join_path("pipelines", pi), problems, cluster)
     _check_capacity(plan, cluster, problems)
     bad_sum = batch_sum_problem(plan)
     if bad_sum:
@@ -283,19 +284,40 @@ def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> N
                            f"layers {expected}..{num_layers - 1} are in no stage", f"end the last stage at {num_layers}")
 
 
-def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems) -> None:
+def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems, cluster: Cluster) -> None:
+    """Virtual stages map onto physical ones; interleaving needs two physical stages, and over
+    exactly two of one vendor a library that keeps message tags (see below)."""
     v, n = plan.interleave, len(p.stages)
+    spath = join_path(path, "stages")
     if n % v:
-        problems.add(join_path(path, "stages"), f"{n} virtual stages are not a multiple of interleave={v}",
+        problems.add(spath, f"{n} virtual stages are not a multiple of interleave={v}",
                      f"list a multiple of {v} stages, or change interleave")
         return
-    per = n // v
+    per, mismatched = n // v, False
     for i in range(per, n):
         a, b = p.stages[i % per], p.stages[i]
         if (a.group, a.tp) != (b.group, b.tp):
-            problems.add(join_path(join_path(path, "stages"), i),
+            mismatched = True
+            problems.add(join_path(spath, i),
                          f"virtual stage {i} runs on the devices of stage {i % per} ({a.group}, tp {a.tp}) "
                          f"but names ({b.group}, tp {b.tp})", "give both the same group and tp")
+    if mismatched:
+        return
+    if v > 1 and per < 2:
+        problems.add(spath, "schedule interleaved needs at least 2 physical stages to interleave over, "
+                            "this pipeline has 1", f"use schedule 1f1b, or list {2 * v} or more stages")
+        return
+    # Over exactly two physical stages the same two ranks carry activations (the wrap-around) and
+    # gradients in both directions, in orders that differ; the runtime keeps them apart by tag.
+    # NCCL / HCCL ignore tags, so an activation could be taken for a gradient of the same shape.
+    if v > 1 and per == 2 and all(s.group in cluster.group_names for s in p.stages[:2]):
+        vendors = {cluster.vendor(s.group) for s in p.stages[:2]}
+        library = library_of(next(iter(vendors))) if len(vendors) == 1 else None
+        if library in TAGLESS_P2P:
+            problems.add(spath, f"schedule interleaved over 2 physical stages of one {library.upper()} vendor "
+                                f"({', '.join(sorted(vendors))}) would mix activations and gradients: "
+                                f"{library.upper()} send/recv ignore the tags that keep them apart",
+                         "interleave over 3 or more physical stages, or use schedule 1f1b")
 
 
 def _check_capacity(plan: Plan, cluster: Cluster, problems: Problems) -> None:
