@@ -14,11 +14,14 @@ measured = median of the pooled steady steps (first step of each launch dropped)
 compared as ratios within this run: each schedule's step time over 1F1B's, predicted and
 measured. Prints a table and writes benchmarks/results/schedules.json.
 
-Seen when this was written: interleaving is predicted to save 4% and measured to save nothing. The
-per-rank summaries show why: on the slow device the compute of one micro-batch (both chunks) is 7%
-more than 1F1B's one call over the same layers (fast device: 2%), while a one-block stage timed
-alone has no fixed per-call cost (1 and 4 blocks: a negative intercept). The alternation between
-chunks costs time that the operator-based prediction does not see.
+Seen when this was written (an Intel 2-core machine, 2 rounds): interleaving predicted to save 4%
+and measured to save nothing. The per-rank summaries showed why: on the slow device the compute of
+one micro-batch (both chunks) was 7% more than 1F1B's one call over the same layers (fast device:
+2%), while a one-block stage timed alone has no fixed per-call cost (1 and 4 blocks: a negative
+intercept); the alternation between chunks cost time the operator-based prediction does not see.
+On a later machine (AMD EPYC, 2 cores) interleaving measured 0.965 (3 rounds) and 0.977 (5 rounds)
+of 1F1B's step against 0.958 predicted, with GPipe at 0.950 / 0.979 against 1.000: run to run, the
+ratios move by 2-5% here, as much as the effect measured.
 
     .venv/bin/python benchmarks/bench_schedules.py [--steps 6] [--rounds 2]
 """
