@@ -731,6 +731,25 @@ def test_interleaved_two_vendors_matches_reference(tmp_path, micro_batches):
     assert [r["chunk_layers"] for r in summary["ranks"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
 
 
+@pytest.mark.timeout(240)
+def test_interleaved_pipelines_of_different_shapes_match_reference(tmp_path):
+    """Two interleaved pipelines whose chunks end at different layers and run on the groups in
+    opposite orders (as the planner's interleaved twins of a mixed plan can): each gradient is summed
+    over the ranks whose chunks hold it, and losses and norms equal the single-device reference."""
+    model = {**GPT, "num_layers": 6}
+    first = [{"group": "fast", "layers": [0, 2]}, {"group": "slow", "layers": [2, 3]},
+             {"group": "fast", "layers": [3, 5]}, {"group": "slow", "layers": [5, 6]}]
+    second = [{"group": "slow", "layers": [0, 1]}, {"group": "fast", "layers": [1, 3]},
+              {"group": "slow", "layers": [3, 4]}, {"group": "fast", "layers": [4, 6]}]
+    plan = _plan([{"micro_batches": 2, "stages": first}, {"micro_batches": 2, "stages": second}],
+                 schedule="interleaved", interleave=2)
+    summary, _ = _launch(tmp_path, model, plan)
+    _assert_matches(summary, model)
+    chunks = {(r["pipeline"], r["stage"]): r["chunk_layers"] for r in summary["ranks"]}
+    assert chunks == {(0, 0): [[0, 2], [3, 5]], (0, 1): [[2, 3], [5, 6]],
+                      (1, 0): [[0, 1], [3, 4]], (1, 1): [[1, 3], [4, 6]]}
+
+
 def test_interleaved_needs_two_physical_stages(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
                                                    {"group": "fast", "layers": [2, 4]}]}], schedule="interleaved",
