@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 
 from .costs import StageCostModel
-from .memory import held_bytes_per_microbatch, held_peak, in_flight_microbatches, summed_params, zero_degrees
+from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches,
+                     summed_params, zero_degrees)
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -255,8 +256,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             if v > 1 and phys > 1:   # chunks of different sizes: weigh each by its activations
                 inflight = _weighted_in_flight(cm.model, stages, i, phys, plan.schedule, m, v, mbs, recompute)
             dp = zero_dp[pi][i] if zero_dp else p.replicas
-            # one chunk per device: no backward before the last forward when all are in flight
-            grads_while_held = v > 1 or inflight < m
+            # no gradient yet while the warm-up holds every forward of the step
+            grads_while_held = not forwards_precede_backwards(plan.schedule, i, phys, m, v)
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
                                            grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas))
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)

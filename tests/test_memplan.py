@@ -399,8 +399,10 @@ RECORDED_CASES = {
     "llama2-7b full x2 seq512": ("llama2-7b", 4, {"seq_length": 512}, _even(4, 2, replicas=2, recompute="full")),
     "llama2-7b zero1 x2 seq512": ("llama2-7b", 4, {"seq_length": 512}, _even(4, 2, replicas=2, zero_stage=1)),
     "gpt3-1.3b fp16 gpipe": ("gpt3-1.3b", 4, {}, _even(4, 2, schedule="gpipe")),
-    "gpt3-1.3b bf16 interleaved": ("gpt3-1.3b", 8, {"dtype": "bf16"},
-                                   {**_even(8, 4), "schedule": "interleaved", "interleave": 2}),
+    # three physical stages (over two of one NCCL vendor interleaving is refused: tagless send/recv);
+    # four micro-batches fit in the first device's warm-up: every forward before its first backward
+    "gpt3-1.3b bf16 interleaved": ("gpt3-1.3b", 6, {"dtype": "bf16"},
+                                   {**_even(6, 6), "schedule": "interleaved", "interleave": 2}),
 }
 
 
@@ -409,7 +411,8 @@ def test_predicted_stage_memory_is_within_10_percent_of_the_recorded_runtime_sta
     """hetero predict's stage memory (less the fixed framework overhead, which no tensor holds)
     against the lower bound of the same stage's recorded allocations: real model widths, mixed
     precision, tp, ZeRO, recomputation and interleaving, which the CPU-sized fp32 validation in
-    test_memory_validation.py does not reach. Measured when written: -4.9% .. -0.0% (29 stages)."""
+    test_memory_validation.py does not reach. Measured: -4.9% .. +2.3% over these 19 stages (the
+    interleaved case's first device: +12.8% before its warm-up was charged without gradients)."""
     import hetero
     from hetero.memplan.record import record_stage
     from hetero.predictor.memory import FRAMEWORK_OVERHEAD

@@ -58,19 +58,24 @@ class AllocationTrace:
             done.append(blk)
         return done
 
-    def lower_bound_bytes(self) -> int:
-        """The most bytes live at once over the :meth:`blocks`: no allocator can do with less. Blocks
-        the trace frees without their allocation count as live from the start."""
-        # bytes that start or stop being live: slot 0 is before the first event, slot t + 1 event t
+    def live_bytes(self) -> list[int]:
+        """Bytes live before the first event and after each event (``len(events) + 1`` entries),
+        over the :meth:`blocks`: blocks the trace frees without their allocation count as live from
+        the start."""
+        # slot 0 is before the first event, slot t + 1 after event t
         change = [0] * (len(self.events) + 2)
         for b in self.blocks():
             change[b.start + 1] += b.size
             change[b.end + 1] -= b.size
-        live = peak = 0
-        for c in change:
+        out, live = [], 0
+        for c in change[:-1]:   # the last slot only frees what lives to the end
             live += c
-            peak = max(peak, live)
-        return peak
+            out.append(live)
+        return out
+
+    def lower_bound_bytes(self) -> int:
+        """The most bytes live at once (:meth:`live_bytes`): no allocator can do with less."""
+        return max(self.live_bytes())
 
 
 class _PlainDataUnpickler(pickle.Unpickler):

@@ -1,0 +1,153 @@
+"""PNG pictures of what the tables say in numbers: a step's schedule and memory (``hetero predict
+--plot``), a stage's planned memory arena (``hetero memplan --plot``).
+
+matplotlib is optional (``pip install 'hetero[plot]'``); it is imported here only, with the Agg
+backend (files, no display), so nothing else pays for it.
+"""
+from __future__ import annotations
+
+import io
+
+from hetero.errors import HeteroError
+
+CATEGORY_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "p2p": "#8c8c8c", "dp": "#55a868",
+                    "optimizer": "#c44e52"}
+"""Chrome-trace categories of the predicted step (and of ``hetero launch --trace``)."""
+OTHER_COLOUR = "#8172b3"
+
+
+def _pyplot(flag: str):
+    try:
+        import matplotlib
+    except ImportError:
+        raise HeteroError(f"{flag} needs matplotlib, which is not installed (fix: pip install matplotlib, "
+                          f"or pip install 'hetero[plot]')") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def png_bytes(fig) -> bytes:
+    """The figure as PNG bytes (written by the caller, atomically); the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def trace_rows(trace: dict) -> list[tuple[tuple, str, list[dict]]]:
+    """The complete ("X") events of a Chrome trace by row: ``[((pid, tid), label, events)]`` in
+    (pid, tid) order, labelled from the trace's process / thread names."""
+    procs, threads, rows = {}, {}, {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e.get("args", {}).get("name", f"process {e['pid']}")
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid", 0))] = e.get("args", {}).get("name", "")
+        elif e.get("ph") == "X":
+            rows.setdefault((e["pid"], e.get("tid", 0)), []).append(e)
+    out = []
+    for key in sorted(rows):
+        pid, tid = key
+        thread = threads.get(key, f"thread {tid}")
+        out.append((key, f"{procs.get(pid, f'process {pid}')}: {thread}", rows[key]))
+    return out
+
+
+def draw_gantt(ax, trace: dict) -> dict[str, int]:
+    """One horizontal bar per event of ``trace`` (seconds on x, one row per process / thread),
+    coloured by category; returns the number of bars drawn per category."""
+    rows = trace_rows(trace)
+    drawn: dict[str, int] = {}
+    for y, (_, _, events) in enumerate(rows):
+        by_cat: dict[str, list] = {}
+        for e in events:
+            by_cat.setdefault(e.get("cat", ""), []).append((e["ts"] / 1e6, max(e.get("dur", 0.0), 0.0) / 1e6))
+        for cat, spans in by_cat.items():
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=CATEGORY_COLOURS.get(cat, OTHER_COLOUR),
+                           edgecolor="white", linewidth=0.2)
+            drawn[cat] = drawn.get(cat, 0) + len(spans)
+    ax.set_yticks(range(len(rows)), [label for _, label, _ in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("time (s)")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=CATEGORY_COLOURS.get(c, OTHER_COLOUR), label=c or "other") for c in sorted(drawn)],
+              loc="upper right", fontsize=7, ncol=len(drawn))
+    return drawn
+
+
+def step_figure(prediction, title: str = ""):
+    """The predicted step: its schedule as a Gantt chart (``prediction`` made with
+    ``timeline=True``), and each stage's predicted peak memory against its device's capacity."""
+    plt = _pyplot("--plot")
+    trace = prediction.timeline()
+    rows = len(trace_rows(trace))
+    stages = [(pi, si, s) for pi, p in enumerate(prediction.to_dict()["pipelines"])
+              for si, s in enumerate(p["stages"])]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 2.5 + 0.28 * rows + 0.3 * len(stages)),
+                                      gridspec_kw={"height_ratios": [max(rows, 2), max(len(stages), 2)]})
+    draw_gantt(top, trace)
+    top.axvline(prediction.iteration_time_s, color="black", linewidth=0.8, linestyle="--")
+    top.set_title(title or f"predicted step: {prediction.iteration_time_s:.4g} s, "
+                           f"{prediction.tokens_per_s:,.0f} tokens/s", fontsize=10)
+    draw_stage_memory(bottom, stages)
+    fig.tight_layout()
+    return fig
+
+
+def draw_stage_memory(ax, stages: list[tuple[int, int, dict]]) -> None:
+    """Per stage (``(pipeline, stage, its prediction dict)``): predicted peak memory (GiB) as a bar,
+    the device's capacity as a tick; a bar over capacity is red."""
+    gib = 2 ** 30
+    labels, peaks, caps = [], [], []
+    for pi, si, s in stages:
+        labels.append(f"p{pi} s{si} {s['group']} tp{s['tp']} L{s['layers'][0]}-{s['layers'][1] - 1}")
+        peaks.append(s["peak_memory_bytes"] / gib)
+        caps.append((s.get("memory_capacity_bytes") or 0) / gib)
+    ys = range(len(stages))
+    colours = ["#c44e52" if c and p > c else "#4c72b0" for p, c in zip(peaks, caps)]
+    ax.barh(list(ys), peaks, color=colours, height=0.6)
+    ax.scatter([c for c in caps], list(ys), marker="|", s=300, color="black", label="capacity")
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.set_ylim(len(stages) - 0.5, -0.5)
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.legend(loc="lower right", fontsize=7)
+
+
+def arena_figure(trace, arena, reserved_bytes: int, title: str = ""):
+    """A memory plan in time and address: every planned block as a rectangle (its lifetime in trace
+    events x its byte range in the arena), the bytes live at each event (the lower bound is their
+    maximum), the arena's size and what the caching allocator reserves for the same trace."""
+    plt = _pyplot("--plot")
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    mib = 2 ** 20
+    fig, ax = plt.subplots(figsize=(12, 6))
+    off, size = np.asarray(arena.offsets, dtype=float) / mib, np.asarray(arena.sizes, dtype=float) / mib
+    s, e = np.asarray(arena.starts, dtype=float), np.asarray(arena.ends, dtype=float)
+    boxes = np.stack([np.stack([s, off], 1), np.stack([e, off], 1), np.stack([e, off + size], 1),
+                      np.stack([s, off + size], 1)], 1) if len(off) else np.zeros((0, 4, 2))
+    shades = plt.get_cmap("viridis")(np.log2(np.maximum(size * mib, 512)) / 40) if len(off) else None
+    ax.add_collection(PolyCollection(boxes, facecolors=shades, edgecolors="none"))
+    live = np.asarray(trace.live_bytes(), dtype=float) / mib   # slot k: after event k - 1
+    ax.plot(np.arange(len(live)), live, color="black", linewidth=0.8, label="bytes live (lower bound: the top)")
+    ax.axhline(arena.arena_bytes / mib, color="#55a868", linestyle="--", label="planned arena")
+    ax.axhline(reserved_bytes / mib, color="#c44e52", linestyle=":", label="caching allocator reserves")
+    ax.set_xlim(0, max(len(trace.events), 1))
+    ax.set_ylim(0, max(arena.arena_bytes, reserved_bytes, 1) / mib * 1.05)
+    ax.set_xlabel("trace event (allocations and frees, in order)")
+    ax.set_ylabel("address in the arena (MiB)")
+    ax.set_title(title or f"planned layout of {len(off):,} blocks", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["arena_figure", "draw_gantt", "draw_stage_memory", "png_bytes", "step_figure", "trace_rows"]
