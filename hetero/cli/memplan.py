@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", type=int,
                    help="with --trace: the snapshot's device to plan (default: the one with the most events)")
     p.add_argument("--json", action="store_true", help="print the memory-plan JSON (SCHEMAS.md) only")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw the planned layout (every block over its lifetime and byte range), the bytes live "
+                        "and what the caching allocator reserves, as a PNG (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -29,9 +32,9 @@ def _bytes(x: float) -> str:
 
 
 def run(args) -> int:
-    from hetero.memplan import load_snapshot, memory_plan
+    from hetero.memplan import load_snapshot, memory_plan_and_layout
 
-    from ._common import console, print_json
+    from ._common import check_output, console, print_json, write_output
 
     recording = [f"--{k}" for k in ("model", "plan", "stage", "pipeline", "steps") if getattr(args, k) is not None]
     if args.trace is None and (args.model is None or args.plan is None):
@@ -41,6 +44,8 @@ def run(args) -> int:
                       f"(give one or the other)")
     if args.trace is None and args.device is not None:
         return _usage("--device picks a device of a --trace snapshot; a recorded stage has one")
+    if args.plot is not None:
+        check_output(args.plot, "--plot")
     from rich.progress import Progress
 
     with Progress(console=console(stderr=True), transient=True) as bar:
@@ -51,11 +56,19 @@ def run(args) -> int:
             trace = load_snapshot(args.trace, args.device)
         else:
             trace = _record(args, progress(bar.add_task("recording the stage's steps", total=None)))
-        report = memory_plan(trace, progress=progress(bar.add_task("planning the layout", total=None)))
+        report, cached, arena = memory_plan_and_layout(trace, progress(bar.add_task("planning the layout", total=None)))
+    if args.plot:
+        from hetero.plots import arena_figure, png_bytes
+
+        title = (f"{trace.source}: planned arena {_bytes(arena.arena_bytes)}, caching allocator "
+                 f"{_bytes(cached.reserved_bytes)}, lower bound {_bytes(report['lower_bound_bytes'])}")
+        write_output(args.plot, "--plot", png_bytes(arena_figure(trace, arena, cached.reserved_bytes, title)))
     if args.json:
         print_json(report)
     else:
         _print_report(trace, report)
+        if args.plot:
+            console().print(f"plot written to {args.plot}")
     return 0
 
 

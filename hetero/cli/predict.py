@@ -14,6 +14,9 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", required=True, help="plan file")
     p.add_argument("--calibration", help="calibration file written by 'hetero calibrate'")
     p.add_argument("--json", action="store_true", help="print the Prediction JSON (SCHEMAS.md) only")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw the predicted step (every device's schedule, the gradient sync and the optimizer) "
+                        "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
     p.add_argument("--timeline", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of the iteration (open in ui.perfetto.dev)")
     p.set_defaults(func=run)
@@ -36,10 +39,18 @@ def run(args) -> int:
     cluster, model, plan = load_inputs(args)
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
         check_output(args.timeline, "--timeline")
+    if args.plot is not None:
+        check_output(args.plot, "--plot")
     calibration = load_calibration_arg(args.calibration, cluster)
-    pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline))
+    pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot))
     if args.timeline:
         write_output(args.timeline, "--timeline", json.dumps(pred.timeline()))
+    if args.plot:
+        from hetero.plots import png_bytes, step_figure
+
+        title = (f"{cluster.name} / {model.name}: predicted step {pred.iteration_time_s:.4g} s, "
+                 f"{pred.tokens_per_s:,.0f} tokens/s, schedule {plan.schedule}")
+        write_output(args.plot, "--plot", png_bytes(step_figure(pred, title)))
     if args.json:
         print_json(pred.to_dict())
         return 0
@@ -104,6 +115,8 @@ def run(args) -> int:
                   "so write `attention: fused` in the model file to predict hetero's own runs")
     if args.timeline:
         out.print(f"timeline written to {args.timeline}")
+    if args.plot:
+        out.print(f"plot written to {args.plot}")
     return 0
 
 

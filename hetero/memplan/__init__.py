@@ -15,8 +15,8 @@ from hetero.memplan.arena import ArenaPlan, plan_arena
 from hetero.memplan.caching import CachingResult, simulate_caching_allocator
 from hetero.memplan.trace import AllocationTrace, load_snapshot
 
-__all__ = ["AllocationTrace", "ArenaPlan", "CachingResult", "load_snapshot", "memory_plan", "plan_arena",
-           "simulate_caching_allocator"]
+__all__ = ["AllocationTrace", "ArenaPlan", "CachingResult", "load_snapshot", "memory_plan", "memory_plan_and_layout",
+           "plan_arena", "simulate_caching_allocator"]
 
 
 def _fragmentation(lower_bound: int, held: int) -> float:
@@ -27,13 +27,20 @@ def memory_plan(trace: AllocationTrace, progress=None) -> dict:
     """The memory-plan report of ``trace``: its event count and lower bound, what the caching
     allocator reserves for it, and the planned arena; each with its fragmentation
     ``1 - lower_bound / bytes held``, and the planned layout's reduction of it."""
+    return memory_plan_and_layout(trace, progress)[0]
+
+
+def memory_plan_and_layout(trace: AllocationTrace, progress=None) -> tuple[dict, CachingResult, ArenaPlan]:
+    """:func:`memory_plan`'s report, with the caching allocator's replay and the planned layout it
+    was made from (``hetero memplan --plot`` draws them)."""
     lower = trace.lower_bound_bytes()
     cached = simulate_caching_allocator(trace)
     arena = plan_arena(trace, progress)
     frag_c = _fragmentation(lower, cached.reserved_bytes)
     frag_p = _fragmentation(lower, arena.arena_bytes + arena.dynamic_fallback_bytes)
-    return {"events": len(trace.events), "lower_bound_bytes": lower,
-            "caching_allocator": {"reserved_bytes": cached.reserved_bytes, "fragmentation": frag_c},
-            "planned": {"arena_bytes": arena.arena_bytes, "fragmentation": frag_p,
-                        "dynamic_fallback_bytes": arena.dynamic_fallback_bytes},
-            "fragmentation_reduction": 1.0 - frag_p / frag_c if frag_c > 0 else 0.0}
+    report = {"events": len(trace.events), "lower_bound_bytes": lower,
+              "caching_allocator": {"reserved_bytes": cached.reserved_bytes, "fragmentation": frag_c},
+              "planned": {"arena_bytes": arena.arena_bytes, "fragmentation": frag_p,
+                          "dynamic_fallback_bytes": arena.dynamic_fallback_bytes},
+              "fragmentation_reduction": 1.0 - frag_p / frag_c if frag_c > 0 else 0.0}
+    return report, cached, arena

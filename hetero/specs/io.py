@@ -202,9 +202,9 @@ def write_yaml_atomic(path, data: dict, header: str = "") -> None:
     write_text_atomic(path, text)
 
 
-def write_text_atomic(path, text: str, what: str | None = None) -> None:
-    """Write ``text`` to ``path`` via a temporary file in its directory, so a reader never sees half
-    of it: every output file is written this way. Missing parent directories are made; when the
+def write_text_atomic(path, text: str | bytes, what: str | None = None) -> None:
+    """Write ``text`` (or ``bytes``: a PNG) to ``path`` via a temporary file in its directory, so a
+    reader never sees half of it: every output file is written this way. Missing parent directories are made; when the
     write fails, neither the temporary file nor a directory made for it is left behind, and an
     existing file keeps its old content. A symbolic link is written through (the link stays), a
     device or directory is refused, and the file gets the mode a plain ``open`` would give it (an
@@ -222,7 +222,7 @@ def write_text_atomic(path, text: str, what: str | None = None) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
