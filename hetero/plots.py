@@ -1,5 +1,6 @@
 """PNG pictures of what the tables say in numbers: a step's schedule and memory (``hetero predict
---plot``), a stage's planned memory arena (``hetero memplan --plot``).
+--plot``), the predicted step above a measured one (``hetero launch --plot``), a stage's planned
+memory arena (``hetero memplan --plot``).
 
 matplotlib is optional (``pip install 'hetero[plot]'``); it is imported here only, with the Agg
 backend (files, no display), so nothing else pays for it.
@@ -54,8 +55,8 @@ def trace_rows(trace: dict) -> list[tuple[tuple, str, list[dict]]]:
     out = []
     for key in sorted(rows):
         pid, tid = key
-        thread = threads.get(key, f"thread {tid}")
-        out.append((key, f"{procs.get(pid, f'process {pid}')}: {thread}", rows[key]))
+        name = procs.get(pid, f"process {pid}")
+        out.append((key, f"{name}: {threads[key]}" if threads.get(key) else name, rows[key]))
     return out
 
 
@@ -98,6 +99,50 @@ def step_figure(prediction, title: str = ""):
     fig.suptitle(title or f"predicted step: {prediction.iteration_time_s:.4g} s, "
                           f"{prediction.tokens_per_s:,.0f} tokens/s", fontsize=10)
     draw_stage_memory(bottom, stages)
+    fig.tight_layout()
+    return fig
+
+
+def one_step(trace: dict, step: int | None = None) -> tuple[dict, int, float]:
+    """The events of one step of a run's trace (``hetero launch --trace``: every event carries its
+    step), shifted to start at 0: ``(trace of that step, the step, its span in s)``. By default the
+    step whose span is the median of the steps after the first (the first pays for warm-up)."""
+    spans: dict[int, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and "step" in e.get("args", {}):
+            lo, hi = spans.get(e["args"]["step"], [float("inf"), float("-inf")])
+            spans[e["args"]["step"]] = [min(lo, e["ts"]), max(hi, e["ts"] + e.get("dur", 0.0))]
+    if not spans:
+        raise HeteroError("the run's trace has no forward or backward events to draw")
+    if step is None:
+        later = sorted(spans)[1:] or sorted(spans)
+        by_span = sorted(later, key=lambda k: spans[k][1] - spans[k][0])
+        step = by_span[(len(by_span) - 1) // 2]
+    t0 = spans[step][0]
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    events += [{**e, "ts": e["ts"] - t0} for e in trace["traceEvents"]
+               if e.get("ph") == "X" and e.get("args", {}).get("step") == step]
+    return {"traceEvents": events}, step, (spans[step][1] - spans[step][0]) / 1e6
+
+
+def run_figure(prediction, trace: dict, title: str = ""):
+    """The predicted step (``prediction`` made with ``timeline=True``) above one measured step of
+    the run's trace (:func:`one_step`), on one time scale: where the schedules agree, and where the
+    prediction is off, at a glance. The measured trace holds forwards and backwards only."""
+    plt = _pyplot("--plot")
+    predicted = prediction.timeline()
+    measured, step, span = one_step(trace)
+    rows_p, rows_m = len(trace_rows(predicted)), len(trace_rows(measured))
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(12, min(3.0 + 0.28 * (rows_p + rows_m), 60.0)),
+                                      gridspec_kw={"height_ratios": [max(rows_p, 2), max(rows_m, 2)]})
+    draw_gantt(top, predicted)
+    top.set_xlabel("")
+    top.set_title(f"predicted: {prediction.iteration_time_s:.4g} s per step", fontsize=9, loc="right")
+    draw_gantt(bottom, measured)
+    bottom.set_title(f"measured: step {step}, forwards and backwards span {span:.4g} s "
+                     f"(the median step after the first)", fontsize=9, loc="right")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -152,4 +197,5 @@ def arena_figure(trace, arena, reserved_bytes: int, title: str = ""):
     return fig
 
 
-__all__ = ["arena_figure", "draw_gantt", "draw_stage_memory", "png_bytes", "step_figure", "trace_rows"]
+__all__ = ["arena_figure", "draw_gantt", "draw_stage_memory", "one_step", "png_bytes", "run_figure", "step_figure",
+           "trace_rows"]

@@ -14,7 +14,7 @@ fi
 if $PY -c "import hetero.cli.predict" 2>/dev/null && [ -f out/mixed-vendor-llama2-7b.yaml ]; then
   step "Predict that plan stage by stage"
   $PY -m hetero predict --cluster configs/clusters/mixed-vendor.yaml --model configs/models/llama2-7b.yaml \
-      --plan out/mixed-vendor-llama2-7b.yaml
+      --plan out/mixed-vendor-llama2-7b.yaml --plot out/mixed-vendor-llama2-7b-step.png
 fi
 if $PY -c "import hetero.cli.launch" 2>/dev/null; then
   cache=${HETERO_CACHE_DIR:-$HOME/.cache/hetero}/profiles/cpu.meta.json
@@ -27,5 +27,6 @@ if $PY -c "import hetero.cli.launch" 2>/dev/null; then
       --global-batch-size 16 --top-k 3 -o out/local-pair-small-gpt.yaml
   step "Train it: per-step loss, then predicted vs measured"
   $PY -m hetero launch --cluster configs/clusters/local-cpu-pair.yaml --model configs/models/small-gpt.yaml \
-      --plan out/local-pair-small-gpt.yaml --steps 6 --summary out/demo-summary.json --trace out/demo-trace.json
+      --plan out/local-pair-small-gpt.yaml --steps 6 --summary out/demo-summary.json --trace out/demo-trace.json \
+      --plot out/demo-run.png
 fi

@@ -105,3 +105,29 @@ def test_without_matplotlib_a_plot_is_a_clear_error(monkeypatch, tmp_path, capsy
     err = capsys.readouterr().err
     assert "--plot needs matplotlib" in err and "pip install" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_measured_step_is_the_median_after_the_first_shifted_to_zero():
+    from hetero.plots import one_step
+
+    def ev(step, ts, dur):
+        return {"ph": "X", "name": "F0", "cat": "forward", "pid": 0, "tid": 0, "ts": ts, "dur": dur,
+                "args": {"step": step}}
+
+    # spans (us): step 1 5e6 (warm-up), 2: 1e6, 3: 3e6, 4: 2e6 -> the median of steps 2-4 is step 4
+    trace = {"traceEvents": [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "rank 0"}},
+                             ev(1, 0, 5e6), ev(2, 5e6, 1e6), ev(3, 6e6, 1e6), ev(3, 8e6, 1e6), ev(4, 9e6, 2e6)]}
+    one, step, span = one_step(trace)
+    assert (step, span) == (4, 2.0)
+    assert [(e["ts"], e["dur"]) for e in one["traceEvents"] if e["ph"] == "X"] == [(0, 2e6)]
+    assert one_step(trace, step=3)[2] == 3.0
+    with pytest.raises(hetero.HeteroError, match="no forward or backward events"):
+        one_step({"traceEvents": []})
+
+
+def test_launch_plot_refuses_an_elastic_run_up_front(tmp_path):
+    """An elastic run may change its plan midway; one plan's step cannot stand for it."""
+    proc = run_cli("launch", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model",
+                   str(CONFIGS / "models" / "tiny.yaml"), "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml"),
+                   "--elastic", "--plot", str(tmp_path / "run.png"))
+    assert_bad_input(proc, "--plot", "--elastic may change the plan")

@@ -944,6 +944,22 @@ def _launch_in(tmp: Path, model: dict, plan: dict, *extra: str, cluster: dict = 
 
 
 @pytest.mark.timeout(120)
+def test_launch_plot_draws_a_measured_step_and_leaves_no_trace_behind(tmp_path):
+    """`--plot` without `--trace`: the run traces into a temporary directory, the PNG (predicted step
+    above a measured one) is written, and the temporary trace is gone; a failed run writes none."""
+    pytest.importorskip("matplotlib")
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    tmp, out = tmp_path / "tmp", tmp_path / "plots" / "run.png"
+    proc, left = _launch_in(tmp, GPT, plan, "--steps", "3", "--plot", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and left == [], left
+    failed = tmp_path / "failed" / "run.png"
+    proc, left = _launch_in(tmp, GPT, plan, "--steps", "3", "--inject-failure", "2:1", "--plot", str(failed))
+    assert proc.returncode == 1 and not failed.parent.exists() and left == [], (proc.stderr[-3000:], left)
+
+
+@pytest.mark.timeout(120)
 def test_default_run_directories_are_removed_at_exit(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])
     tmp = tmp_path / "tmp"

@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
                    help="seed of the initial weights and the synthetic token stream (default 0)")
     p.add_argument("--summary", metavar="OUT.json", help="write the run summary (SCHEMAS.md) here")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw the predicted step above one measured step of the run (the median after the "
+                        "first), on one time scale, as a PNG (needs matplotlib)")
     p.add_argument("--dry-run", action="store_true", help="print every node's command and environment, run nothing")
     p.add_argument("--node-rank", type=int, help="run only this node slot (multi-node: one call per host)")
     p.add_argument("--master-addr", help="rendezvous address: node slot 0's machine (default 127.0.0.1 when every "
@@ -119,8 +122,11 @@ def _check_numbers(args) -> None:
             raise HeteroError(f"--save {args.save}: the directory holds files that are not a checkpoint, and the "
                               f"new checkpoint replaces the whole directory (fix: give a new directory or one "
                               f"an earlier --save wrote)")
-    for flag, value in (("--summary", args.summary), ("--trace", args.trace)):
-        if value:   # rank 0 writes them at the end as every output is written (write_output's way)
+    if args.plot is not None and args.elastic:
+        raise HeteroError("--plot draws one plan's step next to its prediction, and --elastic may change the plan "
+                          "(fix: use --trace for an elastic run's timeline)")
+    for flag, value in (("--summary", args.summary), ("--trace", args.trace), ("--plot", args.plot)):
+        if value is not None:   # rank 0 writes them at the end as every output is written (write_output's way)
             from ._common import check_output
 
             check_output(value, flag)
@@ -128,8 +134,6 @@ def _check_numbers(args) -> None:
 
 def run(args) -> int:
     from hetero.errors import HeteroError
-    from hetero.runtime.launcher import dry_run_text, prepare
-    from hetero.runtime.launcher import run as run_launch
     from hetero.runtime.spec import RunOptions
 
     from ._common import console, load_inputs
@@ -179,6 +183,30 @@ def run(args) -> int:
             if options.summary and not options.quiet:
                 out.print(f"summary: {options.summary}")
             return 0
+    plot_dir = None
+    if args.plot and not args.trace and not args.dry_run:   # the trace --plot draws, not asked for: temporary
+        import tempfile
+
+        plot_dir = tempfile.mkdtemp(prefix="hetero-plot-")
+        options.trace = os.path.join(plot_dir, "trace.json")
+    try:
+        _launch(args, cluster, model, plan, options, out)
+    finally:
+        if plot_dir:
+            import shutil
+
+            shutil.rmtree(plot_dir, ignore_errors=True)
+    if options.summary and not options.quiet:
+        out.print(f"summary: {options.summary}")
+    return 0
+
+
+def _launch(args, cluster, model, plan, options, out) -> None:
+    """Prepare and run (or print, ``--dry-run``) this launch; ``--plot`` once it has run."""
+    from hetero.errors import HeteroError
+    from hetero.runtime.launcher import dry_run_text, prepare
+    from hetero.runtime.launcher import run as run_launch
+
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir, separate=args.node_rank is not None)
     try:
@@ -188,10 +216,31 @@ def run(args) -> int:
         if args.dry_run:
             print(dry_run_text(launch))
             launch.owns_run_dir = False  # kept: the commands printed read its run file
-            return 0
+            return
         run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
+        if args.plot:
+            _write_plot(args, cluster, model, plan, options.trace, out)
     finally:
         launch.remove_run_dir()
-    if options.summary and not options.quiet:
-        out.print(f"summary: {options.summary}")
-    return 0
+
+
+def _write_plot(args, cluster, model, plan, trace_path: str, out) -> None:
+    """``--plot``: the predicted step above one measured step of the run's trace."""
+    import json
+    import os
+
+    from hetero.plots import png_bytes, run_figure
+    from hetero.predictor import predict
+
+    from ._common import write_output
+
+    if not os.path.exists(trace_path):   # another node slot's launch: rank 0 writes the trace
+        out.print(f"--plot: no trace here (rank 0 writes it, on node slot 0's machine); {args.plot} not written")
+        return
+    with open(trace_path) as f:
+        trace = json.load(f)
+    pred = predict(cluster, model, plan, timeline=True)
+    title = f"{cluster.name} / {model.name}: schedule {plan.schedule}, predicted vs measured"
+    write_output(args.plot, "--plot", png_bytes(run_figure(pred, trace, title)))
+    if not args.quiet:
+        out.print(f"plot written to {args.plot}")
