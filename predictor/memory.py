@@ -337,7 +337,6 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, micro_bat
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=4096)
 def forwards_precede_backwards(schedule: str, stage: int, num_stages: int, micro_batches: int,
                                interleave: int = 1) -> bool:
     """Whether device ``stage`` runs every forward of the step (each micro-batch through each of its
@@ -346,8 +345,19 @@ def forwards_precede_backwards(schedule: str, stage: int, num_stages: int, micro
     (``grads_while_held=False`` of :func:`stage_memory`). GPipe; 1F1B with no more micro-batches
     than are in flight; interleaved when the micro-batches fit in the warm-up (e.g. the first of
     three devices with two chunks and four micro-batches)."""
-    order = device_orders(schedule, num_stages * interleave, micro_batches, interleave)[stage]
-    return next((i for i, (kind, _, _) in enumerate(order) if kind == "B"), len(order)) == len(order) // 2
+    kind, v = executed_order(schedule, num_stages * interleave, interleave)
+    if v == 1:   # closed forms: the planner asks this for thousands of (stage, micro-batches) pairs
+        return kind == "gpipe" or num_stages - stage >= micro_batches
+    return _forwards_first(kind, num_stages, micro_batches, v)[stage]
+
+
+@functools.lru_cache(maxsize=1024)
+def _forwards_first(kind: str, num_stages: int, micro_batches: int, v: int) -> tuple[bool, ...]:
+    out = []
+    for order in device_orders(kind, num_stages * v, micro_batches, v):
+        first_b = next((i for i, (k, _, _) in enumerate(order) if k == "B"), len(order))
+        out.append(first_b == len(order) // 2)
+    return tuple(out)
 
 
 def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, interleave: int,

@@ -128,7 +128,8 @@ def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: 
     return _evaluate(prog, ndev, sends, nlinks, fwd + bwd, p2p + (0.0,), trace)
 
 
-def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> list[list[tuple[str, int, int]]]:
+def device_orders(schedule: str, stages: int, m: int,
+                  interleave: int = 1) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Per device, the ordered ops ``(kind 'F'/'B', micro-batch, virtual stage)`` this module
     simulates for ``stages`` (virtual) stages and ``m`` micro-batches, deadlock fallback included:
     what the runtime executes, so the predicted and the executed schedule are the same."""
@@ -136,16 +137,19 @@ def device_orders(schedule: str, stages: int, m: int, interleave: int = 1) -> li
     return _resolved(kind, stages, m, v)[0]
 
 
+@functools.lru_cache(maxsize=256)
 def _resolved(schedule: str, V: int, m: int, v: int):
     """(per-device orders, one dependency-respecting order of all ops) of the schedule, or of its
-    GPipe fallback when the schedule's order would deadlock."""
+    GPipe fallback when the schedule's order would deadlock; tuples, shared by every caller (the
+    planner asks for the same orders thousands of times: memory, simulation, trace)."""
     p = V // v
     seqs = _orders(schedule, p, m, v)
     try:
-        return seqs, _topo(seqs, V, m)
+        order = _topo(seqs, V, m)
     except Deadlock:
         seqs = _orders("gpipe", V, m, 1) if v == 1 else _gpipe_virtual(p, m, v)
-        return seqs, _topo(seqs, V, m)
+        order = _topo(seqs, V, m)
+    return tuple(tuple(s) for s in seqs), tuple(order)
 
 
 @functools.lru_cache(maxsize=4096)

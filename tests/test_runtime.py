@@ -736,7 +736,7 @@ def test_interleaved_pipelines_of_different_shapes_match_reference(tmp_path):
     """Two interleaved pipelines whose chunks end at different layers and run on the groups in
     opposite orders (as the planner's interleaved twins of a mixed plan can): each gradient is summed
     over the ranks whose chunks hold it, and losses and norms equal the single-device reference."""
-    model = {**GPT, "num_layers": 6}
+    model = {**GPT, "name": "tiny-6l", "num_layers": 6}   # its own name: references are cached by name
     first = [{"group": "fast", "layers": [0, 2]}, {"group": "slow", "layers": [2, 3]},
              {"group": "fast", "layers": [3, 5]}, {"group": "slow", "layers": [5, 6]}]
     second = [{"group": "slow", "layers": [0, 1]}, {"group": "fast", "layers": [1, 3]},
