@@ -99,8 +99,25 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
                        + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")"
                        + ("; above it: a pipeline across groups gives each group the part it runs fastest (e.g. "
                           "the head and loss on the faster one) and each device syncs the gradients of fewer layers"
-                          if best.prediction.tokens_per_s > ub * 1.0005 else ""))
+                          if best.prediction.tokens_per_s > ub * 1.0005 else "")
+                       + (f"; below it: {_step_split(best.plan, best.prediction)}" if best.prediction.tokens_per_s < 0.95 * ub
+                          else ""))
     return reasons
+
+
+def _step_split(plan, pred) -> str:
+    """Where the best plan's step goes: the slowest pipeline's schedule (its busiest device's compute,
+    the rest bubble and transfers), the gradient sync after it, the optimizer."""
+    pi = pred.bottleneck[0]
+    slowest = pred.pipelines[pi]
+    phys = len(plan.physical_stages(plan.pipelines[pi]))   # interleaved: a device runs every phys-th stage
+    busy = max(slowest.micro_batches * sum(s.forward_time_s + s.backward_time_s for s in slowest.stages[j::phys])
+               for j in range(phys))
+    t = pred.iteration_time_s or 1.0
+    return (f"the step's {pred.iteration_time_s:.3g} s are the slowest pipeline's schedule "
+            f"{slowest.pipeline_time_s:.3g} s (its busiest device computes {busy:.3g} s of it; the rest is "
+            f"bubble and transfers), then the gradient sync over every replica of every group {pred.dp_sync_time_s:.3g} s "
+            f"({pred.dp_sync_time_s / t * 100:.0f}%) and the optimizer {pred.optimizer_time_s:.3g} s")
 
 
 def _schedule_reason(best, scorer) -> str | None:

@@ -554,3 +554,29 @@ def test_cli_plan_no_interleave_plans_1f1b_only(capsys):
     assert schedules[0] == "interleaved"
     assert main(args + ["--no-interleave"]) == 0
     assert {d["plan"]["schedule"] for d in json.loads(capsys.readouterr().out)} == {"1f1b"}
+
+
+def test_a_plan_well_below_the_upper_bound_says_where_its_step_goes():
+    """A100 + MI250X at 25 GB/s with gpt3-1.3b (~92% of the sum of the groups alone): the bound's
+    line splits the step into the slowest pipeline's schedule (its busiest device's compute and the
+    rest), the gradient sync and the optimizer, each the prediction's own figure."""
+    cluster = hetero.load_cluster({
+        "name": "two-vendor", "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": "10 us"},
+                                          "cross_group": {"bandwidth": "25 GB/s", "latency": "20 us"}},
+        "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
+                    "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
+                   {"name": "mi250x", "device": "MI250X-GCD", "nodes": 2, "devices_per_node": 8,
+                    "intra_node": {"bandwidth": "100 GB/s", "latency": "5 us"}}]})
+    results = hetero.search(cluster, hetero.load_model(MODELS / "gpt3-1.3b.yaml"), global_batch_size=512, top_k=2)
+    pred = results[0].prediction
+    assert pred.tokens_per_s < 0.95 * results.upper_bound_tokens_per_s
+    line = next(r for r in results.reasons if "of the upper bound" in r)
+    m = re.search(r"below it: the step's (\S+) s are the slowest pipeline's schedule (\S+) s \(its busiest device "
+                  r"computes (\S+) s of it; the rest is bubble and transfers\), then the gradient sync over every "
+                  r"replica of every group (\S+) s \((\d+)%\) and the optimizer (\S+) s", line)
+    assert m, line
+    step, schedule, busy, sync, _, opt = (float(m.group(i)) for i in range(1, 7))
+    assert step == pytest.approx(pred.iteration_time_s, rel=2e-3)
+    assert schedule == pytest.approx(pred.pipelines[pred.bottleneck[0]].pipeline_time_s, rel=2e-3)
+    assert 0 < busy <= schedule * (1 + 2e-3) and sync == pytest.approx(pred.dp_sync_time_s, rel=2e-3, abs=1e-3)
+    assert step == pytest.approx(schedule + sync + opt + pred.overhead_time_s, rel=5e-3)
