@@ -209,6 +209,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     recompute, zs = plan.recompute, plan.zero_stage
     zero_dp = zero_degrees(cm.model, plan) if zs else None   # ZeRO: each stage's sharding degree
     replicas = sum(p.replicas for p in plan.pipelines)       # model copies: > 1, every layer is summed
+    no_tp = all(s.tp == 1 for p in plan.pipelines for s in p.stages)
     sync = cm.dp_sync_plan(plan, placement)
     links = cm.p2p_links(plan, placement)
     ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
@@ -258,8 +259,11 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             dp = zero_dp[pi][i] if zero_dp else p.replicas
             # no gradient yet while the warm-up holds every forward of the step
             grads_while_held = not forwards_precede_backwards(plan.schedule, i, phys, m, v)
+            # the runtime's rule for summing gradients in their own buffer (hetero.runtime.grads)
+            grad_buffer = no_tp and grads_while_held
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
-                                           grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas))
+                                           grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas),
+                                           grad_buffer)
             opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)
             opt_max = max(opt_max, opt)
             dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)

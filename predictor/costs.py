@@ -291,15 +291,15 @@ class StageCostModel:
     def stage_memory_breakdown(self, group: str, tp: int, mbs: int, layers, recompute: str,
                                zero_stage: int, dp: int, in_flight: float, first: bool,
                                last: bool, grads_while_held: bool = True,
-                               summed_params: float = 0.0) -> mem.MemoryBreakdown:
+                               summed_params: float = 0.0, grad_buffer: bool = False) -> mem.MemoryBreakdown:
         """Peak bytes on one device of a stage, by kind (see :func:`.memory.stage_memory`)."""
         key = ("m", group, tp, mbs, layers[1] - layers[0], recompute, zero_stage, dp, in_flight, first, last,
-               grads_while_held, summed_params)
+               grads_while_held, summed_params, grad_buffer)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = mem.stage_memory(
                 self.model, self._dev[group].family, tp, mbs, layers[1] - layers[0], recompute,
-                zero_stage, dp, in_flight, first, last, grads_while_held, summed_params)
+                zero_stage, dp, in_flight, first, last, grads_while_held, summed_params, grad_buffer)
         return hit
 
     def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",

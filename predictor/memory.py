@@ -36,7 +36,8 @@ bf16 layer also keeps each weight's model-dtype copy and its norm inputs in fp32
 RMSNorm keeps its normalised product (:func:`engine_bytes_per_layer`, :func:`engine_edge_bytes`).
 Its step has two more moments that can make the peak (:func:`stage_memory`): a stage whose
 forwards all precede its first backward has no gradients yet while they are held, and after the
-backward passes the gradients are summed through one buffer of them. Checked against the
+backward passes the gradients are summed through one buffer of them (without tensor parallelism
+the gradients are views of that buffer from the first backward on: no copy). Checked against the
 runtime's own stages recorded at full width (tests/test_memplan.py: -4.9% .. +2.3% over 19 stages)
 and the peaks measured on an H100 (+0.7% .. +2.1%).
 
@@ -246,7 +247,8 @@ def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recomput
 
 def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: int, recompute: str,
                  zero_stage: int, dp: int, in_flight: float, first: bool, last: bool,
-                 grads_while_held: bool = True, summed_params: float = 0.0) -> MemoryBreakdown:
+                 grads_while_held: bool = True, summed_params: float = 0.0,
+                 grad_buffer: bool = False) -> MemoryBreakdown:
     """Peak memory of one device of a stage of ``num_layers`` layers: model states (ZeRO-sharded
     over ``dp``), ``in_flight`` micro-batches of activations, the larger of the loss transient (last
     stage) and a layer's backward transient, and the framework overhead of the vendor ``family``.
@@ -264,7 +266,12 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     alone between a single pipeline's ends): after the backward passes the runtime sums each set
     through one fp32 buffer of its gradients laid end to end (hetero.runtime.grads; under ZeRO the
     reduce-scatter's input and the shards' outputs), so with the activations gone the step's other
-    peak is the model states plus that buffer (:func:`summed_params`)."""
+    peak is the model states plus that buffer (:func:`summed_params`).
+
+    ``grad_buffer``: the summed gradients are views of that buffer from the first backward on
+    (:func:`hetero.runtime.grads.uses_gradient_buffers`: no tensor parallelism in the plan, and a
+    stage that does not run every forward first), so the sum makes no copy of them; under ZeRO
+    only the reduce-scatter's output slice comes on top."""
     s = model.seq_length
     params = stage_params(model, num_layers, tp, first, last)
     # ZeRO-2's gradient sharding is left out of the peak: the peak comes in backward, and the
@@ -286,7 +293,10 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
         act -= min(g, held)
     if summed_params:   # the gradient sum's buffer, after the activations are freed
         buffer = 4.0 * summed_params
-        act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)
+        if grad_buffer:   # the gradients are the buffer: only ZeRO's output slice is new
+            act = max(act, buffer / max(1, dp) if zero_stage >= 1 else 0.0)
+        else:
+            act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
 
 

@@ -453,3 +453,67 @@ def test_the_runtime_sums_gradients_through_one_buffer_and_back_in_place():
         sync_gradients(stage, [Bucket((0, 1), tuple(names))], {n: (0, 1) for n in names}, NoComm(), 1)
     G = sum(p.numel() for p in stage.parameters()) * 4
     assert AllocationTrace(list(rec.events)).lower_bound_bytes() == 3 * G   # W + G + the buffer
+
+
+def test_gradients_bound_to_their_buffer_are_summed_and_reduce_scattered_without_a_copy():
+    """Without tensor parallelism the runtime binds a bucket's gradients to one buffer before the
+    first backward (hetero.runtime.grads.bind_gradient_buffers): backward accumulates into it, the
+    sum all-reduces it in place (peak W + G, one gradient copy less than above), and ZeRO's
+    reduce-scatter takes it as its input (W + G + the G / k output slice). The sums are the same."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hetero
+    from hetero.memplan.record import AllocationRecorder
+    from hetero.runtime.grads import Bucket, bind_gradient_buffers, sync_gradients
+    from hetero.runtime.model import StageModel
+    from hetero.runtime.zero import ShardedAdamW
+
+    class Doubling:   # two identical replicas: every sum is twice the gradient
+        def all_reduce(self, t, ranks):
+            t.mul_(2)
+
+        def reduce_scatter(self, out, flat, ranks):   # in place, as the libraries' own
+            out.copy_(flat.view(len(ranks), -1)[ranks.index(0)]).mul_(2)
+
+    model = hetero.load_model({**TINY, "num_layers": 2})
+    torch.manual_seed(0)
+    stage = StageModel(model, (0, 2), True, True)
+    names = tuple(n for n, _ in stage.named_parameters())
+    bucket, holders = Bucket((0, 1), names), {n: (0, 1) for n in names}
+    x = torch.randint(0, model.vocab_size, (2, model.seq_length))
+
+    def backward():
+        stage(x).float().pow(2).mean().backward()
+
+    backward()
+    expected = {n: 2 * p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    buffers = bind_gradient_buffers(stage, [bucket])
+    (flat,) = buffers.values()
+    backward()
+    assert all(p.grad._base is flat for p in stage.parameters())
+    sync_gradients(stage, [bucket], holders, Doubling(), 1, buffers)
+    for n, p in stage.named_parameters():
+        assert torch.allclose(p.grad, expected[n]), n
+
+    def peak(zero: bool) -> int:
+        rec = AllocationRecorder()
+        with FakeTensorMode(), rec:
+            stage = StageModel(model, (0, 2), True, True)
+            sharded = ShardedAdamW(stage, [bucket], Doubling(), 0, 1, 1e-3, 0.0) if zero else None
+            if zero:
+                sharded.bind_gradient_buffers()
+            else:
+                buffers = bind_gradient_buffers(stage, [bucket])
+            for p in stage.parameters():   # what backward accumulates, in place
+                p.grad.add_(1.0)
+            if zero:
+                sharded.reduce_gradients()
+            else:
+                sync_gradients(stage, [bucket], holders, Doubling(), 1, buffers)
+        return AllocationTrace(list(rec.events)).lower_bound_bytes()
+
+    P = sum(p.numel() for p in stage.parameters())
+    assert peak(False) == 2 * 4 * P                               # W + G: no copy of the gradients
+    assert peak(True) == pytest.approx(2 * 4 * P + 4 * P / 2, rel=1e-3)   # + the reduce-scatter's slice

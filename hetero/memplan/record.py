@@ -10,8 +10,11 @@ storage an op returns (an allocation) and the moment its last tensor dies (a fre
 What the trace leaves out, and why it is still the step's shape: tensor-parallel collectives (their
 buffers are the size of the activations beside them) and kernels' internal workspaces. Modelled
 as the runtime allocates them: the receive buffers of pipeline neighbours (an activation per
-forward, a gradient per backward) and the data-parallel gradient sum's buffer (all the stage's
-gradients end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs).
+forward, a gradient per backward) and the data-parallel gradient sum (all the stage's gradients
+end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs): without
+tensor parallelism, and unless the stage runs every forward before its first backward, the
+gradients are views of that buffer from the first backward on, as in the runtime
+(:func:`hetero.runtime.grads.uses_gradient_buffers`), and no copy of them is made.
 With ``tp > 1`` the stage holds its local shards (:func:`hetero.runtime.model.tp_shard_dim` says
 which dim of which weight). Under ZeRO the AdamW moments cover ``1 / degree`` of each parameter
 (:func:`hetero.predictor.memory.zero_degrees`).
@@ -96,7 +99,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
 
     from hetero.predictor.memory import summed_gradients, zero_degrees
     from hetero.runtime.engine import AUTOCAST
-    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.grads import make_optimizer, uses_gradient_buffers
     from hetero.runtime.model import StageModel, backward_loss, loss_fn
     from hetero.runtime.pipeline import schedule_actions
 
@@ -107,6 +110,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     summed = summed_gradients(model, tp, where["first"], where["last"], sum(p.replicas for p in plan.pipelines))
     actions = schedule_actions(plan.schedule, stage, where["physical_stages"], where["micro_batches"],
                                where["virtual"])
+    # the runtime binds the summed gradients to one buffer before the first backward (same rule)
+    buffered = bool(summed) and uses_gradient_buffers(plan, actions)
     autocast = AUTOCAST[model.dtype]
     recorder = AllocationRecorder()
     seq, hidden = model.seq_length, model.hidden_size
@@ -126,7 +131,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
         last_chunk = len(chunks) - 1
         done, total = 0, steps * len(actions)
         for _ in range(steps):
-            saved = {}
+            saved, bound = {}, None
             for kind, mb, chunk in actions:
                 if progress is not None:
                     progress(done, total)
@@ -146,13 +151,25 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
                     saved[(chunk, mb)] = (x, out)
                     del x, out
                 else:
+                    if buffered and bound is None:   # hetero.runtime.grads.bind_gradient_buffers
+                        bound = params if summed == "all" or shards is not None else [module.wte.weight]
+                        flat, at = torch.zeros(sum(p.numel() for p in bound)), 0
+                        for p in bound:
+                            p.grad = flat[at: at + p.numel()].view_as(p)
+                            at += p.numel()
+                        del flat
                     x, out = saved.pop((chunk, mb))
                     if last:
                         backward_loss(out)
                     else:   # the gradient received from the next stage
                         out.backward(torch.empty(mbs, seq, hidden))
                     del x, out
-            if shards is not None:   # ZeRO (hetero.runtime.zero): gradients laid end to end, each
+            if shards is not None and bound is not None:   # ZeRO on bound buffers: the reduce-scatter's
+                for sh in shards:                           # input is the gradients' own storage
+                    sh.grad = torch.empty(sh.numel())
+                for p in params:
+                    p.grad = None
+            elif shards is not None:   # ZeRO (hetero.runtime.zero): gradients laid end to end, each
                 grads = [p.grad for p in params]   # shard's gradient its slice of the reduced buffer
                 for p in params:
                     p.grad = None
@@ -162,7 +179,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
                     sh.grad = flat[at: at + sh.numel()].clone()
                     at += g.numel()
                 del grads, flat, g
-            elif summed:   # the gradient sum (hetero.runtime.grads): one buffer, summed back in place
+            elif summed and bound is None:   # the gradient sum (hetero.runtime.grads): one buffer, summed back
                 group = params if summed == "all" else [module.wte.weight]
                 flat = torch.cat([p.grad.reshape(-1) for p in group])
                 at = 0

@@ -9,8 +9,9 @@ import torch
 
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.device import rank_device, torch_device_type, waiter
-from hetero.runtime.grads import (all_holder_sets, all_peer_sets, build_buckets, clip_coefficient, make_optimizer,
-                                  param_holders, scaled_step, sync_gradients, weighted_squares)
+from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_buffers, build_buckets,
+                                  clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
+                                  uses_gradient_buffers, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -117,6 +118,8 @@ class NativeEngine:
         self.slice = replica_slice(ctx.plan, me.pipeline, me.replica)
         self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_physical, ctx.pipeline.micro_batches,
                                         ctx.plan.virtual_chunks(ctx.pipeline))
+        self.gradient_buffers = uses_gradient_buffers(ctx.plan, self.actions)
+        """Summed gradients as views of one buffer per holder set, bound before the first backward."""
         peers = [stage_peers(ctx.layout, me, k, ctx.num_stages) for k in ctx.vstages]
         self.executor = StageExecutor(self.module, comm, peers, first=ctx.first, last=ctx.last,
                                       act_shape=(self.mbs, model.seq_length, model.hidden_size),
@@ -144,14 +147,23 @@ class NativeEngine:
             return cache[mb]
 
         self.zero_grad()
+        buffers: dict = {}
+
+        def bind() -> None:
+            if self.sharded:
+                self.sharded.bind_gradient_buffers()
+            else:
+                buffers.update(bind_gradient_buffers(self.module, self.buckets))
+
         t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
-                                 self.mbs / B * S, timings)
+                                 self.mbs / B * S, timings, bind if self.gradient_buffers else None)
         t_sched = time.perf_counter()
         if self.sharded:
             grads = self.sharded.reduce_gradients()
         else:
-            grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size)
+            grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size, buffers)
+        buffers.clear()   # the gradients keep their buffer alive until zero_grad sets them to None
         # The norm pass reads every gradient: device compute, slowed like the rest, and counted with
         # the optimizer step (clipping needs it), where the predictor charges it.
         sq, _, norm_s = timed(lambda: weighted_squares(grads), self.ctx.slowdown, waiter(self.device))

@@ -178,12 +178,46 @@ def weighted_squares(groups: dict[int, list[torch.Tensor]]) -> float:
     return float(torch.stack(terms).sum()) if terms else 0.0
 
 
+def bind_gradient_buffers(module, buckets: list[Bucket]) -> dict[tuple[str, ...], torch.Tensor]:
+    """Each summed bucket's gradients as views of one zeroed fp32 buffer (DDP's
+    ``gradient_as_bucket_view``), for a plan without tensor parallelism: the backward passes
+    accumulate into the views in place, and :func:`sync_gradients` all-reduces the buffer itself, so
+    the sum needs no copy of the gradients (4 bytes per summed parameter less at its peak). Called
+    before a step's first backward (not at its start: a forward warm-up holds no gradients), while
+    the gradients are None. Returns ``{bucket names: buffer}``."""
+    params = dict(module.named_parameters())
+    out = {}
+    for bucket in buckets:
+        if len(bucket.ranks) == 1 or bucket.peers is not None or bucket.chunks is not None:
+            continue
+        ps = [params[n] for n in bucket.names]
+        if any(p.grad is not None or p.dtype != torch.float32 for p in ps):
+            continue
+        flat = torch.zeros(sum(p.numel() for p in ps), dtype=torch.float32, device=ps[0].device)
+        at = 0
+        for p in ps:
+            p.grad = flat[at: at + p.numel()].view_as(p)
+            at += p.numel()
+        out[bucket.names] = flat
+    return out
+
+
+def uses_gradient_buffers(plan, actions) -> bool:
+    """Whether a rank binds its summed gradients to buffers (:func:`bind_gradient_buffers`): no stage
+    of the plan runs tensor parallelism (every bucket then sums plain tensors), and the rank's step
+    does not run every forward before its first backward (there the gradients, made one by one as
+    the first backward frees its activations, stay below the warm-up's peak; a buffer would not).
+    The predictor applies the same rule (:func:`hetero.predictor.memory.stage_memory`)."""
+    first_b = next((i for i, (kind, _, _) in enumerate(actions) if kind == "B"), len(actions))
+    return all(s.tp == 1 for p in plan.pipelines for s in p.stages) and first_b < len(actions) // 2
+
+
 def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm,
-                   tp_size: int) -> dict[int, list[torch.Tensor]]:
+                   tp_size: int, buffers: dict | None = None) -> dict[int, list[torch.Tensor]]:
     """Sum gradients over holder sets (see module docstring); returns this rank's summed gradients
     (full tensors, or its local shards where the bucket has tp-rank peers) by the number of ranks
     holding each, whose :func:`weighted_squares` is its share of the squared global norm (to be
-    summed over the world)."""
+    summed over the world). ``buffers``: :func:`bind_gradient_buffers`'s, summed in place."""
     from torch.distributed.tensor import DTensor
 
     params = dict(module.named_parameters())
@@ -198,6 +232,13 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             continue
         if bucket.peers is not None:
             _sync_shards(bucket, params, holders, comm, by_holders)
+            continue
+        flat = (buffers or {}).get(bucket.names)
+        if flat is not None and all(params[n].grad is not None and params[n].grad._base is flat
+                                    for n in bucket.names):
+            comm.all_reduce(flat, bucket.ranks)   # the gradients are views of it: summed in place
+            for name in bucket.names:
+                by_holders.setdefault(len(holders[name]), []).append(params[name].grad.detach())
             continue
         names = bucket.names if bucket.chunks is None else _sync_chunks(bucket, params, comm, by_holders)
         if not names:

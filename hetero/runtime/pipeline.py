@@ -170,9 +170,11 @@ class StageExecutor:
         return self.module(x, chunk)
 
     def run(self, actions, get_inputs: Callable[[int], torch.Tensor], get_targets: Callable[[int], torch.Tensor],
-            loss_fn: Callable, loss_scale: float, timings: Timings) -> float:
+            loss_fn: Callable, loss_scale: float, timings: Timings,
+            before_backward: Callable[[], None] | None = None) -> float:
         """Execute ``actions`` ((kind, micro-batch, chunk) triples); returns the sum of scaled
-        micro-batch losses (last stage, else 0)."""
+        micro-batch losses (last stage, else 0). ``before_backward`` runs once, before the first
+        backward (gradient buffers are bound there)."""
         saved: dict[tuple[int, int], tuple] = {}
         total = 0.0
         last_chunk = len(self.peers) - 1
@@ -198,6 +200,9 @@ class StageExecutor:
                 timings.forward_s.append(dt)
                 timings.events.append(("F", mb, t0, dt))
             else:
+                if before_backward is not None:
+                    before_backward()
+                    before_backward = None
                 x, out = saved.pop((chunk, mb))
                 if last:
                     _, t0, dt = self._compute(lambda: backward_loss(out))

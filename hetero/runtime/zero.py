@@ -36,7 +36,10 @@ whole vector, so there the all-gather comes on top of the unsharded step's volum
 per rank drops from 8 to 8 / k bytes per parameter held, the saving the predictor charges.
 
 Gradients (ZeRO-2's saving) are freed right after the reduce-scatter, but they are held whole
-through the backward passes of the step, since the reduction runs once the schedule is done.
+through the backward passes of the step, since the reduction runs once the schedule is done. At
+tp 1 they are views of one buffer per holder set, bound before the first backward (as the plain
+sum's, :func:`hetero.runtime.grads.bind_gradient_buffers`), and that buffer is the reduce-scatter's
+input: no end-to-end copy of them.
 """
 from __future__ import annotations
 
@@ -72,6 +75,9 @@ class _Shard:
     copies: list[int] = field(default_factory=list)
     """Per tensor: how many ranks own a copy of each of its elements (the norm's weight): 1, or the
     tp size for a tensor replicated over the tp group (own tensors only)."""
+    grad_flat: torch.Tensor | None = None
+    """tp 1, between the step's first backward and the reduce-scatter: the gradients' own storage
+    (:meth:`ShardedAdamW.bind_gradient_buffers`), laid out as :attr:`flat` is."""
 
     @property
     def own(self) -> bool:
@@ -155,12 +161,32 @@ class ShardedAdamW:
         self.optimizer = make_optimizer([s.master for s in self.shards] + self.local, lr, weight_decay)
 
     # ------------------------------------------------------------------ a step
+    def bind_gradient_buffers(self) -> None:
+        """tp 1: each holder set's gradients as views of one zeroed buffer laid out (and padded) as
+        its parameters' flat vector, bound before the step's first backward: the reduce-scatter then
+        takes the buffer itself, with no end-to-end copy of the gradients
+        (:func:`hetero.runtime.grads.bind_gradient_buffers`, the plain sum's twin)."""
+        for shard in self.shards:
+            if shard.flat is None or any(p.grad is not None for p in shard.params):
+                continue
+            grad_flat = torch.zeros(shard.padded, dtype=torch.float32, device=shard.flat.device)
+            for p, view in shard.pieces(grad_flat):
+                p.grad = view
+            shard.grad_flat = grad_flat
+
     def reduce_gradients(self) -> dict[int, list[torch.Tensor]]:
         """Reduce-scatter every holder set's gradients into this rank's slices and free the full
         gradients; returns the gradients this rank owns by the number of ranks owning a copy, the
         form :func:`hetero.runtime.grads.weighted_squares` takes."""
         owned: dict[int, list[torch.Tensor]] = {}
         for shard in self.shards:
+            flat, shard.grad_flat = shard.grad_flat, None
+            if flat is not None and all(p.grad is not None and p.grad._base is flat for p in shard.params):
+                for p in shard.params:
+                    p.grad = None
+                self._reduce_scatter(shard, flat, owned)   # the gradients' own buffer: no copy
+                continue
+            del flat
             grads = []
             for p in shard.params:
                 if shard.own:
@@ -169,15 +195,20 @@ class ShardedAdamW:
                     grads.append(full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach())
                 p.grad = None
             flat = shard.end_to_end(grads)
+            del grads
             if not shard.own and self.tp_size > 1:
                 flat.div_(self.tp_size)   # the tp copies of one replica add up to one full gradient
-            out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
-            self.comm.reduce_scatter(out, flat, shard.ranks)
-            shard.master.grad = out
-            for copies, parts in shard.weighed(out).items():
-                owned.setdefault(copies, []).extend(parts)
+            self._reduce_scatter(shard, flat, owned)
         owned.setdefault(1, []).extend(p.grad.detach() for p in self.local if p.grad is not None)
         return {k: v for k, v in owned.items() if v}
+
+    def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, owned: dict) -> None:
+        """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice."""
+        out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
+        self.comm.reduce_scatter(out, flat, shard.ranks)
+        shard.master.grad = out
+        for copies, parts in shard.weighed(out).items():
+            owned.setdefault(copies, []).extend(parts)
 
     def params(self) -> list:
         """What the AdamW step updates (for scaling their gradients)."""
@@ -202,6 +233,7 @@ class ShardedAdamW:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for shard in self.shards:
+            shard.grad_flat = None
             for p in shard.params:
                 p.grad = None
 
