@@ -83,14 +83,19 @@ def draw_gantt(ax, trace: dict) -> dict[str, int]:
     return drawn
 
 
-def step_figure(prediction, title: str = ""):
+def step_figure(prediction, plan=None, title: str = ""):
     """The predicted step: its schedule as a Gantt chart (``prediction`` made with
-    ``timeline=True``), and each stage's predicted peak memory against its device's capacity."""
+    ``timeline=True``), and each stage's predicted peak memory against its device's capacity (with
+    ``plan``, an interleaved pipeline's devices once each, not every model chunk)."""
     plt = _pyplot("--plot")
     trace = prediction.timeline()
     rows = len(trace_rows(trace))
-    stages = [(pi, si, s) for pi, p in enumerate(prediction.to_dict()["pipelines"])
-              for si, s in enumerate(p["stages"])]
+    stages = []
+    for pi, p in enumerate(prediction.to_dict()["pipelines"]):
+        phys = len(plan.physical_stages(plan.pipelines[pi])) if plan is not None else len(p["stages"])
+        for si, s in enumerate(p["stages"][:phys]):   # a device's chunks share its memory
+            held = [c["layers"][1] - c["layers"][0] for c in p["stages"][si::phys]]
+            stages.append((pi, si, {**s, "held_layers": sum(held)} if len(held) > 1 else s))
     height = min(2.5 + 0.28 * rows + 0.3 * len(stages), 60.0)   # a very deep plan: rows get thin, not lost
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, height),
                                       gridspec_kw={"height_ratios": [max(rows, 2), max(len(stages), 2)]})
@@ -153,7 +158,8 @@ def draw_stage_memory(ax, stages: list[tuple[int, int, dict]]) -> None:
     gib = 2 ** 30
     labels, peaks, caps = [], [], []
     for pi, si, s in stages:
-        labels.append(f"p{pi} s{si} {s['group']} tp{s['tp']} L{s['layers'][0]}-{s['layers'][1] - 1}")
+        where = (f"{s['held_layers']} layers" if "held_layers" in s else f"L{s['layers'][0]}-{s['layers'][1] - 1}")
+        labels.append(f"p{pi} s{si} {s['group']} tp{s['tp']} {where}")
         peaks.append(s["peak_memory_bytes"] / gib)
         caps.append((s.get("memory_capacity_bytes") or 0) / gib)
     ys = range(len(stages))

@@ -131,3 +131,23 @@ def test_launch_plot_refuses_an_elastic_run_up_front(tmp_path):
                    str(CONFIGS / "models" / "tiny.yaml"), "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml"),
                    "--elastic", "--plot", str(tmp_path / "run.png"))
     assert_bad_input(proc, "--plot", "--elastic may change the plan")
+
+
+def test_an_interleaved_plans_memory_is_drawn_once_per_device():
+    """Two devices with two model chunks each: two memory bars (a device's chunks share its memory),
+    each labelled with the layers the device holds, not four bars of one chunk each."""
+    from hetero.plots import step_figure
+    from hetero.predictor import predict
+
+    cluster = hetero.load_cluster(CONFIGS / "clusters" / "local-cpu.yaml")
+    model = hetero.load_model(CONFIGS / "models" / "tiny.yaml")
+    plan = hetero.load_plan(CONFIGS / "plans" / "tiny-local-cpu-interleaved.yaml")
+    pred = predict(cluster, model, plan, timeline=True)
+    fig = step_figure(pred, plan)
+    bottom = fig.axes[1]
+    assert [t.get_text() for t in bottom.get_yticklabels()] == ["p0 s0 fast tp1 2 layers", "p0 s1 slow tp1 2 layers"]
+    assert [p.get_width() for p in bottom.patches] == pytest.approx(
+        [pred.pipelines[0].stages[i].peak_memory_bytes / 2**30 for i in range(2)])
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -50,7 +50,7 @@ def run(args) -> int:
 
         title = (f"{cluster.name} / {model.name}: predicted step {pred.iteration_time_s:.4g} s, "
                  f"{pred.tokens_per_s:,.0f} tokens/s, schedule {plan.schedule}")
-        write_output(args.plot, "--plot", png_bytes(step_figure(pred, title)))
+        write_output(args.plot, "--plot", png_bytes(step_figure(pred, plan, title)))
     if args.json:
         print_json(pred.to_dict())
         return 0
