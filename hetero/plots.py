@@ -17,12 +17,20 @@ CATEGORY_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "p2p": "#8c8c8c
 OTHER_COLOUR = "#8172b3"
 
 
-def _pyplot(flag: str):
+def require_matplotlib(flag: str = "--plot") -> None:
+    """Raise a HeteroError naming ``flag`` and the fix when matplotlib is missing: called before
+    the work a plot follows (a recording or a training run), so it is not lost to a missing package."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise HeteroError(f"{flag} needs matplotlib, which is not installed (fix: pip install matplotlib, "
                           f"or pip install 'hetero[plot]')") from None
+
+
+def _pyplot(flag: str):
+    require_matplotlib(flag)
+    import matplotlib
+
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -203,5 +211,5 @@ def arena_figure(trace, arena, reserved_bytes: int, title: str = ""):
     return fig
 
 
-__all__ = ["arena_figure", "draw_gantt", "draw_stage_memory", "one_step", "png_bytes", "run_figure", "step_figure",
+__all__ = ["arena_figure", "draw_gantt", "require_matplotlib", "draw_stage_memory", "one_step", "png_bytes", "run_figure", "step_figure",
            "trace_rows"]

@@ -105,6 +105,20 @@ def test_without_matplotlib_a_plot_is_a_clear_error(monkeypatch, tmp_path, capsy
     err = capsys.readouterr().err
     assert "--plot needs matplotlib" in err and "pip install" in err and "Traceback" not in err
     assert not out.exists()
+    # said before the work the plot would follow: no stage recorded, no launch prepared
+    import hetero.memplan.record as record
+    import hetero.runtime.launcher as launcher
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the missing matplotlib was reported")
+
+    monkeypatch.setattr(record, "record_stage", no_work)
+    monkeypatch.setattr(launcher, "prepare", no_work)
+    tiny = ["--model", str(CONFIGS / "models" / "tiny.yaml"), "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml")]
+    for args in (["memplan", *tiny], ["launch", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), *tiny]):
+        assert main([*args, "--plot", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "--plot needs matplotlib" in err and "Traceback" not in err, err
 
 
 def test_a_measured_step_is_the_median_after_the_first_shifted_to_zero():

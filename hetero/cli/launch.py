@@ -125,6 +125,10 @@ def _check_numbers(args) -> None:
     if args.plot is not None and args.elastic:
         raise HeteroError("--plot draws one plan's step next to its prediction, and --elastic may change the plan "
                           "(fix: use --trace for an elastic run's timeline)")
+    if args.plot is not None and not args.dry_run:   # not after the training run it would draw
+        from hetero.plots import require_matplotlib
+
+        require_matplotlib("--plot")
     for flag, value in (("--summary", args.summary), ("--trace", args.trace), ("--plot", args.plot)):
         if value is not None:   # rank 0 writes them at the end as every output is written (write_output's way)
             from ._common import check_output

@@ -44,8 +44,11 @@ def run(args) -> int:
                       f"(give one or the other)")
     if args.trace is None and args.device is not None:
         return _usage("--device picks a device of a --trace snapshot; a recorded stage has one")
-    if args.plot is not None:
+    if args.plot is not None:   # before the recording, which can take minutes
+        from hetero.plots import require_matplotlib
+
         check_output(args.plot, "--plot")
+        require_matplotlib("--plot")
     from rich.progress import Progress
 
     with Progress(console=console(stderr=True), transient=True) as bar:

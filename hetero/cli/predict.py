@@ -40,7 +40,10 @@ def run(args) -> int:
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
         check_output(args.timeline, "--timeline")
     if args.plot is not None:
+        from hetero.plots import require_matplotlib
+
         check_output(args.plot, "--plot")
+        require_matplotlib("--plot")
     calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot))
     if args.timeline:
