@@ -124,6 +124,7 @@ def _schedule_reason(best, scorer) -> str | None:
     """Interleaved best: what 1F1B on the same devices would predict. A 1F1B best of several stages:
     what its best interleaved twin predicts (it was scored, and lost or did not fit)."""
     from .interleave import interleaved_twins, one_chunk_twin
+    from .options import Options
 
     plan, pred = best.plan, best.prediction
     if plan.schedule == "interleaved":
@@ -138,7 +139,7 @@ def _schedule_reason(best, scorer) -> str | None:
                 + ("" if alt.fits_memory else "; plain 1F1B would not fit memory"))
     if plan.schedule != "1f1b" or all(len(p.stages) < 2 for p in plan.pipelines):
         return None
-    twins = [(t, scorer(t)) for t in interleaved_twins(plan, (2, 3, 4))]
+    twins = [(t, scorer(t)) for t in interleaved_twins(plan, Options.interleaves)]   # the search's default
     twins = [(t, p) for t, p in twins if p is not None]
     if not twins:
         return None

@@ -259,7 +259,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             dp = zero_dp[pi][i] if zero_dp else p.replicas
             # no gradient yet while the warm-up holds every forward of the step
             grads_while_held = not forwards_precede_backwards(plan.schedule, i, phys, m, v)
-            # the runtime's rule for summing gradients in their own buffer (hetero.runtime.grads)
+            # memory.uses_gradient_buffers from its two parts (no_tp is computed once per plan)
             grad_buffer = no_tp and grads_while_held
             br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
                                            grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas),

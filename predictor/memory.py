@@ -269,7 +269,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
     peak is the model states plus that buffer (:func:`summed_params`).
 
     ``grad_buffer``: the summed gradients are views of that buffer from the first backward on
-    (:func:`hetero.runtime.grads.uses_gradient_buffers`: no tensor parallelism in the plan, and a
+    (:func:`uses_gradient_buffers`: no tensor parallelism in the plan, and a
     stage that does not run every forward first), so the sum makes no copy of them; under ZeRO
     only the reduce-scatter's output slice comes on top."""
     s = model.seq_length
@@ -361,6 +361,17 @@ def forwards_precede_backwards(schedule: str, stage: int, num_stages: int, micro
     return _forwards_first(kind, num_stages, micro_batches, v)[stage]
 
 
+def uses_gradient_buffers(plan, stage: int, num_stages: int, micro_batches: int, interleave: int = 1) -> bool:
+    """Whether the runtime binds a rank's summed gradients to one buffer per holder set
+    (:func:`hetero.runtime.grads.bind_gradient_buffers`): no stage of the plan runs tensor
+    parallelism (every bucket then sums plain tensors), and device ``stage`` does not run every
+    forward before its first backward (there the gradients, made one by one as the first backward
+    frees its activations, stay below the warm-up's peak; a buffer would not). The runtime, memplan's
+    recorder and :func:`stage_memory` (``grad_buffer``, from the same two parts) follow it."""
+    return (all(s.tp == 1 for p in plan.pipelines for s in p.stages)
+            and not forwards_precede_backwards(plan.schedule, stage, num_stages, micro_batches, interleave))
+
+
 @functools.lru_cache(maxsize=1024)
 def _forwards_first(kind: str, num_stages: int, micro_batches: int, v: int) -> tuple[bool, ...]:
     out = []
@@ -393,7 +404,8 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
            "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
-           "in_flight_microbatches", "held_peak", "forwards_precede_backwards", "engine_bytes_per_layer", "engine_edge_bytes",
+           "in_flight_microbatches", "held_peak", "forwards_precede_backwards", "uses_gradient_buffers",
+           "engine_bytes_per_layer", "engine_edge_bytes",
            "held_bytes_per_microbatch", "summed_params", "loss_transient_bytes", "backward_transient_bytes"]
 
 

@@ -14,7 +14,7 @@ forward, a gradient per backward) and the data-parallel gradient sum (all the st
 end to end in one buffer, one bucket; ZeRO's reduce-scatter input and shard outputs): without
 tensor parallelism, and unless the stage runs every forward before its first backward, the
 gradients are views of that buffer from the first backward on, as in the runtime
-(:func:`hetero.runtime.grads.uses_gradient_buffers`), and no copy of them is made.
+(:func:`hetero.predictor.memory.uses_gradient_buffers`), and no copy of them is made.
 With ``tp > 1`` the stage holds its local shards (:func:`hetero.runtime.model.tp_shard_dim` says
 which dim of which weight). Under ZeRO the AdamW moments cover ``1 / degree`` of each parameter
 (:func:`hetero.predictor.memory.zero_degrees`).
@@ -97,9 +97,9 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hetero.predictor.memory import summed_gradients, zero_degrees
+    from hetero.predictor.memory import summed_gradients, uses_gradient_buffers, zero_degrees
     from hetero.runtime.engine import AUTOCAST
-    from hetero.runtime.grads import make_optimizer, uses_gradient_buffers
+    from hetero.runtime.grads import make_optimizer
     from hetero.runtime.model import StageModel, backward_loss, loss_fn
     from hetero.runtime.pipeline import schedule_actions
 
@@ -111,7 +111,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     actions = schedule_actions(plan.schedule, stage, where["physical_stages"], where["micro_batches"],
                                where["virtual"])
     # the runtime binds the summed gradients to one buffer before the first backward (same rule)
-    buffered = bool(summed) and uses_gradient_buffers(plan, actions)
+    buffered = bool(summed) and uses_gradient_buffers(plan, stage, where["physical_stages"], where["micro_batches"],
+                                                      where["virtual"])
     autocast = AUTOCAST[model.dtype]
     recorder = AllocationRecorder()
     seq, hidden = model.seq_length, model.hidden_size

@@ -11,7 +11,7 @@ from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.device import rank_device, torch_device_type, waiter
 from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_buffers, build_buckets,
                                   clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
-                                  uses_gradient_buffers, weighted_squares)
+                                  weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -118,7 +118,10 @@ class NativeEngine:
         self.slice = replica_slice(ctx.plan, me.pipeline, me.replica)
         self.actions = schedule_actions(ctx.plan.schedule, me.stage, ctx.num_physical, ctx.pipeline.micro_batches,
                                         ctx.plan.virtual_chunks(ctx.pipeline))
-        self.gradient_buffers = uses_gradient_buffers(ctx.plan, self.actions)
+        from hetero.predictor.memory import uses_gradient_buffers
+
+        self.gradient_buffers = uses_gradient_buffers(ctx.plan, me.stage, ctx.num_physical, ctx.pipeline.micro_batches,
+                                                      ctx.plan.virtual_chunks(ctx.pipeline))
         """Summed gradients as views of one buffer per holder set, bound before the first backward."""
         peers = [stage_peers(ctx.layout, me, k, ctx.num_stages) for k in ctx.vstages]
         self.executor = StageExecutor(self.module, comm, peers, first=ctx.first, last=ctx.last,

@@ -184,7 +184,8 @@ def bind_gradient_buffers(module, buckets: list[Bucket]) -> dict[tuple[str, ...]
     accumulate into the views in place, and :func:`sync_gradients` all-reduces the buffer itself, so
     the sum needs no copy of the gradients (4 bytes per summed parameter less at its peak). Called
     before a step's first backward (not at its start: a forward warm-up holds no gradients), while
-    the gradients are None. Returns ``{bucket names: buffer}``."""
+    the gradients are None, on the ranks :func:`hetero.predictor.memory.uses_gradient_buffers` names
+    (the predictor and memplan's recorder follow the same rule). Returns ``{bucket names: buffer}``."""
     params = dict(module.named_parameters())
     out = {}
     for bucket in buckets:
@@ -200,16 +201,6 @@ def bind_gradient_buffers(module, buckets: list[Bucket]) -> dict[tuple[str, ...]
             at += p.numel()
         out[bucket.names] = flat
     return out
-
-
-def uses_gradient_buffers(plan, actions) -> bool:
-    """Whether a rank binds its summed gradients to buffers (:func:`bind_gradient_buffers`): no stage
-    of the plan runs tensor parallelism (every bucket then sums plain tensors), and the rank's step
-    does not run every forward before its first backward (there the gradients, made one by one as
-    the first backward frees its activations, stay below the warm-up's peak; a buffer would not).
-    The predictor applies the same rule (:func:`hetero.predictor.memory.stage_memory`)."""
-    first_b = next((i for i, (kind, _, _) in enumerate(actions) if kind == "B"), len(actions))
-    return all(s.tp == 1 for p in plan.pipelines for s in p.stages) and first_b < len(actions) // 2
 
 
 def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm,
