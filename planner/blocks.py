@@ -61,6 +61,36 @@ class Block:
         return out
 
 
+def _last_fitting(spare, lo: int, lo_spare: float, hi: int, hi_spare: float) -> int:
+    """The largest ``n`` in [lo, hi) with ``spare(n) >= 0``, given ``spare(lo) >= 0 > spare(hi)``
+    and ``spare`` non-increasing (what bisection finds). A stage's memory is close to affine in its
+    layer count, so the line through the bracket's ends usually names ``n`` at once and its
+    neighbour confirms it: two calls of ``spare`` where bisection takes about seven. Where the line
+    misses, a bisection step follows, so the worst case stays logarithmic."""
+    while hi - lo > 1:
+        guess = lo + int(lo_spare / (lo_spare - hi_spare) * (hi - lo))
+        guess = min(max(guess, lo + 1), hi - 1)
+        g = spare(guess)
+        if g >= 0:
+            lo, lo_spare, probe = guess, g, guess + 1
+        else:
+            hi, hi_spare, probe = guess, g, guess - 1
+        if lo < probe < hi:
+            g = spare(probe)
+            if g >= 0:
+                lo, lo_spare = probe, g
+            else:
+                hi, hi_spare = probe, g
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            g = spare(mid)
+            if g >= 0:
+                lo, lo_spare = mid, g
+            else:
+                hi, hi_spare = mid, g
+    return lo
+
+
 class BlockEvaluator:
     """Memoised evaluation of shapes against one cost model."""
 
@@ -98,32 +128,26 @@ class BlockEvaluator:
         capacity = self.cm.capacity(group)
         L = self.L
 
-        def fits(n):
+        def spare(n):
+            """Bytes left on the device by a stage of ``n`` layers (negative: it does not fit)."""
             layers = (0, n) if first else ((L - n, L) if last else (1, 1 + n))
             # the gradient sum's buffer counted as if every gradient is summed (the plan's other
             # pipelines are not known yet; predict() decides for the plan)
             summed = stage_params(self.model, n, tp, first, last)
-            return self.cm.stage_memory(group, tp, mbs, layers, rc, zero, dp, in_flight, first, last,
-                                        summed) <= capacity
+            return capacity - self.cm.stage_memory(group, tp, mbs, layers, rc, zero, dp, in_flight, first,
+                                                   last, summed)
 
         # Monotone in in_flight: a deeper in-flight count can hold no more layers than a shallower one.
         hi_bound = L
         prev = self._cap.get((group, tp, mbs, rc, zero, dp, in_flight - 1, first, last))
         if prev is not None:
             hi_bound = prev
-        if not fits(1):
+        lo_spare = spare(1)
+        if lo_spare < 0:
             n = 0
-        elif fits(hi_bound):
-            n = hi_bound
         else:
-            lo, hi = 1, hi_bound  # fits(lo), not fits(hi)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            n = lo
+            hi_spare = spare(hi_bound)
+            n = hi_bound if hi_spare >= 0 else _last_fitting(spare, 1, lo_spare, hi_bound, hi_spare)
         self._cap[key] = n
         return n
 

@@ -114,7 +114,14 @@ class StageCostModel:
 
     def provenance(self) -> dict[str, dict]:
         """Per device type: where its numbers come from (catalog / cluster file / profile /
-        calibration) and which operator model ran (learned / roofline / profile)."""
+        calibration) and which operator model ran (learned / roofline / profile). Fixed when the
+        cost model is built, so it is worked out once; each call gets its own copy."""
+        known = self._cache.get("provenance")
+        if known is None:
+            known = self._cache["provenance"] = self._provenance()
+        return {device: {**entry, "groups": list(entry["groups"])} for device, entry in known.items()}
+
+    def _provenance(self) -> dict[str, dict]:
         out = {}
         for name, g in self._groups.items():
             if g.device not in out:

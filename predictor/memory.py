@@ -160,9 +160,18 @@ def held_bytes_per_microbatch(model: ModelSpec, b: int, s: int, tp: int, recompu
     """What one micro-batch in flight keeps on one tp rank of a stage (or model chunk) of
     ``num_layers`` layers until its backward: the layers' activations (and what the engine keeps
     beside them), and the embedding's or head's."""
-    return (num_layers * (activation_bytes_per_layer(model, b, s, tp, recompute)
-                          + engine_bytes_per_layer(model, b, s, tp, recompute))
-            + edge_activation_bytes(model, b, s, tp, first, last) + engine_edge_bytes(model, b, s, tp, last))
+    per_layer, edge, engine_edge = _held_terms(model, b, s, tp, recompute, first, last)
+    return num_layers * per_layer + edge + engine_edge
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_terms(model: ModelSpec, b: int, s: int, tp: int, recompute: str, first: bool,
+                last: bool) -> tuple[float, float, float]:
+    """:func:`held_bytes_per_microbatch`'s terms that do not depend on the layer count, computed
+    once per shape: the planner's capacity search asks for the same ones hundreds of thousands of
+    times at a 1024-device scale."""
+    return (activation_bytes_per_layer(model, b, s, tp, recompute) + engine_bytes_per_layer(model, b, s, tp, recompute),
+            edge_activation_bytes(model, b, s, tp, first, last), engine_edge_bytes(model, b, s, tp, last))
 
 
 def korthikanti_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -174,16 +183,27 @@ def stage_params(model: ModelSpec, num_layers: int, tp: int, first: bool, last: 
     """Parameters one tp rank of a stage holds: the matrices split over tp (word embedding and head
     vocabulary-parallel); norms, row-parallel biases and learned positions whole on every tp rank,
     as Megatron-LM and the runtime keep them."""
+    per_layer, edges = _params_terms(model, tp, first, last)
+    p = num_layers * per_layer
+    for extra in edges:
+        p += extra
+    return p
+
+
+@functools.lru_cache(maxsize=4096)
+def _params_terms(model: ModelSpec, tp: int, first: bool, last: bool) -> tuple[float, tuple[float, ...]]:
+    """:func:`stage_params`' parameters per layer and what the stage's ends add, in the order they
+    are added (so the sum is the same to the last bit), computed once per (model, tp, ends)."""
     rep = model.tp_replicated_per_layer()
-    p = num_layers * ((model.params_per_layer() - rep) / tp + rep)
+    edges = []
     if first:
-        p += model.vocab_size * model.hidden_size / tp + model.position_params()
+        edges.append(model.vocab_size * model.hidden_size / tp + model.position_params())
     if last:
         norm = model.final_norm_params()
-        p += norm + (model.head_params() - norm) / tp
+        edges.append(norm + (model.head_params() - norm) / tp)
         if model.tie_embeddings and not first:  # the head keeps its own copy of the word embedding
-            p += model.vocab_size * model.hidden_size / tp
-    return p
+            edges.append(model.vocab_size * model.hidden_size / tp)
+    return (model.params_per_layer() - rep) / tp + rep, tuple(edges)
 
 
 def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float = 1,
@@ -229,6 +249,7 @@ def loss_transient_bytes(model: ModelSpec, b: int, s: int, tp: int) -> float:
     return 8.0 * b * s * -(-model.vocab_size // tp)
 
 
+@functools.lru_cache(maxsize=4096)
 def backward_transient_bytes(model: ModelSpec, b: int, s: int, tp: int, recompute: str,
                              dtype: str | None = None) -> float:
     """Bytes alive on top of the kept activations while one layer's backward runs, one micro-batch:

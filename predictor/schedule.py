@@ -163,6 +163,8 @@ def _compile(schedule: str, V: int, m: int, v: int):
     p = V // v
     seqs, order = _resolved(schedule, V, m, v)
     nocomm = V - 1  # index of the appended 0.0
+    if v == 1:
+        return _compile_one_chunk(order, V, m), p, _last_sends(seqs, V, m), 2 * (V - 1)
     prog = []
     dev_of: dict[int, int] = {}
     links: dict[tuple[int, int], int] = {}
@@ -180,6 +182,27 @@ def _compile(schedule: str, V: int, m: int, v: int):
         li = links.setdefault((dev_of[dep], d), len(links)) if ci != nocomm else -1
         prog.append((slot, d, di, dep, ci, kind, j, vs, li))
     return tuple(prog), p, _last_sends(seqs, V, m), len(links)
+
+
+def _compile_one_chunk(order, V: int, m: int) -> tuple:
+    """:func:`_compile`'s program where device k runs stage k alone (GPipe, 1F1B): every op's
+    dependency and link follow from its stage, so no table of devices or links is kept. Links are
+    numbered k - 1 for the activations into stage k and V - 1 + k for the gradients into it (the
+    general numbering is in order of first use; the simulation only needs them distinct)."""
+    last = nocomm = V - 1
+    prog = []
+    add = prog.append
+    for d, kind, j, vs in order:
+        if kind == "F":
+            if vs:
+                add((vs * m + j, d, vs, (vs - 1) * m + j, vs - 1, kind, j, vs, vs - 1))
+            else:
+                add((j, d, 0, -1, nocomm, kind, j, 0, -1))
+        elif vs == last:
+            add(((V + vs) * m + j, d, V + vs, vs * m + j, nocomm, kind, j, vs, -1))
+        else:
+            add(((V + vs) * m + j, d, V + vs, (V + vs + 1) * m + j, vs, kind, j, vs, last + vs))
+    return tuple(prog)
 
 
 def _last_sends(seqs, V: int, m: int) -> tuple:
@@ -201,6 +224,10 @@ def _last_sends(seqs, V: int, m: int) -> tuple:
 
 
 def _topo(seqs, V: int, m: int):
+    """The ops of every device in one dependency-respecting order: devices in turn, each running
+    as far as its inputs allow (raises :class:`Deadlock` when none can go on)."""
+    if len(seqs) == V:
+        return _topo_one_chunk(seqs, V)
     done = [[False] * m for _ in range(2 * V)]
     ptr = [0] * len(seqs)
     remaining = sum(len(s) for s in seqs)
@@ -223,6 +250,41 @@ def _topo(seqs, V: int, m: int):
                 k += 1
             if k != ptr[d]:
                 remaining -= k - ptr[d]
+                ptr[d] = k
+                progress = True
+        if not progress:
+            raise Deadlock("schedule order deadlocks")
+    return order
+
+
+def _topo_one_chunk(seqs, V: int):
+    """:func:`_topo` (the same order) where device k runs stage k alone. Every device then runs its
+    forwards, and its backwards, in micro-batch order, so "micro-batch j's forward is done on stage
+    k" is "stage k has run more than j forwards": counters replace the table of finished ops."""
+    fdone, bdone, ptr = [0] * V, [0] * V, [0] * V
+    last = V - 1
+    remaining = sum(len(s) for s in seqs)
+    order = []
+    add = order.append
+    while remaining:
+        progress = False
+        for d, seq in enumerate(seqs):
+            k = start = ptr[d]
+            n = len(seq)
+            while k < n:
+                op = seq[k]
+                if op[0] == "F":
+                    if d and fdone[d - 1] <= op[1]:
+                        break
+                    fdone[d] += 1
+                else:
+                    if (fdone[d] if d == last else bdone[d + 1]) <= op[1]:
+                        break
+                    bdone[d] += 1
+                add((d,) + op)
+                k += 1
+            if k != start:
+                remaining -= k - start
                 ptr[d] = k
                 progress = True
         if not progress:

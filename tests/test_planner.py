@@ -18,7 +18,7 @@ import hetero
 from hetero.planner import PlannerError
 from hetero.planner.exhaustive import exhaustive_best
 from hetero.planner.search import Candidate, allocate
-from hetero.planner.blocks import Block
+from hetero.planner.blocks import Block, _last_fitting
 from hetero.planner.space import Segment
 from hetero.planner.split import min_max_split, min_max_split_dp, uniform_split
 
@@ -52,6 +52,32 @@ def four_type_cluster(devices: int):
 
 
 # ----------------------------------------------------------------------------- pieces
+def test_the_layer_capacity_search_finds_what_bisection_finds_in_fewer_calls():
+    """_last_fitting (the most layers a stage's memory holds) against a scan, on spare-byte curves
+    that are affine (as stage memory nearly is), convex, concave and stepped."""
+    rng = random.Random(0)
+    calls = {"lin": [], "other": []}
+    for _ in range(3000):
+        L = rng.randint(2, 120)
+        n0 = rng.randint(1, L - 1)
+        a = rng.uniform(0.5, 2.0)
+        kind = rng.choice(["lin", "sq", "sqrt", "step"])
+        grow = {"lin": lambda n: a * n, "sq": lambda n: a * n + 0.05 * n * n,
+                "sqrt": lambda n: a * n + 30 * n ** 0.5, "step": lambda n: a * n + (50 if n > n0 / 2 else 0)}[kind]
+        used = []
+
+        def spare(n):
+            used.append(n)
+            return grow(n0 + 0.5) - grow(n)
+
+        expected = max(n for n in range(1, L) if spare(n) >= 0)
+        used.clear()
+        assert _last_fitting(spare, 1, spare(1), L, spare(L)) == expected
+        calls["lin" if kind == "lin" else "other"].append(len(used) - 2)
+    assert max(calls["lin"]) <= 2                      # the line names it, its neighbour confirms it
+    assert max(calls["other"]) <= 2 * 7 + 2            # never far beyond bisection's log2(120)
+
+
 def test_min_max_split_is_exact_against_the_dp_table():
     rng = random.Random(0)
     for _ in range(300):

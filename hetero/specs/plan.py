@@ -211,18 +211,17 @@ def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | N
 def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<plan>") -> None:
     """Raise SpecError listing every rule of SCHEMAS.md that ``plan`` breaks for this cluster/model."""
     problems = Problems(source=source)
-    _model_rules(plan, model, problems, skip=lambda s: s.group not in cluster.group_names)
+    names = set(cluster.group_names)
+    _model_rules(plan, model, problems, skip=lambda s: s.group not in names)
     for pi, p in enumerate(plan.pipelines):
-        ppath = join_path(join_path("pipelines", pi), "stages")
         for si, s in enumerate(p.stages):
-            spath = join_path(ppath, si)
-            if s.group not in cluster.group_names:
-                problems.add(join_path(spath, "group"), f"unknown group '{s.group}'",
+            if s.group not in names:
+                problems.add(_stage_path(pi, si, "group"), f"unknown group '{s.group}'",
                              did_you_mean(s.group, cluster.group_names))
                 continue
             g = cluster.group(s.group)
             if s.tp > g.devices_per_node:
-                problems.add(join_path(spath, "tp"),
+                problems.add(_stage_path(pi, si, "tp"),
                              f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}'",
                              "tensor parallelism stays inside a node: lower tp or use pipeline stages")
         if plan.schedule == "interleaved":
@@ -234,6 +233,12 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
     # the model's dtype on the devices the plan uses (named in the cluster file, where the fix goes)
     problems.items.extend(model_problems(cluster, model, {s.group for p in plan.pipelines for s in p.stages}))
     problems.raise_if_any()
+
+
+def _stage_path(pipeline: int, stage: int, field: str) -> str:
+    """``pipelines[i].stages[j].field``, built only where a problem is reported (a plan is checked
+    on every prediction)."""
+    return join_path(join_path(join_path(join_path("pipelines", pipeline), "stages"), stage), field)
 
 
 def check_plan_model(plan: Plan, model: ModelSpec, source: str = "<plan>") -> None:
@@ -248,11 +253,10 @@ def _model_rules(plan: Plan, model: ModelSpec, problems: Problems, skip=lambda s
     """The rules between a plan and a model (``skip``: stages judged otherwise, e.g. of an unknown group)."""
     heads, kv = model.num_attention_heads, model.num_kv_heads
     for pi, p in enumerate(plan.pipelines):
-        ppath = join_path(join_path("pipelines", pi), "stages")
-        _check_coverage(p.stages, model.num_layers, ppath, problems)
+        _check_coverage(p.stages, model.num_layers, join_path(join_path("pipelines", pi), "stages"), problems)
         for si, s in enumerate(p.stages):
             if not skip(s) and (heads % s.tp or kv % s.tp):
-                problems.add(join_path(join_path(ppath, si), "tp"),
+                problems.add(_stage_path(pi, si, "tp"),
                              f"tp={s.tp} does not divide num_attention_heads={heads}"
                              + (f" and num_kv_heads={kv}" if kv != heads else ""),
                              f"use a tp that divides {kv if kv != heads else heads}")
@@ -270,7 +274,8 @@ def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> N
     expected = 0
     for si, s in enumerate(stages):
         start, end = s.layers
-        lpath = join_path(join_path(path, si), "layers")
+        if start != expected:
+            lpath = join_path(join_path(path, si), "layers")
         if start > expected:
             problems.add(lpath, f"starts at {start} but the previous stage ends at {expected}: "
                                 f"layers {expected}..{start - 1} are in no stage", f"start this stage at {expected}")
@@ -323,9 +328,10 @@ def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems, cl
 def _check_capacity(plan: Plan, cluster: Cluster, problems: Problems) -> None:
     """Devices per group, and whether every stage's tp block fits inside one node (first-fit)."""
     blocks: dict[str, list[int]] = {}
+    names = set(cluster.group_names)
     for p in plan.pipelines:
         for s in plan.physical_stages(p):
-            if s.group in cluster.group_names:
+            if s.group in names:
                 blocks.setdefault(s.group, []).extend([s.tp] * p.replicas)
     for name, tps in blocks.items():
         g = cluster.group(name)
