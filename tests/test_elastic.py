@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -228,28 +229,46 @@ def test_a_change_while_another_is_pending_replaces_it(tmp_path):
 
 def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, *extra: str,
                     lr: float = LR):
-    """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir)``.
-    Returns the process's return code, stdout and stderr (no process may be left behind)."""
+    """An elastic launch of ``steps`` steps; once ``run/attempt0/<marker>`` exists, ``act(run_dir, output)``
+    where ``output`` is the list of stdout lines read so far (a thread keeps appending to it, so ``act``
+    can wait for the run to reach a step). Returns the process's return code, stdout and stderr (no
+    process may be left behind)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", cluster),
            "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
            "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--summary", str(tmp_path / "summary.json"),
            "--timeout", "20", "--run-dir", str(run_dir), "--elastic", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    output: list[str] = []
+    errors: list[str] = []
+    readers = [threading.Thread(target=lambda pipe=pipe, into=into: into.extend(pipe), daemon=True)
+               for pipe, into in ((proc.stdout, output), (proc.stderr, errors))]
+    for reader in readers:
+        reader.start()
     try:
         path = run_dir / "attempt0" / marker
         deadline = time.time() + 120
         while not path.exists() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert path.exists(), f"{marker} never appeared"
-        act(run_dir)
-        out, err = proc.communicate(timeout=180)
+        act(run_dir, output)
+        proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
     assert not _leftover(run_dir), "worker or launcher processes left behind"
-    return proc.returncode, out, err
+    return proc.returncode, "".join(output), "".join(errors)
+
+
+def _wait_for_step(output: list[str], step: int, timeout: float = 120.0) -> None:
+    """Until rank 0 has printed ``step <step>`` (its per-step line) to the launch's stdout."""
+    deadline = time.time() + timeout
+    while not any(line.split()[:2] == ["step", str(step)] for line in list(output)):
+        assert time.time() < deadline, f"step {step} was never printed:\n" + "".join(output)[-2000:]
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(240)
@@ -257,8 +276,8 @@ def test_a_killed_worker_is_a_lost_device(tmp_path):
     """SIGKILL, no report: the device is removed, the run finishes every step."""
     steps = 600
 
-    def kill_rank2(run_dir):
-        time.sleep(1.0)
+    def kill_rank2(run_dir, output):
+        _wait_for_step(output, 5)   # mid-run on any machine, however slow its start
         os.kill(int((run_dir / "attempt0" / "rank2.pid").read_text()), signal.SIGKILL)
 
     rc_, out, err = _launch_and_act(tmp_path, CLUSTER, REPLICATED, steps, "rank2.training", kill_rank2, lr=1e-3)
@@ -398,7 +417,7 @@ def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, *extra: s
     """Launch on ``start``; once the launcher has prepared the first attempt, write ``edited`` over its
     cluster file. Returns the summary and the launcher's output."""
     code, out, err = _launch_and_act(tmp_path, start, plan, STEPS, "rank0.pid",
-                                     lambda _run_dir: _write(tmp_path, "cluster.yaml", edited), *extra)
+                                     lambda _run_dir, _output: _write(tmp_path, "cluster.yaml", edited), *extra)
     assert code == 0, out[-3000:] + err[-3000:]
     return json.loads((tmp_path / "summary.json").read_text()), out
 
