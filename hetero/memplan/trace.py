@@ -31,9 +31,12 @@ class Block:
 @dataclass
 class AllocationTrace:
     """``events``: ``("alloc" | "free", block id, size)`` in order; a block id may be reused after its
-    free (addresses in a CUDA snapshot are). ``source`` says where the trace came from."""
+    free (addresses in a CUDA snapshot are). ``source`` says where the trace came from.
+    ``segment_addresses``: where the driver put each segment the allocator reserved, in order (a
+    snapshot's ``segment_alloc`` events; empty for a recorded trace), for the caching replay."""
     events: list[tuple[str, int, int]] = field(default_factory=list)
     source: str = ""
+    segment_addresses: list[int] = field(default_factory=list)
 
     def blocks(self) -> list[Block]:
         """Every allocation with its lifetime; a block still live at the end lives to ``len(events)``."""
@@ -119,7 +122,7 @@ def load_snapshot(path, device: int | None = None) -> AllocationTrace:
         device = max(range(len(traces)), key=lambda i: len(traces[i]) if isinstance(traces[i], list) else 0)
     elif not 0 <= device < len(traces):
         raise HeteroError(f"{what}: no device {device}; the snapshot has devices 0-{len(traces) - 1}")
-    events = []
+    events, segments = [], []
     for i, e in enumerate(traces[device]):
         if not isinstance(e, dict):
             raise HeteroError(f"{what}: device_traces[{device}][{i}] is not an event (fix: use an unmodified snapshot)")
@@ -130,6 +133,8 @@ def load_snapshot(path, device: int | None = None) -> AllocationTrace:
                 raise HeteroError(f"{what}: device_traces[{device}][{i}] ({action}) has no addr and size "
                                   f"that are integers in [0, 2**63) (fix: use an unmodified snapshot)")
             events.append(("alloc" if action == "alloc" else "free", addr, nbytes))
+        elif action == "segment_alloc" and type(e.get("addr")) is int and 0 <= e["addr"] < 2**63:
+            segments.append(e["addr"])
     if not events:
         raise HeteroError(f"{what}: device {device}'s trace has no alloc / free_completed events")
-    return AllocationTrace(events, source=f"snapshot {path.name}, device {device}")
+    return AllocationTrace(events, source=f"snapshot {path.name}, device {device}", segment_addresses=segments)
