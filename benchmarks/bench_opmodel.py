@@ -14,6 +14,9 @@ For each of the five NeuSight GPUs: fit on the other four (at most --train-rows 
              20 micro-benchmarks on the device", what `hetero profile` gives on a GPU you can reach.
              The probe rows are removed from every method's test set.
 The learned, roofline and linreg columns use specs only (nothing measured on the held-out GPU).
+Attribution: the specs-only model given ONE kind of the probe results at a time (the held-out GPU's
+launch floors, its bandwidth scale, its GEMM peak scales; then floors and bandwidth together), to
+show which machine property a specs-only miss comes from.
 MAPE = mean |pred - meas| / meas; medAPE = median. Family and overall figures are the unweighted
 mean of the per-op figures (every op counts the same); pooled figures (all rows) are in the JSON.
 Hyperparameters are fixed in predictor/opmodel/model.py (HGB_PARAMS), never chosen on a held-out GPU.
@@ -92,6 +95,13 @@ def main(argv=None) -> int:
         c = r["calibration"]
         print(f"{dev:26s} {c['n_probes']} probes, bandwidth x{c['bandwidth_scale']:.2f}, "
               + ", ".join(f"{k} x{v:.2f}" for k, v in c["compute_scale"].items()))
+    print("\nWhere a specs-only miss comes from: the specs-only model given one kind of the held-out GPU's"
+          "\nprobe results (overall MAPE / medAPE; specs only and all probes as above):")
+    kinds = list(next(iter(res.values()))["attribution"])
+    print(f"{'held-out GPU':26s}" + "".join(f"{k:>24s}" for k in kinds))
+    for dev, r in res.items():
+        print(f"{dev:26s}" + "".join(f"{r['attribution'][k]['mape']:>16.1%} /{r['attribution'][k]['medape']:>6.1%}"
+                                     for k in kinds))
     ok = {}
     for m in ("learned", "probed"):
         ok[m] = {d: r[m]["overall"]["mape"] <= 0.15 and r[m]["overall"]["medape"] <= 0.10 for d, r in res.items()}

@@ -228,6 +228,11 @@ def test_lodo_accuracy():
             # where the specs-only prior misses, the probes must be what closes the gap (where the
             # prior floor is already that GPU's own, one tiny-shape probe per op is no better)
             assert probed["mape"] < mape - 0.05, (dev, probed, mape)
+        # the attribution: the specs-only model given one kind of probe measurement at a time; each
+        # kind changes what is predicted (none is dropped on the way to the model)
+        parts = r["attribution"]
+        assert set(parts) == {"+ measured floors", "+ bandwidth scale", "+ GEMM peak scales", "+ floors and bandwidth"}
+        assert all(p["mape"] != mape for p in parts.values()), (dev, parts, mape)
 
 
 def test_floor_design(v100, tmp_path):

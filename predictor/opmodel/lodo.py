@@ -132,8 +132,13 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
 
             calibration = calibrate(model, devices[dev], probe_set)
         preds = {"learned": model.predict_records(test, devices)}
+        attribution = {}
         if calibration is not None:
             preds["probed"] = ProbedOpModel(model, devices[dev], calibration).predict_records(test)
+            meas = test.latency_ms * 1e-3
+            for name, part in partial_calibrations(calibration).items():
+                got = metrics(test.op, ProbedOpModel(model, devices[dev], part).predict_records(test), meas)
+                attribution[name] = {"mape": got["overall"]["mape"], "medape": got["overall"]["medape"]}
         if baselines:
             preds.update(baseline_predictions(train, test, devices))
         meas = test.latency_ms * 1e-3
@@ -143,6 +148,7 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
         results[dev]["design"] = model.design
         if calibration is not None:
             results[dev]["calibration"] = calibration.to_dict()
+            results[dev]["attribution"] = attribution
             results[dev]["probe_rows"] = [{"op": str(probe_set.op[i]), **{k: float(v[i]) for k, v in probe_set.dims.items()
                                            if np.isfinite(v[i])}, "latency_ms": float(probe_set.latency_ms[i])}
                                           for i in range(len(probe_set))]
@@ -154,6 +160,19 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
                 f" | roofline {r['roofline']['overall']['mape']:.3f} | linreg {r['linreg']['overall']['mape']:.3f}"
                 f"  ({r['seconds']:.0f}s)")
     return results
+
+
+def partial_calibrations(calibration) -> dict:
+    """The probed protocol one kind of measurement at a time: the specs-only model given the held-out
+    GPU's launch floors alone, its bandwidth scale alone, or its GEMM peak scales alone. Where a
+    specs-only miss comes from (the same split as the V100 step's in bench_e2e_v100.py)."""
+    from .probes import DeviceCalibration
+
+    c = calibration
+    return {"+ measured floors": DeviceCalibration(c.floors, 1.0, {}, 0),
+            "+ bandwidth scale": DeviceCalibration({}, c.bandwidth_scale, {}, 0),
+            "+ GEMM peak scales": DeviceCalibration({}, 1.0, c.compute_scale, 0),
+            "+ floors and bandwidth": DeviceCalibration(c.floors, c.bandwidth_scale, {}, 0)}
 
 
 def nested_select(rec: Records, devices: Mapping, candidates: Iterable[str], outer: Iterable[str] | None = None,
