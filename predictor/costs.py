@@ -35,6 +35,8 @@ placement: the hetero runtime's (``packed``, default) or Megatron's rank order (
 """
 from __future__ import annotations
 
+import os
+
 from hetero.specs.cluster import Cluster
 from hetero.specs.model import ModelSpec
 
@@ -53,6 +55,37 @@ mixed precision also writes the model-dtype copy of its fp32 master weights (+e,
 GRAD_NORM_BYTES_PER_PARAM = 4
 """The step's gradient-norm pass (clipping needs the global norm before AdamW runs): one read of
 each fp32 gradient."""
+
+
+KERNEL_BUILDERS = {   # name -> (model, micro-batch, tp, recompute) -> the kernels, in order
+    "layer_forward": lambda m, b, t, r: O.layer_forward_ops(m, b, m.seq_length, t),
+    "layer_backward": lambda m, b, t, r: O.layer_backward_ops(m, b, m.seq_length, t, r),
+    "embedding_forward": lambda m, b, t, r: O.embedding_forward_ops(m, b, m.seq_length, t),
+    "embedding_backward": lambda m, b, t, r: O.embedding_backward_ops(m, b, m.seq_length, t),
+    "head_forward": lambda m, b, t, r: O.head_forward_ops(m, b, m.seq_length, t),
+    "head_backward": lambda m, b, t, r: O.head_backward_ops(m, b, m.seq_length, t),
+}
+_KERNEL_COSTS: dict = {}
+_KERNEL_COSTS_MAX = 8_000
+
+
+def kernel_costs(opm, device, dtype: str, kind: str, model: ModelSpec, mbs: int, tp: int,
+                 recompute: str = "none") -> tuple[tuple[tuple, bool], ...]:
+    """Each kernel's (isolated-call cost from ``opm`` on ``device``, whether it is a GEMM) for one
+    :data:`KERNEL_BUILDERS` entry. Neither depends on a calibration, so every cost model on the same
+    op model and device shares them: a calibration fit builds a cost model per trial of its factors
+    and would otherwise rebuild and re-cost every kernel each time. Keyed on the op model's and the
+    device's identity (held, so an id is never reused while its entry lives)."""
+    key = (id(opm), id(device), dtype, kind, model, mbs, tp, recompute)
+    hit = _KERNEL_COSTS.get(key)
+    if hit is not None and hit[0] is opm and hit[1] is device:
+        return hit[2]
+    if len(_KERNEL_COSTS) >= _KERNEL_COSTS_MAX:   # op models rebuilt by new profiles leave old entries
+        _KERNEL_COSTS.clear()
+    costs = tuple((op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, device), o.op in O.GEMM_OPS)
+                  for o in KERNEL_BUILDERS[kind](model, mbs, tp, recompute))
+    _KERNEL_COSTS[key] = (opm, device, costs)
+    return costs
 
 
 class StageCostModel:
@@ -76,7 +109,7 @@ class StageCostModel:
         for name, g in self._groups.items():
             dev = self._dev[name]
             if g.device not in by_device:
-                opm, prov = op_model_for(g.device, dev)
+                opm, prov = _op_model_for(g.device, dev, self._profiles_stamp)
                 self._sources[g.device] = (dev, _source_of(opm))
                 f = None
                 if calibration is not None:
@@ -90,7 +123,6 @@ class StageCostModel:
             self._opm[name], self._prov[name], self._factors[name] = opm, prov, f
             self._opkind[name] = getattr(opm, "kind", None) or ("profile" if prov == "profile" else "learned")
         self._cache: dict = {}
-        self._op_cache: dict = {}
         self._dp_cache: dict = {}
         self._params_per_layer = model.params_per_layer()
 
@@ -147,33 +179,24 @@ class StageCostModel:
         return float(self._dev[group].memory)
 
     # ------------------------------------------------------------------ compute
-    def _ops_split(self, group: str, ops) -> tuple[float, float]:
-        """(host dispatch, device work) seconds of ``ops`` on one device stream, with the
-        calibration's compute factor and per-kernel dispatch floor
-        (:func:`~hetero.predictor.optime.stream_split`); the op cache holds each kernel's cost with
-        the group's matrix factor already applied (a group's factors never change)."""
-        dev = self._dev[group]
-        opm = self._opm[group]
-        dtype = self.dtype
-        cache = self._op_cache
+    def _ops_split(self, group: str, kind: str, mbs: int, tp: int, recompute: str = "none") -> tuple[float, float]:
+        """(host dispatch, device work) seconds of one builder's kernels (``kind``: a key of
+        :data:`KERNEL_BUILDERS`) on one device stream, with the group's matrix factor on the GEMMs'
+        device share and its compute factor and per-kernel dispatch floor
+        (:func:`~hetero.predictor.optime.stream_split`)."""
         factors = self._factors[group]
+        costs = kernel_costs(self._opm[group], self._dev[group], self.dtype, kind, self.model, mbs, tp, recompute)
         matrix = factors.matrix
-        costs = []
-        for o in ops:
-            key = (group, o.op, o.dims, o.dtype)
-            hit = cache.get(key)
-            if hit is None:
-                hit = op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, dev)
-                if matrix != 1.0 and o.op in O.GEMM_OPS:   # device share scaled, host share kept
-                    hit = (hit[1] + (hit[0] - hit[1]) * matrix, hit[1])
-                cache[key] = hit
-            costs.append(hit)
+        if matrix != 1.0:   # device share scaled, host share kept
+            costs = [(c[1] + (c[0] - c[1]) * matrix, c[1]) if gemm else c for c, gemm in costs]
+        else:
+            costs = [c for c, _ in costs]
         return stream_split(costs, factors.compute, factors.op_floor_s)
 
-    def _ops_time(self, group: str, ops) -> float:
-        """Seconds of ``ops`` in order on one device stream: host dispatch overlaps the device,
-        the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""
-        return max(self._ops_split(group, ops))
+    def _ops_time(self, group: str, kind: str, mbs: int, tp: int) -> float:
+        """Seconds of one builder's kernels in order on one device stream: host dispatch overlaps
+        the device, the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""
+        return max(self._ops_split(group, kind, mbs, tp))
 
     def _layer_splits(self, group: str, tp: int, mbs: int, recompute: str) -> tuple[tuple[float, float], ...]:
         """((host, device) of one layer's forward kernels, the same of its backward kernels), one
@@ -181,10 +204,8 @@ class StageCostModel:
         key = ("ls", group, tp, mbs, recompute)
         hit = self._cache.get(key)
         if hit is None:
-            s = self.model.seq_length
-            hit = self._cache[key] = (
-                self._ops_split(group, O.layer_forward_ops(self.model, mbs, s, tp)),
-                self._ops_split(group, O.layer_backward_ops(self.model, mbs, s, tp, recompute)))
+            hit = self._cache[key] = (self._ops_split(group, "layer_forward", mbs, tp),
+                                      self._ops_split(group, "layer_backward", mbs, tp, recompute))
         return hit
 
     def layer_stream(self, group: str, tp: int, mbs: int, recompute: str = "none") -> tuple[float, float]:
@@ -242,15 +263,14 @@ class StageCostModel:
         key = ("e", group, tp, mbs, first, last)
         hit = self._cache.get(key)
         if hit is None:
-            s, m = self.model.seq_length, self.model
             rf, rb = self._layer_ratio(group, mbs, "edge_ratio")
             f = b = 0.0
             if first:
-                f += self._ops_time(group, O.embedding_forward_ops(m, mbs, s, tp)) * rf + self._tp_allreduce(group, tp, mbs)
-                b += self._ops_time(group, O.embedding_backward_ops(m, mbs, s, tp)) * rb
+                f += self._ops_time(group, "embedding_forward", mbs, tp) * rf + self._tp_allreduce(group, tp, mbs)
+                b += self._ops_time(group, "embedding_backward", mbs, tp) * rb
             if last:
-                f += self._ops_time(group, O.head_forward_ops(m, mbs, s, tp)) * rf
-                b += self._ops_time(group, O.head_backward_ops(m, mbs, s, tp)) * rb + self._tp_allreduce(group, tp, mbs)
+                f += self._ops_time(group, "head_forward", mbs, tp) * rf
+                b += self._ops_time(group, "head_backward", mbs, tp) * rb + self._tp_allreduce(group, tp, mbs)
             hit = self._cache[key] = (f, b)
         return hit
 
@@ -442,6 +462,26 @@ def _with_calibrated_network(cluster: Cluster, calibration) -> Cluster:
     return dataclasses.replace(cluster, groups=groups, network=dataclasses.replace(cluster.network, inter_node=new))
 
 
+_OP_MODELS: dict = {}
+
+
+def _op_model_for(name: str, device, stamp) -> tuple[object, str]:
+    """:func:`~hetero.predictor.optime.op_model_for`, remembered while the profile folder's stamp
+    holds (profiles are written there by rename, which moves it): a calibration fit builds a cost
+    model per trial of its factors, and each would otherwise look up every device's profile again."""
+    if stamp is None:   # no profile machinery to ask whether profiles changed
+        return op_model_for(name, device)
+    key = (stamp, name, id(device))
+    hit = _OP_MODELS.get(key)
+    if hit is not None and hit[0] is device:
+        return hit[1]
+    if len(_OP_MODELS) >= 256:
+        _OP_MODELS.clear()
+    found = op_model_for(name, device)
+    _OP_MODELS[key] = (device, found)
+    return found
+
+
 def _source_of(opm):
     """The cached model object behind ``opm`` (a CPU profile is wrapped anew on each lookup)."""
     return getattr(opm, "source_model", opm)
@@ -451,11 +491,11 @@ def _profiles_stamp() -> tuple | None:
     """(profile cache folder, its mtime): changes whenever a profile is written there; None when
     there is no profile machinery to ask."""
     try:
-        from .profiles import cache_dir
+        from .profiles import cache_dir_str
     except ImportError:  # no profile machinery: op_model_for itself is the check
         return None
-    d = cache_dir()
+    d = cache_dir_str()
     try:
-        return str(d), d.stat().st_mtime_ns
+        return d, os.stat(d).st_mtime_ns
     except OSError:  # no folder yet; creating it (to write a profile) changes the stamp
-        return str(d), None
+        return d, None

@@ -32,6 +32,7 @@ reads the CSV (and its JSON sidecar), so predicting stays fast and works on a lo
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -64,9 +65,19 @@ def times_runtime_adamw(block: Mapping) -> bool:
 # --------------------------------------------------------------------------------------- cache
 def cache_dir() -> Path:
     """``$HETERO_CACHE_DIR/profiles`` (default ``~/.cache/hetero/profiles``)."""
-    root = os.environ.get("HETERO_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "hetero"
-    return base / "profiles"
+    return Path(cache_dir_str())
+
+
+def cache_dir_str() -> str:
+    """:func:`cache_dir` as a string, memoised on the environment it reads (the predictor asks on
+    every cost model it builds whether a profile was written meanwhile)."""
+    return _cache_dir_for(os.environ.get("HETERO_CACHE_DIR"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_dir_for(root: str | None, home: str | None) -> str:
+    base = os.path.expanduser(root) if root else os.path.join(os.path.expanduser("~"), ".cache", "hetero")
+    return os.path.join(base, "profiles")
 
 
 def safe_name(device_name: str) -> str:
