@@ -935,14 +935,15 @@ def test_predict_path_does_not_import_torch():
 
 
 def test_speed_at_least_2000_plans_per_second():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_predict_speed as bench
-    finally:
-        sys.path.pop(0)
-    cluster, model, plans, cm = bench.setup(150)
-    bench.rate(cluster, model, plans, cm)  # warm the caches
-    best = max(bench.rate(cluster, model, plans, cm) for _ in range(3))
+    """Measured in a fresh interpreter, as the planner runs: inside a long test session the
+    collector walks every object earlier tests left alive, which is not the predictor's cost. Best of
+    five runs of 300 plans (this 2-core machine's runs vary by 1.7x from one to the next)."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import bench_predict_speed as b; "
+            "c, m, p, cm = b.setup(300); b.rate(c, m, p, cm); "
+            "print(max(b.rate(c, m, p, cm) for _ in range(5)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    best = float(proc.stdout.split()[-1])
     assert best >= 2000, f"{best:.0f} plans/s"
 
 
