@@ -17,12 +17,29 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import HeteroError
-from .specs.cluster import Cluster, Group, Link, load_cluster
-from .specs.device import DeviceType, load_catalog
-from .specs.errors import SpecError
-from .specs.model import ModelSpec, load_model
-from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan
+
+def _from_a_checkout() -> None:
+    """Run from a source checkout that was never installed (``python -m hetero`` in the repository):
+    the folders that setup.py maps into this package (predictor/, planner/, backends/, configs/)
+    sit beside it, so they are looked up there. An install (editable or not) finds them itself."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec(__name__ + ".predictor") is not None:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "predictor", "__init__.py")):
+        __path__.append(root)
+
+
+_from_a_checkout()
+
+from .errors import HeteroError  # noqa: E402
+from .specs.cluster import Cluster, Group, Link, load_cluster  # noqa: E402
+from .specs.device import DeviceType, load_catalog  # noqa: E402
+from .specs.errors import SpecError  # noqa: E402
+from .specs.model import ModelSpec, load_model  # noqa: E402
+from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan  # noqa: E402
 
 
 def predict(cluster, model, plan, calibration=None):

@@ -248,3 +248,24 @@ def test_validate_an_examples_index_gives_each_entry_a_verdict(tmp_path):
     proc = run_cli("predict", "--cluster", index, "--model", str(tmp_path / "models" / "tiny.yaml"),
                    "--plan", str(tmp_path / "plans" / "local-cpu-tiny.yaml"))
     assert_bad_input(proc, f"{index}: this looks like an examples index file (it has 'examples'), not a cluster file")
+
+
+def test_a_source_checkout_runs_without_being_installed():
+    """`python -m hetero` in a repository nobody installed: predictor/, planner/, configs/ sit beside
+    hetero/ and are found there (here the install's finder is taken away to show it)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import runpy, sys; "
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {str(root)!r}); sys.argv = ['hetero'] + sys.argv[1:]; "
+            "runpy.run_module('hetero', run_name='__main__', alter_sys=True)")
+    proc = subprocess.run([sys.executable, "-c", code, "predict", "--cluster", str(CONFIGS / "clusters" / "mixed-vendor.yaml"),
+                           "--model", str(CONFIGS / "models" / "llama2-7b.yaml"),
+                           "--plan", str(CONFIGS / "plans" / "mixed-vendor-llama2-7b.yaml"), "--json"],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["tokens_per_s"] > 0
