@@ -76,16 +76,24 @@ def kernel_costs(opm, device, dtype: str, kind: str, model: ModelSpec, mbs: int,
     op model and device shares them: a calibration fit builds a cost model per trial of its factors
     and would otherwise rebuild and re-cost every kernel each time. Keyed on the op model's and the
     device's identity (held, so an id is never reused while its entry lives)."""
-    key = (id(opm), id(device), dtype, kind, model, mbs, tp, recompute)
-    hit = _KERNEL_COSTS.get(key)
-    if hit is not None and hit[0] is opm and hit[1] is device:
-        return hit[2]
-    if len(_KERNEL_COSTS) >= _KERNEL_COSTS_MAX:   # op models rebuilt by new profiles leave old entries
-        _KERNEL_COSTS.clear()
-    costs = tuple((op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, device), o.op in O.GEMM_OPS)
-                  for o in KERNEL_BUILDERS[kind](model, mbs, tp, recompute))
-    _KERNEL_COSTS[key] = (opm, device, costs)
-    return costs
+    return _by_identity(_KERNEL_COSTS, _KERNEL_COSTS_MAX, (opm, device), (dtype, kind, model, mbs, tp, recompute),
+                        lambda: tuple((op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, device), o.op in O.GEMM_OPS)
+                                      for o in KERNEL_BUILDERS[kind](model, mbs, tp, recompute)))
+
+
+def _by_identity(store: dict, limit: int, objects: tuple, rest: tuple, compute):
+    """``compute()``, memoised in ``store`` on the identity of ``objects`` (held with the value, so
+    an id is never reused while its entry lives) and the hashable ``rest``. The store is emptied
+    when it reaches ``limit`` entries (objects rebuilt by new profiles leave their old entries)."""
+    key = (*map(id, objects), *rest)
+    hit = store.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], objects)):
+        return hit[1]
+    if len(store) >= limit:
+        store.clear()
+    value = compute()
+    store[key] = (objects, value)
+    return value
 
 
 class StageCostModel:
@@ -471,15 +479,7 @@ def _op_model_for(name: str, device, stamp) -> tuple[object, str]:
     model per trial of its factors, and each would otherwise look up every device's profile again."""
     if stamp is None:   # no profile machinery to ask whether profiles changed
         return op_model_for(name, device)
-    key = (stamp, name, id(device))
-    hit = _OP_MODELS.get(key)
-    if hit is not None and hit[0] is device:
-        return hit[1]
-    if len(_OP_MODELS) >= 256:
-        _OP_MODELS.clear()
-    found = op_model_for(name, device)
-    _OP_MODELS[key] = (device, found)
-    return found
+    return _by_identity(_OP_MODELS, 256, (device,), (stamp, name), lambda: op_model_for(name, device))
 
 
 def _source_of(opm):

@@ -76,6 +76,7 @@ def cache_dir_str() -> str:
 
 @functools.lru_cache(maxsize=16)
 def _cache_dir_for(root: str | None, home: str | None) -> str:
+    # ``home`` only keys the memo: expanduser reads $HOME itself
     base = os.path.expanduser(root) if root else os.path.join(os.path.expanduser("~"), ".cache", "hetero")
     return os.path.join(base, "profiles")
 

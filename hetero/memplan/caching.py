@@ -79,15 +79,15 @@ class CachingResult:
 
 class CachingAllocatorModel:
     """The caching allocator's block bookkeeping, without memory: :meth:`malloc` and :meth:`free`
-    return and take addresses. New segments take ``segment_addresses`` in order (the driver's, from
-    a snapshot); past them, each is placed below every segment so far."""
+    return and take addresses. New segments take the addresses given to
+    :meth:`take_segment_addresses` in order (the driver's, from a snapshot); past them, each is
+    placed below every segment so far."""
 
-    def __init__(self, segment_addresses: Sequence[int] = ()):
+    def __init__(self):
         self._free = {True: [], False: []}   # per pool (small?): sorted (size, addr) of free blocks
         self._blocks: dict[int, _Block] = {}  # addr -> block, every block of every segment
-        self._recorded: list[int] = []
+        self._recorded: list[int] = []        # addresses for the next new segments, the next last
         self._floor = ADDRESS_TOP   # user-space addresses are below 2**47: no recorded one is up here
-        self.take_segment_addresses(segment_addresses)
         self.reserved = 0
         self.segments = 0
         self.allocated = 0

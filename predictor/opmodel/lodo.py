@@ -132,16 +132,15 @@ def run_lodo(rec: Records, devices: Mapping, holdouts: Iterable[str] | None = No
 
             calibration = calibrate(model, devices[dev], probe_set)
         preds = {"learned": model.predict_records(test, devices)}
+        meas = test.latency_ms * 1e-3
         attribution = {}
         if calibration is not None:
             preds["probed"] = ProbedOpModel(model, devices[dev], calibration).predict_records(test)
-            meas = test.latency_ms * 1e-3
             for name, part in partial_calibrations(calibration).items():
                 got = metrics(test.op, ProbedOpModel(model, devices[dev], part).predict_records(test), meas)
                 attribution[name] = {"mape": got["overall"]["mape"], "medape": got["overall"]["medape"]}
         if baselines:
             preds.update(baseline_predictions(train, test, devices))
-        meas = test.latency_ms * 1e-3
         results[dev] = {k: metrics(test.op, p, meas) for k, p in preds.items()}
         results[dev]["n_train"] = len(train)
         results[dev]["seconds"] = time.time() - t0
