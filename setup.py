@@ -47,6 +47,7 @@ setup(
     package_data={
         "hetero.configs": ["*.yaml", "clusters/*.yaml", "models/*.yaml", "plans/*.yaml"],
         "hetero.predictor": ["data/*.json", "data/*.csv"],
+        "hetero.memplan": ["csrc/*.cpp"],
     },
     install_requires=[
         "torch>=2.5",
