@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
                                      "directory, removed when the run ends; a dry run keeps it for its commands)")
     p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
+    p.add_argument("--allocator", choices=("caching", "planned"), default="caching",
+                   help="caching: PyTorch's default allocator; planned: each rank records two steps, then serves "
+                        "its step's memory plan from one arena (docs/memory-planning.md)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
@@ -163,7 +166,10 @@ def run(args) -> int:
                          weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
                          save=os.path.abspath(args.save) if args.save else None,
                          load=os.path.abspath(args.load) if args.load else None,
-                         threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra)
+                         threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
+                         allocator=args.allocator)
+    if args.allocator == "planned" and not args.dry_run:
+        _build_planned_allocator(options)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)
@@ -248,3 +254,15 @@ def _write_plot(args, cluster, model, plan, trace_path: str, out) -> None:
     write_output(args.plot, "--plot", png_bytes(run_figure(pred, trace, title)))
     if not args.quiet:
         out.print(f"plot written to {args.plot}")
+
+
+def _build_planned_allocator(options) -> None:
+    """Build the planned allocator's library once, here, before the workers load it from the cache;
+    where it cannot be built, say why in one line: the workers then run with the default allocator."""
+    from hetero.memplan.serve import load_extension
+
+    try:
+        load_extension(False)
+    except RuntimeError as e:
+        if not options.quiet:
+            print(f"note: --allocator planned: {e}; the ranks run with the default allocator")

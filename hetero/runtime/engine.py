@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from hetero.memplan.serve import mark_phase
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.device import rank_device, torch_device_type, waiter
 from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_buffers, build_buckets,
@@ -162,6 +163,7 @@ class NativeEngine:
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B * S, timings, bind if self.gradient_buffers else None)
         t_sched = time.perf_counter()
+        mark_phase(1)   # the planned allocator resynchronises at the gradient sync
         if self.sharded:
             grads = self.sharded.reduce_gradients()
         else:

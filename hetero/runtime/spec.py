@@ -51,6 +51,9 @@ class RunOptions:
     """On a peer's failure, survivors hand off their live state (:mod:`hetero.runtime.handoff`) and the
     launcher replans on the remaining devices (:mod:`hetero.runtime.elastic`)."""
     extra: list[str] = field(default_factory=list)
+    allocator: str = "caching"
+    """caching (PyTorch's default allocator) | planned (the step's memory plan served from one arena,
+    :mod:`hetero.memplan.serve`)."""
 
 
 @dataclass

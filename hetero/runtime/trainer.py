@@ -68,6 +68,9 @@ class Trainer:
         opts = ctx.options
         torch.manual_seed(opts.seed)
         torch.set_num_threads(max(1, opts.threads))
+        self.allocator = _install_allocator(opts.allocator, ctx.device)
+        """The planned allocator (``--allocator planned``), installed before anything is allocated on
+        the rank's device; None with the default allocator."""
         self.comm = Collectives.init(rank, self.world, opts.timeout_s,
                                      describe=lambda r: describe_rank(ctx.layout.ranks[r]),
                                      vendors=[r.vendor for r in ctx.layout.ranks],
@@ -110,6 +113,8 @@ class Trainer:
                 raise InjectedFailure(f"injected failure at step {number}")
             timings = Timings()
             t0 = time.perf_counter()
+            if self.allocator:
+                self.allocator.begin_step(number)
             loss, norm = self.engine.train_step(self.step, timings)
             self.applied_step = number
             # One all-reduce gives every rank the loss and every rank's compute times.
@@ -135,6 +140,8 @@ class Trainer:
                 log(result)
             stop = self._pause or any(h(self, result) is False for h in self.hooks)
             flag = self.comm.all_reduce(torch.tensor([1.0 if stop else 0.0]), op="max")
+            if self.allocator:   # after the second recorded step: plan it, serve it from the next
+                self.allocator.end_step(number)
             if float(flag[0]) > 0:
                 self._pause = False
                 break
@@ -148,10 +155,34 @@ class Trainer:
         fn = getattr(self.engine, "optimizer_state_bytes", None)
         return self.comm.all_gather_object(fn() if fn else None)
 
+    def gather_allocator_stats(self) -> list[dict] | None:
+        """Every rank's allocator counters (:meth:`PlannedAllocator.stats`), or None with the default
+        allocator; a collective."""
+        if self.ctx.options.allocator == "caching":
+            return None
+        return self.comm.all_gather_object(self.allocator.stats() if self.allocator else {"kind": "caching"})
+
     def gather_events(self) -> list | None:
         """Every rank's trace events, on rank 0 (None elsewhere); a collective: all ranks call it."""
         events = self.comm.all_gather_object(self.state.events)
         return events if self.rank == 0 else None
+
+
+def _install_allocator(kind: str, device):
+    """``--allocator planned``: the rank's :class:`~hetero.memplan.serve.PlannedAllocator`, installed
+    (or, where that fails, kept uninstalled: its stats say why and the rank runs with the default
+    allocator, which a message on stderr names)."""
+    if kind != "planned":
+        return None
+    import sys
+
+    from hetero.memplan.serve import PlannedAllocator
+
+    alloc = PlannedAllocator(device.type)
+    if not alloc.install():
+        print(f"note: --allocator planned: {alloc.failure}; running with the default allocator", file=sys.stderr,
+              flush=True)
+    return alloc
 
 
 def _mean(xs) -> float:
@@ -163,9 +194,11 @@ def steady(values: list[float]) -> list[float]:
     return values[1:] if len(values) > 1 else values
 
 
-def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | None = None) -> dict:
+def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | None = None,
+                 allocator_stats: list | None = None) -> dict:
     """The training run summary of SCHEMAS.md (plus optional extra fields); ``state_bytes``: every
-    rank's optimizer state bytes (:meth:`Trainer.gather_optimizer_state_bytes`)."""
+    rank's optimizer state bytes (:meth:`Trainer.gather_optimizer_state_bytes`); ``allocator_stats``:
+    every rank's allocator counters (:meth:`Trainer.gather_allocator_stats`)."""
     ctx, res = trainer.ctx, trainer.state.results
     times = [r.time_s for r in res]
     st = steady(times)
@@ -184,6 +217,8 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
                       "tp_rank": info.tp_rank, "tp_size": info.tp_size})
         if state_bytes and state_bytes[info.rank] is not None:
             ranks[-1]["optimizer_state_bytes"] = int(state_bytes[info.rank])
+        if allocator_stats and allocator_stats[info.rank] is not None:
+            ranks[-1]["allocator"] = allocator_stats[info.rank]
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
             ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
     scaling = {}

@@ -156,9 +156,10 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
     if opts.trace:
         _write_trace(trainer, opts.trace)
     state_bytes = trainer.gather_optimizer_state_bytes()
+    allocator_stats = trainer.gather_allocator_stats()
     if rank == 0:
         predicted = predict_iteration_time(trainer.ctx)
-        summary = summary_dict(trainer, predicted, state_bytes)
+        summary = summary_dict(trainer, predicted, state_bytes, allocator_stats)
         # the user's --summary / --trace: written as the CLI writes every output (parents made,
         # atomic, nothing left behind on failure); _write is for the run directory's own files
         from hetero.specs.io import write_text_atomic

@@ -113,6 +113,7 @@ class Core {
   size_t live_bytes = 0, peak_live = 0, fallback_reserved = 0, fallback_peak = 0;
   int64_t planned_hits = 0, fallback_allocs = 0, unplanned_matches = 0, overlaps = 0, mismatches = 0;
   size_t planned_served_bytes = 0, fallback_served_bytes = 0;
+  std::vector<int64_t> refused;   // the first plan entries refused for a held range (diagnosis)
 
   void* malloc(size_t n, int64_t stream) {
     if (n == 0) return nullptr;
@@ -133,6 +134,7 @@ class Core {
             return p;
           }
           ++overlaps;
+          if (refused.size() < 64) refused.push_back(static_cast<int64_t>(cursor) - 1);
         } else if (off == -1) {
           ++unplanned_matches;
         } else {
@@ -212,6 +214,7 @@ class Core {
     fallback_peak = fallback_reserved;
     planned_hits = fallback_allocs = unplanned_matches = overlaps = mismatches = 0;
     planned_served_bytes = fallback_served_bytes = 0;
+    refused.clear();
     return true;
   }
 
@@ -231,6 +234,7 @@ class Core {
     d["overlap_refusals"] = overlaps;
     d["unmatched_requests"] = mismatches;
     d["plan_entries"] = plan.size();
+    d["refused_entries"] = refused;
     return d;
   }
 
