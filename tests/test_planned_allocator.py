@@ -170,3 +170,20 @@ def test_a_1f1b_pipeline_with_selective_recompute_trains_identically_on_the_plan
         replay = fragmentation(a["lower_bound_bytes"], a["caching_replay_reserved_bytes"])
         assert mine <= max(0.2 * replay, 0.02), (r["rank"], mine, replay)
         assert a["fallback_bytes"] <= 0.1 * a["reserved_bytes"], a
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(600)
+def test_on_cuda_the_planned_arena_trains_the_tiny_model_with_less_fragmentation():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (benchmarks/gpu/planned_alloc_cuda.py measures the large models)")
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from planned_alloc_cuda import run_child
+
+    caching = run_child("caching", "tiny", "fp32", 4, None, 0)
+    planned = run_child("planned", "tiny", "fp32", 4, None, 0)
+    assert caching.get("result") == "ran" and planned.get("result") == "ran", (caching, planned)
+    assert planned["kind"] == "planned" and planned["serving"]
+    assert planned["fragmentation"] <= max(0.2 * caching["fragmentation"], 0.02), (planned, caching)
+    assert planned["fallback_bytes"] <= 0.1 * planned["reserved_bytes"]
