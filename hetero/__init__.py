@@ -42,11 +42,12 @@ from .specs.model import ModelSpec, load_model  # noqa: E402
 from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan  # noqa: E402
 
 
-def predict(cluster, model, plan, calibration=None):
-    """Predict iteration time, throughput and memory of ``plan`` (see :mod:`hetero.predictor`)."""
+def predict(cluster, model, plan, calibration=None, allocator=None):
+    """Predict iteration time, throughput and memory of ``plan`` (see :mod:`hetero.predictor`);
+    ``allocator`` (``caching`` | ``planned``): judge fit by what that allocator reserves."""
     from .predictor import predict as _predict
 
-    return _predict(cluster, model, plan, calibration=calibration)
+    return _predict(cluster, model, plan, calibration=calibration, allocator=allocator)
 
 
 def calibrate(cluster, runs):

@@ -129,13 +129,17 @@ def _check_top_k(top_k) -> None:
 
 
 def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=None, progress=False,
-           upper_bound: bool = True, cost_model=None, predict_fn=None, **options) -> SearchResults:
+           upper_bound: bool = True, cost_model=None, predict_fn=None, allocator: str | None = None,
+           **options) -> SearchResults:
     """Search plans; return the ``top_k`` that fit, best predicted tokens/s first.
 
     ``options`` override :class:`Options` fields (``micro_batch_sizes``, ``recompute``,
     ``zero_stages``, ``max_predictions``, ``workers``, ``mixed``, ...). ``progress`` is False,
     True (a rich progress bar on stderr) or a callable ``(phase, done, total)``.
     ``cost_model`` / ``predict_fn`` replace the predictor (tests).
+    ``allocator`` (``caching`` | ``planned``): fit is judged by what that allocator reserves
+    (:mod:`hetero.predictor.allocator`), so the search spends what a planned arena saves on larger
+    micro-batches or less recomputation where that predicts faster (one process: no workers).
     Raises :class:`PlannerError` when nothing fits, saying which constraint fails and the fix, and
     ``ValueError`` when ``top_k`` is not a positive integer.
     """
@@ -150,8 +154,12 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
     bad_batch = global_batch_problem(B)
     if bad_batch:
         raise PlannerError(f"global_batch_size: {bad_batch[0]} (fix: {bad_batch[1]})")
+    if allocator is not None and cost_model is None and predict_fn is None:
+        from hetero.predictor import cost_model_for
+
+        cost_model = cost_model_for(cluster, model, calibration, allocator)
     with _progress(progress) as report:
-        scorer = _Scorer(cluster, model, calibration, predict_fn)
+        scorer = _Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None)
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
         ub, ub_by_group = None, {}

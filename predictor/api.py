@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from hetero.specs.plan import check_plan
 
+from .allocator import reserved_bytes
 from .costs import StageCostModel
 from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches,
                      summed_params, zero_degrees)
@@ -46,6 +47,10 @@ class StagePrediction:
     # --- extras (not in the SCHEMAS.md JSON unless to_dict(extra=True)) ---
     memory_breakdown: object = None
     """A ``MemoryBreakdown``: weights, gradients, optimizer, activations, overhead."""
+    allocator: str | None = None
+    """The allocator fit is judged by (``caching`` | ``planned``; None: the live peak)."""
+    reserved_memory_bytes: int | None = None
+    """What that allocator reserves for the peak (:mod:`hetero.predictor.allocator`)."""
     in_flight_microbatches: float = 1.0
     dp_sync_time_s: float = 0.0
     optimizer_time_s: float = 0.0
@@ -70,19 +75,26 @@ class StagePrediction:
 
     @property
     def fits(self) -> bool:
-        """Whether the predicted peak fits the device's memory."""
-        return self.peak_memory_bytes <= self.memory_capacity_bytes
+        """Whether the predicted peak (with an :attr:`allocator`: what it reserves) fits the device's memory."""
+        return self.needed_bytes <= self.memory_capacity_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        """The bytes fit is judged by: the allocator's reservation, or the live peak without one."""
+        return self.peak_memory_bytes if self.reserved_memory_bytes is None else self.reserved_memory_bytes
 
     @property
     def memory_shortfall_bytes(self) -> int:
         """Bytes over capacity (0 when it fits)."""
-        return max(0, self.peak_memory_bytes - self.memory_capacity_bytes)
+        return max(0, self.needed_bytes - self.memory_capacity_bytes)
 
     def to_dict(self, extra: bool = False) -> dict:
         """The SCHEMAS.md stage JSON; ``extra`` adds the memory breakdown and per-stage times."""
         out = {"group": self.group, "tp": self.tp, "layers": list(self.layers),
                "forward_time_s": self.forward_time_s, "backward_time_s": self.backward_time_s,
                "peak_memory_bytes": self.peak_memory_bytes, "memory_capacity_bytes": self.memory_capacity_bytes}
+        if self.allocator is not None:
+            out.update(allocator=self.allocator, reserved_memory_bytes=self.reserved_memory_bytes)
         if extra:
             out.update(memory=self.memory_breakdown.to_dict() if self.memory_breakdown else {}, in_flight_microbatches=self.in_flight_microbatches,
                        dp_sync_time_s=self.dp_sync_time_s, optimizer_time_s=self.optimizer_time_s,
@@ -180,32 +192,38 @@ class Prediction:
 _RECENT: list[tuple] = []
 
 
-def cost_model_for(cluster, model, calibration=None) -> StageCostModel:
-    """The memoised StageCostModel for these very objects (identity), created on first use and
-    rebuilt when a device's operator-time source changed (a profile cached meanwhile)."""
+def cost_model_for(cluster, model, calibration=None, allocator: str | None = None) -> StageCostModel:
+    """The memoised StageCostModel for these very objects (identity) and ``allocator``, created on
+    first use and rebuilt when a device's operator-time source changed (a profile cached meanwhile)."""
     for i, (c, m, cal, cm) in enumerate(_RECENT):
-        if c is cluster and m is model and cal is calibration:
+        if c is cluster and m is model and cal is calibration and cm.allocator == allocator:
             if not cm.sources_changed():
                 return cm
             del _RECENT[i]
             break
-    cm = StageCostModel(cluster, model, calibration)
+    cm = StageCostModel(cluster, model, calibration, allocator)
     _RECENT.insert(0, (cluster, model, calibration, cm))
     del _RECENT[4:]
     return cm
 
 
 def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
-            timeline: bool = False, check: bool = True, placement: str = "packed") -> Prediction:
+            timeline: bool = False, check: bool = True, placement: str = "packed",
+            allocator: str | None = None) -> Prediction:
     """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule.
 
     ``placement``: how ranks map to nodes (:mod:`hetero.predictor.placement`): ``packed``, the
     hetero runtime's layout (default), or ``megatron``, Megatron's tp-dp-pp rank order (the
     runs of a run log). It decides which p2p transfers and gradient rings cross the network and
-    how many share a node's NIC."""
+    how many share a node's NIC.
+
+    ``allocator`` (``caching`` | ``planned``; default: ``cost_model``'s): fit is judged by the bytes
+    that allocator reserves for each stage's peak (:mod:`hetero.predictor.allocator`) rather than
+    the peak itself."""
     if check:
         check_plan(plan, cluster, model)
-    cm = cost_model or cost_model_for(cluster, model, calibration)
+    cm = cost_model or cost_model_for(cluster, model, calibration, allocator)
+    allocator = allocator if allocator is not None else cm.allocator
     recompute, zs = plan.recompute, plan.zero_stage
     zero_dp = zero_degrees(cm.model, plan) if zs else None   # ZeRO: each stage's sharding degree
     replicas = sum(p.replicas for p in plan.pipelines)       # model copies: > 1, every layer is summed
@@ -270,7 +288,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             stage_preds.append(StagePrediction(
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
                 peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
-                memory_breakdown=br, in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
+                memory_breakdown=br, allocator=allocator,
+                reserved_memory_bytes=None if allocator is None else int(reserved_bytes(allocator, br)), in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
                 optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0,
                 layer_dispatch_s=dispatch, layer_device_s=device))
             owners.append((stage_preds[-1], base + i))

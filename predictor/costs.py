@@ -42,6 +42,7 @@ from hetero.specs.model import ModelSpec
 
 from . import comm
 from . import memory as mem
+from .allocator import reserved_bytes
 from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
@@ -99,8 +100,11 @@ def _by_identity(store: dict, limit: int, objects: tuple, rest: tuple, compute):
 class StageCostModel:
     """Memoised costs of stages of ``model`` on the groups of ``cluster``."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, calibration=None):
+    def __init__(self, cluster: Cluster, model: ModelSpec, calibration=None, allocator: str | None = None):
         self.cluster = cluster = _with_calibrated_network(cluster, calibration)
+        self.allocator = allocator
+        """The allocator fit is judged by (:mod:`.allocator`): :meth:`stage_memory` gives the bytes it
+        reserves; None: the live peak."""
         self.model = model
         self.calibration = calibration
         self.dtype = model.dtype
@@ -340,9 +344,11 @@ class StageCostModel:
     def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",
                      zero_stage: int = 0, dp: int = 1, in_flight: float = 1, first: bool = False,
                      last: bool = False, summed_params: float = 0.0) -> float:
-        """Peak bytes on one device of a stage (see :mod:`hetero.predictor.memory`)."""
-        return self.stage_memory_breakdown(group, tp, mbs, layers, recompute, zero_stage, dp,
-                                           in_flight, first, last, True, summed_params).total
+        """Peak bytes on one device of a stage (see :mod:`hetero.predictor.memory`); with an
+        :attr:`allocator`, the bytes it reserves for that peak."""
+        br = self.stage_memory_breakdown(group, tp, mbs, layers, recompute, zero_stage, dp,
+                                         in_flight, first, last, True, summed_params)
+        return br.total if self.allocator is None else reserved_bytes(self.allocator, br)
 
     # ------------------------------------------------------------------ communication
     def p2p_time(self, group_a: str, group_b: str, mbs: int, same_node: bool | None = None,

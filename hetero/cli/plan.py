@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
                         "device is weighed too, and kept where it predicts faster)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--allocator", choices=("caching", "planned"),
+                   help="judge fit by what this allocator reserves: caching (PyTorch's default, fragmentation "
+                        "included) or planned (hetero launch --allocator planned's arena); default: the live peak")
     p.set_defaults(func=run)
 
 
@@ -59,7 +62,7 @@ def run(args) -> int:
     calibration = load_calibration_arg(args.calibration, cluster)
     show_progress = not args.no_progress and sys.stderr.isatty()
     results = search(cluster, model, global_batch_size=args.global_batch_size, top_k=args.top_k,
-                     calibration=calibration, progress=show_progress,
+                     calibration=calibration, progress=show_progress, allocator=args.allocator,
                      **({"interleaves": ()} if args.no_interleave else {}))
     best = results[0]
     if args.output:

@@ -19,6 +19,10 @@ def add_parser(sub) -> None:
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
     p.add_argument("--timeline", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of the iteration (open in ui.perfetto.dev)")
+    p.add_argument("--allocator", choices=("caching", "planned"),
+                   help="judge fit by what this allocator reserves for each stage's peak: caching (PyTorch's "
+                        "default, fragmentation included) or planned (hetero launch --allocator planned's arena); "
+                        "default: the live peak itself")
     p.set_defaults(func=run)
 
 
@@ -45,7 +49,8 @@ def run(args) -> int:
         check_output(args.plot, "--plot")
         require_matplotlib("--plot")
     calibration = load_calibration_arg(args.calibration, cluster)
-    pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot))
+    pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot),
+                   allocator=args.allocator)
     if args.timeline:
         write_output(args.timeline, "--timeline", json.dumps(pred.timeline()))
     if args.plot:
@@ -67,11 +72,13 @@ def run(args) -> int:
                         f"{pp.micro_batch_size}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
                   title_justify="left")
         numeric = ("tp", "forward", "backward", "to next", "DP sync")
-        for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", "memory / capacity",
-                    "DP sync", ""):
+        memcol = f"memory ({args.allocator} reserves) / capacity" if args.allocator else "memory / capacity"
+        for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", memcol, "DP sync", ""):
             t.add_column(col, justify="right" if col in numeric else "left")
         for si, s in enumerate(pp.stages):
             memtxt = f"{_gib(s.peak_memory_bytes)} / {_gib(s.memory_capacity_bytes)}"
+            if s.allocator:
+                memtxt = f"{_gib(s.peak_memory_bytes)} live, {_gib(s.needed_bytes)} / {_gib(s.memory_capacity_bytes)}"
             if not s.fits:
                 memtxt = f"[red]{memtxt}[/red]"
             mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
@@ -92,7 +99,7 @@ def run(args) -> int:
         out.print("[bold]memory[/bold] [red]does not fit[/red]:")
         for pi, si, s in pred.memory_shortfalls():
             out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
-                      f"needs {_gib(s.peak_memory_bytes)} of {_gib(s.memory_capacity_bytes)}: "
+                      f"needs {_gib(s.needed_bytes)} of {_gib(s.memory_capacity_bytes)}: "
                       f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
     shown = pred.launch_bound_stages()
     for s, mbs in shown:

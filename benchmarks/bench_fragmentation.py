@@ -1,0 +1,100 @@
+"""What PyTorch's caching allocator reserves on top of a stage's live peak: the data the predictor's
+fragmentation model (predictor/allocator.py) is fitted on.
+
+    python benchmarks/bench_fragmentation.py [OUT.json]   (default predictor/data/caching_fragmentation.json)
+
+Method: the runtime's stages at full width (GPT-2-large, GPT-3 1.3B, Llama-2-7B cut to 4-6 layers;
+fp32 / bf16 / fp16, tp 2, ZeRO-1, no / selective / full recomputation, 1F1B / GPipe / interleaved,
+micro-batch sizes 1-4) are recorded for two training steps on fake tensors (hetero.memplan.record),
+then the caching allocator's replay (hetero.memplan.caching, exact to the byte against an H100 with the
+driver's segment addresses) gives what it reserves. Per stage it writes the recorded lower bound, the
+replay's reservation, the predictor's live peak for the same stage (framework overhead left out:
+no tensor holds it), and the tensor sizes that decide the caching allocator's segments.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import hetero  # noqa: E402
+from hetero.memplan.arena import plan_arena  # noqa: E402
+from hetero.memplan.caching import simulate_caching_allocator  # noqa: E402
+from hetero.memplan.record import record_stage  # noqa: E402
+
+
+def _sized(name, layers, **over):
+    d = hetero.load_model(ROOT / f"configs/models/{name}.yaml").to_dict()
+    d.update(num_layers=layers, attention="fused", **over)   # the runtime runs SDPA
+    return hetero.load_model(d)
+
+
+def _even(L, stages, tp=1, m=4, replicas=1, mbs=1, **over):
+    cuts = [round(i * L / stages) for i in range(stages + 1)]
+    plan = {"global_batch_size": m * replicas * mbs, "micro_batch_size": mbs, "schedule": "1f1b",
+            "pipelines": [{"replicas": replicas, "micro_batches": m,
+                           "stages": [{"group": "a100", "layers": [cuts[i], cuts[i + 1]], "tp": tp}
+                                      for i in range(stages)]}]}
+    plan.update(over)
+    return plan
+
+
+CASES = {
+    "gpt2-large bf16": ("gpt2-large", 4, {"dtype": "bf16"}, _even(4, 2)),
+    "gpt2-large bf16 mbs4 selective": ("gpt2-large", 4, {"dtype": "bf16"}, _even(4, 2, mbs=4, recompute="selective")),
+    "gpt2-large fp32": ("gpt2-large", 4, {}, _even(4, 2)),
+    "gpt2-large fp32 mbs2 full": ("gpt2-large", 4, {}, _even(4, 2, mbs=2, recompute="full")),
+    "llama2-7b bf16 tp2": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, tp=2)),
+    "llama2-7b bf16 zero1 x2": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, replicas=2, zero_stage=1)),
+    "llama2-7b bf16 full": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, recompute="full")),
+    "llama2-7b bf16 selective mbs2": ("llama2-7b", 4, {"seq_length": 2048}, _even(4, 2, mbs=2, recompute="selective")),
+    "llama2-7b full x2 seq512": ("llama2-7b", 4, {"seq_length": 512}, _even(4, 2, replicas=2, recompute="full")),
+    "llama2-7b zero1 x2 seq512": ("llama2-7b", 4, {"seq_length": 512}, _even(4, 2, replicas=2, zero_stage=1)),
+    "gpt3-1.3b fp16 gpipe": ("gpt3-1.3b", 4, {}, _even(4, 2, schedule="gpipe")),
+    "gpt3-1.3b bf16 mbs2": ("gpt3-1.3b", 4, {"dtype": "bf16"}, _even(4, 2, mbs=2)),
+    "gpt3-1.3b bf16 interleaved": ("gpt3-1.3b", 6, {"dtype": "bf16"},
+                                   {**_even(6, 6), "schedule": "interleaved", "interleave": 2}),
+}
+
+
+def stage_rows(name: str, cluster) -> list[dict]:
+    arch, layers, over, plan_d = CASES[name]
+    from hetero.predictor.memory import FRAMEWORK_OVERHEAD
+
+    model, plan = _sized(arch, layers, **over), hetero.load_plan(plan_d)
+    pred = hetero.predict(cluster, model, plan)
+    rows = []
+    for stage in range(len(plan.physical_stages(plan.pipelines[0]))):
+        t0 = time.perf_counter()
+        trace = record_stage(model, plan, 0, stage)
+        replay = simulate_caching_allocator(trace)
+        sizes = sorted({e[2] for e in trace.events if e[0] == "alloc"})
+        sp = pred.pipelines[0].stages[stage]
+        br = sp.memory_breakdown
+        rows.append({"case": name, "stage": stage, "lower_bound_bytes": trace.lower_bound_bytes(),
+                     "caching_reserved_bytes": replay.reserved_bytes, "segments": replay.segments,
+                     "arena_bytes": plan_arena(trace).arena_bytes,
+                     "predicted_live_bytes": sp.peak_memory_bytes - FRAMEWORK_OVERHEAD["nvidia"],
+                     "predicted_state_bytes": br.weights + br.gradients + br.optimizer,
+                     "predicted_activation_bytes": br.activations,
+                     "largest_block_bytes": sizes[-1], "events": len(trace.events),
+                     "seconds": time.perf_counter() - t0})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> int:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "predictor/data/caching_fragmentation.json"
+    cluster = hetero.load_cluster(ROOT / "configs/clusters/a100-homogeneous.yaml")
+    rows = [r for name in CASES for r in stage_rows(name, cluster)]
+    out.write_text(json.dumps({"method": __doc__.split("Method: ")[1].strip(), "stages": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""What an allocator reserves for a stage: PyTorch's caching allocator or the planned arena.
+
+The predicted peak (:mod:`.memory`) counts bytes live at once. What a device must have is what its
+allocator reserves for them: PyTorch's caching allocator keeps freed blocks in segments that later
+requests of other sizes cannot always reuse (fragmentation), and the planned allocator
+(``hetero launch --allocator planned``) serves the step from one arena laid out ahead of time.
+
+Both are modelled the same way, ``reserved = a x model states + b x activations + overhead``
+(states: weights, gradients and optimizer moments; activations: everything else of the peak;
+the framework overhead as :mod:`.memory` has it), with ``(a, b)`` fitted by least squares on the
+relative error over the runtime's own stages recorded at full width and replayed
+(``data/caching_fragmentation.json``, written by ``benchmarks/bench_fragmentation.py``): the caching
+allocator's replay (:mod:`hetero.memplan.caching`) for ``caching``, the greedy arena
+(:mod:`hetero.memplan.arena`) for ``planned``. :func:`fit_errors` gives each stage's error.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+KINDS = ("caching", "planned")
+"""Allocators the predictor can judge fit by (``--allocator``); None: the live peak itself."""
+
+DATA = Path(__file__).with_name("data") / "caching_fragmentation.json"
+_TARGET = {"caching": "caching_reserved_bytes", "planned": "arena_bytes"}
+
+
+@functools.lru_cache(maxsize=1)
+def _stages() -> tuple[dict, ...]:
+    return tuple(json.loads(DATA.read_text())["stages"])
+
+
+def _fit(rows, kind: str) -> tuple[float, float]:
+    import numpy as np
+
+    # the recorded lower bound stands for the predicted peak: split in the predictor's proportions
+    x = np.array([[r["predicted_state_bytes"], r["predicted_activation_bytes"]] for r in rows], dtype=float)
+    x *= np.array([r["lower_bound_bytes"] / r["predicted_live_bytes"] for r in rows])[:, None]
+    y = np.array([r[_TARGET[kind]] for r in rows], dtype=float)
+    coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
+    return float(coef[0]), float(coef[1])
+
+
+@functools.lru_cache(maxsize=None)
+def coefficients(kind: str) -> tuple[float, float]:
+    """``(a, b)`` of ``kind``: reserved = a x states + b x activations (+ overhead)."""
+    if kind not in KINDS:
+        raise ValueError(f"allocator must be one of {', '.join(KINDS)}, got {kind!r}")
+    return _fit(_stages(), kind)
+
+
+def reserved_bytes(kind: str | None, breakdown) -> float:
+    """The bytes ``kind``'s allocator reserves for a stage whose peak is ``breakdown``
+    (:class:`.memory.MemoryBreakdown`); ``None``: the peak itself."""
+    if kind is None:
+        return breakdown.total
+    a, b = coefficients(kind)
+    states = breakdown.weights + breakdown.gradients + breakdown.optimizer
+    return a * states + b * breakdown.activations + breakdown.overhead
+
+
+def fit_errors(kind: str) -> list[dict]:
+    """Per recorded stage: the model's reservation for the predictor's peak of that stage against the
+    replay's (``error``), and for the recorded lower bound (``fit_error``: the model alone)."""
+    a, b = coefficients(kind)
+    out = []
+    for r in _stages():
+        s, act, target = r["predicted_state_bytes"], r["predicted_activation_bytes"], r[_TARGET[kind]]
+        scale = r["lower_bound_bytes"] / r["predicted_live_bytes"]
+        out.append({"case": r["case"], "stage": r["stage"], "replayed_bytes": target,
+                    "error": (a * s + b * act) / target - 1, "fit_error": scale * (a * s + b * act) / target - 1})
+    return out
