@@ -1,7 +1,6 @@
 """The predictor and planner judge fit by what the chosen allocator reserves (--allocator)."""
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -10,7 +9,7 @@ import hetero
 from hetero.predictor.allocator import coefficients, fit_errors, reserved_bytes
 from hetero.predictor.memory import MemoryBreakdown
 
-from test_planned_allocator import CLUSTER, GPT, PLAN, launch
+from test_planned_allocator import CLUSTER, GPT, PLAN, tight_cluster
 
 
 def test_no_allocator_keeps_the_live_peak_and_the_default_predictions():
@@ -41,37 +40,10 @@ def test_the_reservation_models_are_fitted_on_the_replays():
         coefficients("buddy")
 
 
-def _tight(kind_fits: str, kind_fails: str):
-    """The local CPU cluster with each group's memory between what the two allocators reserve for its
-    stage of PLAN, so ``kind_fits`` fits and ``kind_fails`` does not."""
-    cluster, model, plan = hetero.load_cluster(CLUSTER), hetero.load_model(GPT), hetero.load_plan(PLAN)
-    fits = hetero.predict(cluster, model, plan, allocator=kind_fits).pipelines[0].stages
-    fails = hetero.predict(cluster, model, plan, allocator=kind_fails).pipelines[0].stages
-    spec = copy.deepcopy(CLUSTER)
-    for s_ok, s_bad in zip(fits, fails):
-        assert s_ok.reserved_memory_bytes < s_bad.reserved_memory_bytes
-        device = next(g["device"] for g in spec["groups"] if g["name"] == s_ok.group)
-        memory = int(math.sqrt(s_ok.reserved_memory_bytes * s_bad.reserved_memory_bytes))
-        spec["devices"][device]["memory"] = f"{memory} B"
-    return spec
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_plan_only_the_planned_arena_fits_is_admitted_and_launched(tmp_path):
-    spec = _tight("planned", "caching")
-    cluster, model, plan = hetero.load_cluster(spec), hetero.load_model(GPT), hetero.load_plan(PLAN)
-    assert not hetero.predict(cluster, model, plan, allocator="caching").fits_memory
-    assert hetero.predict(cluster, model, plan, allocator="planned").fits_memory
-    assert hetero.predict(cluster, model, plan).fits_memory   # the live peak alone fits too
-    summary = launch(tmp_path, "planned", cluster=spec)
-    assert len(summary["losses"]) == 5 and all(r["allocator"]["kind"] == "planned" for r in summary["ranks"])
-
-
 def test_the_planner_spends_what_the_arena_saves():
     from hetero.planner import search
 
-    spec = _tight("planned", "caching")
+    spec = tight_cluster("planned", "caching")
     cluster, model = hetero.load_cluster(spec), hetero.load_model(GPT)
     kw = dict(global_batch_size=8, top_k=1, upper_bound=False, micro_batch_sizes=(1, 2, 4),
               recompute=("none", "selective", "full"))

@@ -153,11 +153,39 @@ def launch(tmp_path: Path, allocator: str, steps: int = 5, plan: dict = PLAN, mo
     return summary
 
 
+def tight_cluster(kind_fits: str, kind_fails: str) -> dict:
+    """CLUSTER with each group's memory between what the two allocators are predicted to reserve for
+    its stage of PLAN, so that ``kind_fits`` fits and ``kind_fails`` does not."""
+    import copy
+    import math
+
+    import hetero
+
+    cluster, model, plan = hetero.load_cluster(CLUSTER), hetero.load_model(GPT), hetero.load_plan(PLAN)
+    fits = hetero.predict(cluster, model, plan, allocator=kind_fits).pipelines[0].stages
+    fails = hetero.predict(cluster, model, plan, allocator=kind_fails).pipelines[0].stages
+    spec = copy.deepcopy(CLUSTER)
+    for s_ok, s_bad in zip(fits, fails):
+        assert s_ok.reserved_memory_bytes < s_bad.reserved_memory_bytes
+        device = next(g["device"] for g in spec["groups"] if g["name"] == s_ok.group)
+        spec["devices"][device]["memory"] = f"{int(math.sqrt(s_ok.reserved_memory_bytes * s_bad.reserved_memory_bytes))} B"
+    return spec
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_1f1b_pipeline_with_selective_recompute_trains_identically_on_the_planned_arena(tmp_path):
+    """Also the plan only the planned arena is predicted to fit: on devices with memory between the
+    two allocators' predicted reservations, hetero predict --allocator caching rejects it, planned
+    admits it, and the launch runs it."""
+    import hetero
+
+    tight = tight_cluster("planned", "caching")
+    cluster, model, plan = hetero.load_cluster(tight), hetero.load_model(GPT), hetero.load_plan(PLAN)
+    assert not hetero.predict(cluster, model, plan, allocator="caching").fits_memory
+    assert hetero.predict(cluster, model, plan, allocator="planned").fits_memory
     caching = launch(tmp_path, "caching")
-    planned = launch(tmp_path, "planned")
+    planned = launch(tmp_path, "planned", cluster=tight)
     assert planned["losses"] == caching["losses"]
     assert all("allocator" not in r for r in caching["ranks"])
     for r in planned["ranks"]:
