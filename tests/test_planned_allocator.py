@@ -215,3 +215,19 @@ def test_on_cuda_the_planned_arena_trains_the_tiny_model_with_less_fragmentation
     assert planned["kind"] == "planned" and planned["serving"]
     assert planned["fragmentation"] <= max(0.2 * caching["fragmentation"], 0.02), (planned, caching)
     assert planned["fallback_bytes"] <= 0.1 * planned["reserved_bytes"]
+
+
+def test_where_the_library_cannot_be_built_the_rank_says_why_and_keeps_the_default(monkeypatch):
+    import hetero.memplan.serve as serve
+
+    def no_compiler(cuda=False):
+        raise RuntimeError("cannot build the planned allocator (RuntimeError: Ninja is required to load C++ extensions)")
+
+    monkeypatch.setattr(serve, "load_extension", no_compiler)
+    alloc = serve.PlannedAllocator("cpu")
+    assert not alloc.install() and not alloc.active
+    assert "Ninja is required" in alloc.failure and "\n" not in alloc.failure
+    alloc.begin_step(1)   # no-ops without the library
+    alloc.end_step(2)
+    serve.mark_phase(1)
+    assert alloc.stats() == {"kind": "caching", "fallback_reason": alloc.failure}
