@@ -5,7 +5,9 @@ how little a layout planned ahead of time needs (``hetero memplan``).
   and reading a CUDA memory snapshot safely;
 - :mod:`~hetero.memplan.record`: recording one stage's training steps as a trace, on fake tensors;
 - :mod:`~hetero.memplan.caching`: what the caching allocator reserves for a trace;
-- :mod:`~hetero.memplan.arena`: a static layout of every block in one arena (greedy by size).
+- :mod:`~hetero.memplan.arena`: a static layout of every block in one arena (greedy by size);
+- :mod:`~hetero.memplan.serve`: the planned allocator at run time (``hetero launch --allocator
+  planned``): two steps recorded, the second planned, the plan served from one arena.
 
 :func:`memory_plan` puts them together into the ``hetero memplan --json`` report (SCHEMAS.md).
 """
