@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--plan", required=True, help="plan file")
     p.add_argument("--calibration", help="calibration file written by 'hetero calibrate'")
-    p.add_argument("--json", action="store_true", help="print the Prediction JSON (SCHEMAS.md) only")
+    p.add_argument("--json", action="store_true", help="print the Prediction JSON only, with the plan's objectives (throughput, indicative cost, memory headroom, energy)")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the predicted step (every device's schedule, the gradient sync and the optimizer) "
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
@@ -55,7 +55,11 @@ def run(args) -> int:
                  f"{pred.tokens_per_s:,.0f} tokens/s, schedule {plan.schedule}")
         write_output(args.plot, "--plot", png_bytes(step_figure(pred, plan, title)))
     if args.json:
-        print_json(pred.to_dict())
+        from hetero.predictor.objectives import objectives
+
+        # the Prediction JSON plus the plan's objectives (cost and energy are null for a device
+        # without catalog price or power figures)
+        print_json({**pred.to_dict(), "objectives": objectives(cluster, plan, pred)})
         return 0
 
     from rich.table import Table
