@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hetero.specs.errors import SpecError
+from hetero.specs.plan import check_plan
+
 from .blocks import BlockEvaluator
 from .candidates import Candidate, allocate
 from .interleave import interleaved_twin
@@ -166,7 +169,13 @@ class PlanEncoding:
     def _plan(self, blocks, m, chunks: int):
         plan = Candidate(blocks=tuple(blocks), micro_batches=tuple(m), time=0.0).to_plan(self.B, self.L)
         if chunks > 1:
-            plan = interleaved_twin(plan, chunks) or plan
+            twin = interleaved_twin(plan, chunks)
+            try:   # some pipelines cannot interleave (two stages of one tag-less vendor): stay 1F1B
+                if twin is not None:
+                    check_plan(twin, self.cluster, self.model, "<encoding>")
+                    return twin
+            except SpecError:
+                self.repairs += 1
         return plan
 
     def plain(self, decoded):
@@ -212,7 +221,7 @@ class PlanEncoding:
             sizes = {g: used[g] for g in order}
             options = replica_options(tps, sizes, self.B // mbs, self.L) or [r]
             k = min(range(len(options)), key=lambda k: abs(options[k] - r))
-            orders = group_orders(self.cluster, tuple(order))
+            orders = group_orders(self.cluster, tuple(g for g in self.groups if g in order))   # as decode lists them
             o = orders.index(order) if order in orders else 0
             x[base + _PER_LABEL * pi: base + _PER_LABEL * (pi + 1)] = [_gene(k, len(options)), 0.25,
                                                                        _gene(o, len(orders))]
