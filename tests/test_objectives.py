@@ -266,3 +266,15 @@ def test_plan_objectives_names_a_device_without_price(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "mygpu" in proc.stderr and "price_per_hour" in proc.stderr and "fix" in proc.stderr
     assert math.isfinite(1.0)
+
+
+def test_a_cluster_file_sets_its_own_price_and_power():
+    base = {"name": "own", "groups": [{"name": "a", "device": "A100-SXM4-40GB", "nodes": 1, "devices_per_node": 8}]}
+    own = dict(base, devices={"A100-SXM4-40GB": {"price_per_hour": 1.0, "tdp": "200 W", "idle_power": "20 W"}})
+    model = hetero.load_model(MODELS / "gpt3-1.3b.yaml")
+    plan = hetero.search(hetero.load_cluster(base), model, 64, top_k=1, upper_bound=False)[0].plan
+    a = hetero.predict(hetero.load_cluster(base), model, plan).objectives
+    b = hetero.predict(hetero.load_cluster(own), model, plan).objectives
+    assert b["throughput"] == a["throughput"]
+    assert b["cost"] == pytest.approx(a["cost"] * 1.0 / load_catalog()["A100-SXM4-40GB"].price_per_hour)
+    assert b["energy"] < a["energy"]
