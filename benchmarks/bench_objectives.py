@@ -34,6 +34,8 @@ from bench_planner_scale import four_type_cluster  # noqa: E402  (the planner-sc
 
 OBJECTIVES = ("throughput", "cost", "memory_headroom", "energy")
 ALGORITHMS = ("MaOEA-CS", "NSGA-III", "AGE-MOEA2", "random")
+ABLATION = "MaOEA-CS phase 2 only"
+"""A diagnostic variant (``--algorithms``): the corner search ends after the first generation."""
 REF = 1.1
 
 
@@ -68,8 +70,9 @@ def run_one(algo: str, problem, X0: np.ndarray, budget: int, pop: int, seed: int
     from hetero.planner.maoea_cs import maoea_cs
 
     f = _Budgeted(problem, budget)
-    if algo == "MaOEA-CS":
-        maoea_cs(f, problem.n_var, budget, pop_size=pop, X0=X0, seed=seed)
+    if algo in ("MaOEA-CS", ABLATION):
+        maoea_cs(f, problem.n_var, budget, pop_size=pop, X0=X0, seed=seed,
+                 **({"corner_share": 0.0} if algo == ABLATION else {}))
     elif algo == "random":
         f(X0)
         rng = np.random.default_rng(seed)
@@ -99,14 +102,49 @@ def run_one(algo: str, problem, X0: np.ndarray, budget: int, pop: int, seed: int
     return problem
 
 
+def plot(results: dict, path: str) -> None:
+    """Bars of mean hypervolume and IGD (error bars: one standard deviation) per case and algorithm."""
+    from hetero.plots import _pyplot, png_bytes
+
+    plt = _pyplot("--plot")
+    names = list(results["cases"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    algorithms = list(next(iter(results["cases"].values()))["summary"])
+    width = 0.8 / len(algorithms)
+    colours = ["#c44e52", "#4c72b0", "#55a868", "#8c8c8c", "#dd8452"]
+    for ax, key, label in ((axes[0], "hypervolume", "hypervolume (higher is better)"),
+                           (axes[1], "igd", "IGD to the union front (lower is better)")):
+        for k, algo in enumerate(algorithms):
+            mean = [results["cases"][n]["summary"][algo][f"{key}_mean"] for n in names]
+            sd = [results["cases"][n]["summary"][algo][f"{key}_sd"] for n in names]
+            ax.bar(np.arange(len(names)) + (k - (len(algorithms) - 1) / 2) * width, mean, width, yerr=sd, label=algo, color=colours[k],
+                   capsize=2)
+        ax.set_xticks(np.arange(len(names)))
+        ax.set_xticklabels([n.replace(" / ", "\n") for n in names], fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"plan fronts, 4 objectives, {results['budget']} evaluations per run, mean of {results['seeds']} seeds",
+                 fontsize=10)
+    fig.tight_layout()
+    Path(path).write_bytes(png_bytes(fig))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget", type=int, default=400, help="evaluations per run")
     ap.add_argument("--pop", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--cases", nargs="*", help="case names (substrings) to run")
+    ap.add_argument("--algorithms", nargs="*", default=list(ALGORITHMS),
+                    help=f"of {', '.join(ALGORITHMS + (ABLATION,))}")
     ap.add_argument("-o", default=str(ROOT / "benchmarks" / "results" / "objectives.json"))
+    ap.add_argument("--plot", metavar="PNG", help="draw the hypervolume and IGD bars of the results")
+    ap.add_argument("--plot-only", action="store_true", help="draw --plot from the JSON of -o, run nothing")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.o).read_text()), args.plot)
+        return 0
     from pymoo.indicators.hv import HV
     from pymoo.indicators.igd import IGD
 
@@ -123,9 +161,9 @@ def main(argv=None) -> int:
         seeds = seed_plans(cluster, model, B)
         seed_s = time.perf_counter() - t0
         shared = None
-        runs = {a: [] for a in ALGORITHMS}
+        runs = {a: [] for a in args.algorithms}
         for s in range(args.seeds):
-            for algo in ALGORITHMS:
+            for algo in args.algorithms:
                 problem = PlanProblem(cluster, model, B, OBJECTIVES, fallback=seeds["fastest"])
                 if shared is None:
                     shared = (problem.enc, problem.scorer)
@@ -171,9 +209,13 @@ def main(argv=None) -> int:
             print(f"{name:40s} {algo:10s} HV {row['hypervolume_mean']:.4f} +- {row['hypervolume_sd']:.4f}  "
                   f"IGD {row['igd_mean']:.4f} +- {row['igd_sd']:.4f}  front {row['front_size_mean']:.1f}", flush=True)
         Path(args.o).write_text(json.dumps(out, indent=1))
-    wins = sum(1 for c in out["cases"].values()
-               if c["summary"]["MaOEA-CS"]["hypervolume_mean"] >= c["summary"]["NSGA-III"]["hypervolume_mean"])
-    print(f"MaOEA-CS hypervolume >= NSGA-III's on {wins} of {len(out['cases'])} cases; written {args.o}")
+    if {"MaOEA-CS", "NSGA-III"} <= set(args.algorithms):
+        wins = sum(1 for c in out["cases"].values()
+                   if c["summary"]["MaOEA-CS"]["hypervolume_mean"] >= c["summary"]["NSGA-III"]["hypervolume_mean"])
+        print(f"MaOEA-CS hypervolume >= NSGA-III's on {wins} of {len(out['cases'])} cases")
+    print(f"written {args.o}")
+    if args.plot:
+        plot(out, args.plot)
     return 0
 
 
