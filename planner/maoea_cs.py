@@ -166,9 +166,14 @@ def angle_select(Fn: np.ndarray, N: int, corners: np.ndarray | None = None) -> n
 def _sbx(a: np.ndarray, b: np.ndarray, eta: float, rng) -> tuple[np.ndarray, np.ndarray]:
     u = rng.random(a.shape)
     beta = np.where(u <= 0.5, (2 * u) ** (1 / (eta + 1)), (1 / (2 * (1 - u))) ** (1 / (eta + 1)))
-    swap = rng.random(a.shape) < 0.5     # half the genes cross over
-    c1 = np.where(swap, 0.5 * ((1 + beta) * a + (1 - beta) * b), a)
-    c2 = np.where(swap, 0.5 * ((1 - beta) * a + (1 + beta) * b), b)
+    cross = rng.random(a.shape) < 0.5    # half the genes cross over
+    c1 = np.where(cross, 0.5 * ((1 + beta) * a + (1 - beta) * b), a)
+    c2 = np.where(cross, 0.5 * ((1 - beta) * a + (1 + beta) * b), b)
+    # and, as in Deb's SBX, each gene goes to either child with equal chance: without the exchange a
+    # child near one parent on every gene decodes (most genes pick one of a few options) to that
+    # parent's plan again
+    swap = rng.random(a.shape) < 0.5
+    c1, c2 = np.where(swap, c2, c1), np.where(swap, c1, c2)
     return np.clip(c1, 0, 1), np.clip(c2, 0, 1)
 
 
