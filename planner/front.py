@@ -196,6 +196,8 @@ class FrontResult:
     seeds: dict
     """``fastest`` and each ``alone:<group>`` seed plan's objectives."""
     repairs: int = 0
+    nondominated: list | None = None
+    """Every non-dominated plan before thinning to ``max_front`` (rules pick from these)."""
 
     def to_dict(self) -> dict:
         return {"front": [p.to_dict() for p in self.front], "evaluations": self.evaluations,
@@ -239,7 +241,7 @@ def search_front(cluster, model, global_batch_size: int, objectives=("throughput
     maoea_cs(problem.evaluate, problem.n_var, budget, pop_size=pop_size, X0=X0, seed=seed, log=report)
     front = problem.front(max_front)
     return FrontResult(front=front, evaluations=problem.evaluations, seconds=time.perf_counter() - t0,
-                       seeds=seed_obj, repairs=problem.enc.repairs)
+                       seeds=seed_obj, repairs=problem.enc.repairs, nondominated=problem.front())
 
 
 def _reporter(progress, budget: int):

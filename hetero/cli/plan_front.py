@@ -31,8 +31,12 @@ def run_front(args, cluster, model) -> int:
     result = search_front(cluster, model, args.global_batch_size, names, calibration=calibration,
                           budget=args.budget, seed=args.seed, progress=show_progress,
                           **({"interleaves": ()} if args.no_interleave else {}))
-    front = result.front
-    chosen = pick(front, args.pick, names) if args.pick else max(front, key=lambda p: p.prediction.tokens_per_s)
+    # a rule picks from every non-dominated plan, not only those the front was thinned to
+    everyone = result.nondominated or result.front
+    chosen = pick(everyone, args.pick, names) if args.pick else max(everyone, key=lambda p: p.prediction.tokens_per_s)
+    front = result.front if any(p is chosen for p in result.front) else \
+        sorted(result.front + [chosen], key=lambda p: -p.prediction.tokens_per_s)
+    result.front = front
     from hetero.planner.search import describe
 
     if args.output:
