@@ -278,3 +278,26 @@ def test_a_cluster_file_sets_its_own_price_and_power():
     assert b["throughput"] == a["throughput"]
     assert b["cost"] == pytest.approx(a["cost"] * 1.0 / load_catalog()["A100-SXM4-40GB"].price_per_hour)
     assert b["energy"] < a["energy"]
+
+
+def test_resilience_is_what_the_elastic_replanner_keeps_after_the_worst_node():
+    import types
+
+    from hetero.planner.front import Resilience
+    from hetero.runtime.elastic import replan, without_devices
+
+    cluster = hetero.load_cluster(CLUSTERS / "local-cpu-3vendor.yaml")
+    model = hetero.load_model(MODELS / "tiny-llama.yaml")
+    res = hetero.search(cluster, model, 16, top_k=1)
+    best, alone = res[0], res.best_alone["vendor-a"]
+    r = Resilience(cluster, model, 16)
+    kept = {}
+    for g in best.plan.devices_by_group():
+        lost = [types.SimpleNamespace(group=g, node=0)] * cluster.group(g).devices_per_node
+        kept[g] = replan(without_devices(cluster, lost), model, best.plan).prediction.tokens_per_s
+    assert r(best.plan, best.tokens_per_s) == pytest.approx(min(1.0, min(kept.values()) / best.tokens_per_s))
+    assert r(best.plan, best.tokens_per_s) < 1.0        # the fastest plan loses speed with any node
+    # a plan of vendor-a alone: after vendor-a's node goes, the other groups carry on
+    t_alone = hetero.predict(cluster, model, alone).tokens_per_s
+    assert r(alone, t_alone) == pytest.approx(min(1.0, r.replanned("vendor-a", bool(alone.zero_stage)) / t_alone))
+    assert len(r.cache) <= 2 * len(cluster.groups)      # one replanner search per group (and ZeRO or not)
