@@ -26,6 +26,7 @@ from .encoding import PlanEncoding
 from .maoea_cs import angle_select, corner_indices, maoea_cs, non_dominated
 from .options import Options
 from .scoring import _Scorer
+from .search import _progress, search
 
 ALL_OBJECTIVES = OBJECTIVES + ("resilience",)
 
@@ -80,8 +81,6 @@ class Resilience:
         key = (group, zero)
         if key not in self.cache:
             from hetero.runtime.elastic import without_devices
-
-            from .search import PlannerError, search
 
             g = self.cluster.group(group)
             lost = [types.SimpleNamespace(group=group, node=0)] * g.devices_per_node
@@ -206,8 +205,6 @@ class FrontResult:
 
 def seed_plans(cluster, model, global_batch_size: int, calibration=None, progress=False, **options) -> dict:
     """``{"fastest": plan, "top<k>": plan..., "alone:<group>": plan}`` from the single-objective planner."""
-    from .search import search
-
     res = search(cluster, model, global_batch_size=global_batch_size, top_k=5, calibration=calibration,
                  progress=progress, **options)
     out = {"fastest": res[0].plan}
@@ -237,17 +234,12 @@ def search_front(cluster, model, global_batch_size: int, objectives=("throughput
         if problem.evaluate_plan(plan) is not None:
             seed_obj[name] = dict(problem.record(plan).objectives)
     X0 = [problem.enc.encode(p) for p in seeds.values()]
-    report = _reporter(progress, budget)
-    maoea_cs(problem.evaluate, problem.n_var, budget, pop_size=pop_size, X0=X0, seed=seed, log=report)
+    with _progress(progress) as report:
+        maoea_cs(problem.evaluate, problem.n_var, budget, pop_size=pop_size, X0=X0, seed=seed,
+                 log=lambda phase, used: report(f"MaOEA-CS phase {phase}", used, budget))
     front = problem.front(max_front)
     return FrontResult(front=front, evaluations=problem.evaluations, seconds=time.perf_counter() - t0,
                        seeds=seed_obj, repairs=problem.enc.repairs, nondominated=problem.front())
-
-
-def _reporter(progress, budget: int):
-    if callable(progress):
-        return lambda phase, used: progress(f"MaOEA-CS phase {phase}", used, budget)
-    return None
 
 
 __all__ = ["search_front", "seed_plans", "parse_objectives", "PlanProblem", "Resilience", "FrontPlan", "FrontResult",
