@@ -15,7 +15,7 @@ from hetero.predictor.objectives import MAXIMISE
 SUPERLATIVES = {"fastest": "throughput", "cheapest": "cost", "most efficient": "energy", "leanest": "energy",
                 "roomiest": "memory_headroom", "most headroom": "memory_headroom", "most resilient": "resilience"}
 UNIT_WORDS = {"usd/mtok": "cost", "usd": "cost", "tokens/s": "throughput", "tok/s": "throughput",
-              "j/token": "energy", "j/tok": "energy", "headroom": "memory_headroom", "%headroom": "memory_headroom",
+              "j/token": "energy", "j/tok": "energy", "headroom": "memory_headroom",
               "resilience": "resilience", "kept": "resilience"}
 _SUP = "|".join(sorted(SUPERLATIVES, key=len, reverse=True))
 GRAMMAR = ("RULE = SUPERLATIVE [CONDITION [and CONDITION]...]; SUPERLATIVE: " + ", ".join(SUPERLATIVES)
