@@ -54,12 +54,12 @@ def run(args) -> int:
         title = (f"{cluster.name} / {model.name}: predicted step {pred.iteration_time_s:.4g} s, "
                  f"{pred.tokens_per_s:,.0f} tokens/s, schedule {plan.schedule}")
         write_output(args.plot, "--plot", png_bytes(step_figure(pred, plan, title)))
-    if args.json:
-        from hetero.predictor.objectives import objectives
+    from hetero.predictor.objectives import objectives
 
-        # the Prediction JSON plus the plan's objectives (cost and energy are null for a device
-        # without catalog price or power figures)
-        print_json({**pred.to_dict(), "objectives": objectives(cluster, plan, pred)})
+    # cost and energy are None (null) for a device without catalog price or power figures
+    obj = objectives(cluster, plan, pred)
+    if args.json:
+        print_json({**pred.to_dict(), "objectives": obj})   # the Prediction JSON plus the objectives
         return 0
 
     from rich.table import Table
@@ -90,6 +90,11 @@ def run(args) -> int:
               f"{pred.optimizer_time_s:.4f} s + overhead {pred.overhead_time_s:.4f} s)")
     out.print(f"[bold]throughput[/bold] {pred.tokens_per_s:,.0f} tokens/s, {pred.samples_per_s:,.2f} samples/s, "
               f"MFU {pred.mfu:.1%}")
+    parts = [f"cost {obj['cost']:.4g} USD per million tokens (indicative catalog prices)" if obj["cost"] is not None
+             else None, f"energy {obj['energy']:.4g} J/token" if obj["energy"] is not None else None,
+             f"memory headroom {obj['memory_headroom']:.1%}" if obj["memory_headroom"] is not None else None]
+    if any(parts):
+        out.print("[bold]objectives[/bold] " + ", ".join(p for p in parts if p))
     if pred.fits_memory:
         out.print("[bold]memory[/bold] [green]fits[/green] on every stage")
     else:
