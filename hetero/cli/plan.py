@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=positive_int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the best plan here (YAML)")
     p.add_argument("--calibration", help="calibration file from `hetero calibrate`")
-    p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction} (with --objectives: "
+                                                         "{front: [{plan, objectives}], evaluations, seconds})")
     p.add_argument("--no-interleave", action="store_true",
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
                         "device is weighed too, and kept where it predicts faster)")
