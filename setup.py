@@ -61,6 +61,7 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "ascend": ["torch_npu>=2.5"],
         "plot": ["matplotlib>=3.7"],
+        "moo": ["pymoo>=0.6", "numba"],
         "dev": ["pytest>=7", "pytest-timeout>=2"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},

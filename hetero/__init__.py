@@ -44,10 +44,15 @@ from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan  # noqa: E4
 
 def predict(cluster, model, plan, calibration=None, allocator=None):
     """Predict iteration time, throughput and memory of ``plan`` (see :mod:`hetero.predictor`);
-    ``allocator`` (``caching`` | ``planned``): judge fit by what that allocator reserves."""
+    ``allocator`` (``caching`` | ``planned``): judge fit by what that allocator reserves. The
+    result's ``objectives`` holds throughput, cost, memory headroom and energy
+    (:mod:`hetero.predictor.objectives`)."""
     from .predictor import predict as _predict
+    from .predictor.objectives import objectives
 
-    return _predict(cluster, model, plan, calibration=calibration, allocator=allocator)
+    pred = _predict(cluster, model, plan, calibration=calibration, allocator=allocator)
+    pred.objectives = objectives(cluster, plan, pred)
+    return pred
 
 
 def calibrate(cluster, runs):

@@ -61,6 +61,8 @@ class SearchResults(list):
 
     upper_bound_tokens_per_s: float | None = None
     upper_bound_by_group: dict
+    best_alone: dict
+    """Group -> the best plan of that group alone (a plan of the whole cluster too), or None."""
     reasons: list
     stats: dict
 
@@ -162,7 +164,7 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
         scorer = _Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None)
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
-        ub, ub_by_group = None, {}
+        ub, ub_by_group, best_alone = None, {}, {}
         if upper_bound:
             ub = 0.0
             for g in cluster.groups:
@@ -179,6 +181,7 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
                         pred_full = scorer(best[1])
                         scored.append((_score(pred_full), best[1], pred_full, best[3]))
                 ub_by_group[g.name] = best[0] if best else 0.0
+                best_alone[g.name] = best[1] if best else None
                 ub += ub_by_group[g.name]
             scored.sort(key=lambda x: -x[0])
             scored = _dedupe(scored)
@@ -193,6 +196,7 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
                                     one_line=describe(plan, cluster), rank=rank))
     results.upper_bound_tokens_per_s = ub
     results.upper_bound_by_group = ub_by_group
+    results.best_alone = best_alone
     results.stats = stats
     try:
         results.reasons = explain(cluster, model, B, results, fitting, candidates, scorer, cost_model, calibration)

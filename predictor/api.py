@@ -150,6 +150,9 @@ class Prediction:
     """Per device type: {device, groups, source: catalog|cluster file|profile|calibration, op_model}."""
     events: list | None = field(default=None, repr=False)
     """Chrome-trace events when predicted with ``timeline=True``."""
+    objectives: dict | None = field(default=None, repr=False)
+    """``{throughput, cost, memory_headroom, energy}`` (:mod:`.objectives`) where the caller asked
+    for them (``hetero.predict`` and ``hetero predict --json`` do); not in :meth:`to_dict`."""
 
     def to_dict(self, extra: bool = False) -> dict:
         """The SCHEMAS.md Prediction JSON (exactly those keys); ``extra`` adds the breakdown."""

@@ -847,6 +847,7 @@ def test_cli_json_and_timeline(tmp_path, inputs):
     r = _cli("predict", "--cluster", c, "--model", m, "--plan", p, "--json", "--timeline", str(tl))
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
+    assert set(d.pop("objectives")) == {"throughput", "cost", "memory_headroom", "energy"}
     assert d == json.loads(json.dumps(predict(*inputs).to_dict()))
     assert "traceEvents" in json.loads(tl.read_text())
     r = _cli("predict", "--cluster", c, "--model", m, "--plan", p)

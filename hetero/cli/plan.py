@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=positive_int, default=5, metavar="K", help="plans to show (default 5)")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the best plan here (YAML)")
     p.add_argument("--calibration", help="calibration file from `hetero calibrate`")
-    p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction} (with --objectives: "
+                                                         "{front: [{plan, objectives}], evaluations, seconds})")
     p.add_argument("--no-interleave", action="store_true",
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
                         "device is weighed too, and kept where it predicts faster)")
@@ -26,6 +27,18 @@ def add_parser(sub) -> None:
     p.add_argument("--allocator", choices=("caching", "planned"),
                    help="judge fit by what this allocator reserves: caching (PyTorch's default, fragmentation "
                         "included) or planned (hetero launch --allocator planned's arena); default: the live peak")
+    p.add_argument("--objectives", metavar="LIST",
+                   help="search a Pareto front over these objectives instead of one best plan: two or more of "
+                        "throughput, cost (USD per million tokens, indicative), memory_headroom, energy (J/token), "
+                        "resilience (throughput kept after the worst single node loss)")
+    p.add_argument("--pick", metavar="RULE",
+                   help="with --objectives: the plan to write with -o (and mark), e.g. 'fastest under 40 USD/Mtok' "
+                        "or 'cheapest within 5%% of fastest' (default: the fastest)")
+    p.add_argument("--plot", metavar="FRONT.png",
+                   help="with --objectives: draw the front (parallel coordinates, throughput-cost projection)")
+    p.add_argument("--budget", type=positive_int, default=600, metavar="N",
+                   help="with --objectives: plans evaluated by the search (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="with --objectives: random seed of the search")
     p.set_defaults(func=run)
 
 
@@ -56,7 +69,16 @@ def run(args) -> int:
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
         return 1
+    if args.objectives is None:
+        for flag in ("pick", "plot"):
+            if getattr(args, flag) is not None:
+                print(f"error: --{flag} needs --objectives (e.g. --objectives throughput,cost)", file=sys.stderr)
+                return 1
     cluster, model, _ = load_inputs(args, need_plan=False)
+    if args.objectives is not None:
+        from .plan_front import run_front
+
+        return run_front(args, cluster, model)
     if args.output is not None:   # "" too: an error, not a plan silently unsaved
         check_output(args.output, "-o")
     calibration = load_calibration_arg(args.calibration, cluster)

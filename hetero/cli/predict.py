@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--plan", required=True, help="plan file")
     p.add_argument("--calibration", help="calibration file written by 'hetero calibrate'")
-    p.add_argument("--json", action="store_true", help="print the Prediction JSON (SCHEMAS.md) only")
+    p.add_argument("--json", action="store_true", help="print the Prediction JSON only, with the plan's objectives (throughput, indicative cost, memory headroom, energy)")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the predicted step (every device's schedule, the gradient sync and the optimizer) "
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
@@ -59,8 +59,12 @@ def run(args) -> int:
         title = (f"{cluster.name} / {model.name}: predicted step {pred.iteration_time_s:.4g} s, "
                  f"{pred.tokens_per_s:,.0f} tokens/s, schedule {plan.schedule}")
         write_output(args.plot, "--plot", png_bytes(step_figure(pred, plan, title)))
+    from hetero.predictor.objectives import objectives
+
+    # cost and energy are None (null) for a device without catalog price or power figures
+    obj = objectives(cluster, plan, pred)
     if args.json:
-        print_json(pred.to_dict())
+        print_json({**pred.to_dict(), "objectives": obj})   # the Prediction JSON plus the objectives
         return 0
 
     from rich.table import Table
@@ -93,6 +97,11 @@ def run(args) -> int:
               f"{pred.optimizer_time_s:.4f} s + overhead {pred.overhead_time_s:.4f} s)")
     out.print(f"[bold]throughput[/bold] {pred.tokens_per_s:,.0f} tokens/s, {pred.samples_per_s:,.2f} samples/s, "
               f"MFU {pred.mfu:.1%}")
+    parts = [f"cost {obj['cost']:.4g} USD per million tokens (indicative catalog prices)" if obj["cost"] is not None
+             else None, f"energy {obj['energy']:.4g} J/token" if obj["energy"] is not None else None,
+             f"memory headroom {obj['memory_headroom']:.1%}" if obj["memory_headroom"] is not None else None]
+    if any(parts):
+        out.print("[bold]objectives[/bold] " + ", ".join(p for p in parts if p))
     if pred.fits_memory:
         out.print("[bold]memory[/bold] [green]fits[/green] on every stage")
     else:

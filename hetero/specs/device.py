@@ -53,6 +53,8 @@ class DeviceType:
     """Board power (W)."""
     price_per_hour: float | None = None
     """Indicative cloud price in USD per device-hour (for cost objectives; not a quote)."""
+    idle_power: float | None = quantity("power", None)
+    """Draw of a powered but idle device (W), for the energy objective; an estimate."""
     base: str | None = None
     """Inherit every field of this device type, then apply the ones given here."""
     slowdown: float = 1.0
