@@ -314,3 +314,46 @@ def test_a_writer_handed_the_output_names_its_option_when_the_path_fails(tmp_pat
         assert f"error: -o {out}: cannot create its directory: {blocker} is not a directory" in err, err
         assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "lab.yaml", "runs.csv"]
+
+
+def test_no_output_flag_may_name_an_input_file(tmp_path, capsys):
+    """Every output flag of every command that names one of the command's input files (the same file
+    after resolving links) is refused before any work, exit 1, naming both; two outputs on one file
+    too. The inputs keep their bytes. `--plot` to a name that is not *.png warns that it writes PNG."""
+    import shutil
+
+    from hetero.cli import main
+
+    files = {}
+    for kind, name in (("clusters", "local-cpu.yaml"), ("models", "tiny.yaml"), ("plans", "local-cpu-tiny.yaml")):
+        files[kind] = tmp_path / name
+        shutil.copy(CONFIGS / kind / name, files[kind])
+    link = tmp_path / "link.yaml"
+    link.symlink_to(files["models"])
+    runs = tmp_path / "runs.csv"
+    runs.write_text("device\n")
+    cluster, model, plan = (str(files[k]) for k in ("clusters", "models", "plans"))
+    before = {p: p.read_bytes() for p in (*files.values(), runs)}
+    inputs = ["--cluster", cluster, "--model", model, "--plan", plan]
+    cases = [
+        (["predict", *inputs, "--plot", cluster], "--plot", "--cluster"),
+        (["predict", *inputs, "--timeline", plan], "--timeline", "--plan"),
+        (["plan", "--cluster", cluster, "--model", model, "--global-batch-size", "8", "-o", str(link)], "-o", "--model"),
+        (["launch", *inputs, "--summary", plan, "--dry-run"], "--summary", "--plan"),
+        (["launch", *inputs, "--trace", model], "--trace", "--model"),
+        (["launch", *inputs, "--plot", cluster, "--dry-run"], "--plot", "--cluster"),
+        (["calibrate", "--cluster", cluster, "--runs", str(runs), "-o", str(runs)], "-o", "--runs"),
+        (["memplan", "--model", model, "--plan", plan, "--plot", str(link)], "--plot", "--model"),
+        (["profile", "--cluster", cluster, "-o", cluster], "-o", "--cluster"),
+    ]
+    for argv, out_flag, in_flag in cases:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert f"{out_flag} " in err and f"is the {in_flag} file " in err and "Traceback" not in err, (argv, err)
+    assert all(p.read_bytes() == data for p, data in before.items())
+    same = tmp_path / "out.json"
+    assert main(["launch", *inputs, "--summary", str(same), "--trace", str(same), "--dry-run"]) == 1
+    assert "--trace" in capsys.readouterr().err and not same.exists()
+    png = tmp_path / "step.txt"
+    main(["predict", *inputs, "--plot", str(png), "--json"])
+    assert "the plot is a PNG image" in capsys.readouterr().err

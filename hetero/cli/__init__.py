@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        from ._common import check_outputs_apart
+
+        check_outputs_apart(args)   # before any work: no output flag names an input file
         return int(args.func(args) or 0)
     except SpecError as e:
         for problem in e.problems:

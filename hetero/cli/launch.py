@@ -60,7 +60,9 @@ def add_parser(sub) -> None:
                                      "directory, removed when the run ends; a dry run keeps it for its commands)")
     p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--data": "data"},
+                   outputs={"--summary": "summary", "--trace": "trace", "--plot": "plot"})
 
 
 def parse_failure(text: str | None) -> tuple[int, int] | None:

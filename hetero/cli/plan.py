@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
                         "device is weighed too, and kept where it predicts faster)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--calibration": "calibration"},
+                   outputs={"-o": "output"})
 
 
 def _gb(x: float) -> str:

@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
     p.add_argument("--timeline", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of the iteration (open in ui.perfetto.dev)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--calibration": "calibration"},
+                   outputs={"--plot": "plot", "--timeline": "timeline"})
 
 
 def _gib(x: float) -> str:
