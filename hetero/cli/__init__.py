@@ -1,6 +1,7 @@
 """The ``hetero`` command line: one module per subcommand, each with ``add_parser`` and ``run``.
 
 Exit status: 0 success, 1 bad input (a clear message, no traceback), 2 usage errors (argparse).
+``hetero predict`` exits 3 when it predicted a plan that does not fit memory.
 """
 from __future__ import annotations
 

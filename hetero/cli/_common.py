@@ -149,6 +149,30 @@ def load_inputs(args, need_plan: bool = True, need_cluster: bool = True):
     return cluster, model, plan
 
 
+def memory_problems(cluster, model, plan, source: str, calibration=None, prediction=None) -> list:
+    """One :class:`~hetero.specs.errors.Problem` per stage of ``plan`` that the predictor says does
+    not fit its devices' memory (its need, the capacity, the fix), naming the plan's file (``source``)
+    and the stage's field: what ``validate`` reports and ``launch`` refuses. ``prediction``: one already made."""
+    from hetero.specs.errors import Problem
+    from hetero.specs.units import format_quantity
+
+    if prediction is None:
+        from hetero.predictor import predict
+
+        prediction = predict(cluster, model, plan, calibration=calibration, check=False)
+    out = []
+    for pi, si, s in prediction.memory_shortfalls():
+        need, have = (format_quantity(x, "bytes") for x in (s.peak_memory_bytes, s.memory_capacity_bytes))
+        out.append(Problem(
+            f"pipelines[{pi}].stages[{si}]",
+            f"does not fit: the stage ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) needs {need} per "
+            f"device, and a device of group {s.group} holds {have}",
+            "more stages or tensor parallelism for these layers, a smaller micro_batch_size, recompute: full, or "
+            "`hetero plan` for a plan that fits; an emulated device type may set a larger 'memory'",
+            source))
+    return out
+
+
 def warn_if_calibration_unused(calibration, cluster, source: str) -> None:
     """A calibration that covers none of the cluster's device types changes nothing: say so on
     stderr, so an uncalibrated prediction is not taken for a calibrated one."""

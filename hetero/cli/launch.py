@@ -59,6 +59,10 @@ def add_parser(sub) -> None:
     p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
                                      "directory, removed when the run ends; a dry run keeps it for its commands)")
     p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch a plan although the predictor says a stage does not fit its devices' memory (by "
+                        "default refused before any worker starts; for emulated device types whose 'memory' is "
+                        "not what this machine gives each process)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
                    inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--data": "data"},
@@ -141,6 +145,7 @@ def _check_numbers(args) -> None:
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.runtime.spec import RunOptions
+    from hetero.specs.errors import Problem
 
     from ._common import console, load_inputs
 
@@ -169,6 +174,16 @@ def run(args) -> int:
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)
+    if not args.skip_memory_check:   # before any worker starts, dry runs too
+        from hetero.specs.errors import SpecError
+
+        from ._common import memory_problems
+
+        problems = memory_problems(cluster, model, plan, args.plan)
+        if problems:
+            raise SpecError([*problems, Problem("", "the plan does not fit memory: nothing was started",
+                                                "a plan that fits, or --skip-memory-check to launch this one "
+                                                "anyway on emulated devices", args.plan)])
     if options.inject_failure:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:

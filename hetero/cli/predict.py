@@ -8,7 +8,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("predict", help="predict iteration time, throughput and memory of a plan",
                        description="Score a plan on a cluster: per-stage forward/backward times and memory, "
                                    "the iteration time (schedule simulation + DP sync + optimizer), tokens/s "
-                                   "and MFU, and where every device's numbers come from.")
+                                   "and MFU, and where every device's numbers come from. Exit status: 0 the plan "
+                                   "fits memory, 3 it was predicted but a stage does not fit its devices' memory "
+                                   "(the last line says so; --json too: see fits_memory), 1 bad input.")
     p.add_argument("--cluster", required=True, help="cluster file")
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--plan", required=True, help="plan file")
@@ -22,6 +24,10 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
                    inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--calibration": "calibration"},
                    outputs={"--plot": "plot", "--timeline": "timeline"})
+
+
+DOES_NOT_FIT = 3
+"""Exit status of a prediction whose plan does not fit memory (reported in full, yet not runnable)."""
 
 
 def _gib(x: float) -> str:
@@ -58,7 +64,7 @@ def run(args) -> int:
         write_output(args.plot, "--plot", png_bytes(step_figure(pred, plan, title)))
     if args.json:
         print_json(pred.to_dict())
-        return 0
+        return 0 if pred.fits_memory else DOES_NOT_FIT
 
     from rich.table import Table
 
@@ -122,6 +128,11 @@ def run(args) -> int:
         out.print(f"timeline written to {args.timeline}")
     if args.plot:
         out.print(f"plot written to {args.plot}")
+    if not pred.fits_memory:   # said last, where it is read, and in the exit status
+        n = len(pred.memory_shortfalls())
+        out.print(f"[bold red]does not fit[/bold red]: {n} stage(s) need more memory than their devices hold "
+                  f"(see 'memory' above; `hetero launch` refuses this plan); exit status {DOES_NOT_FIT}")
+        return DOES_NOT_FIT
     return 0
 
 

@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
                                    "given (as files in the list or with --cluster/--model). An examples index "
                                    "(configs/examples.yaml: a list of {cluster, model, plan} names, files in the "
                                    "clusters/, models/ and plans/ folders beside it) gets one verdict per entry: "
-                                   "its files exist and its plan fits its cluster and model.")
+                                   "its files exist and its plan fits its cluster and model. A plan checked against "
+                                   "a cluster and a model also fits: every stage's predicted peak memory within its "
+                                   "devices' capacity (else an error naming the stage, its need and the capacity).")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--cluster", help="cluster file to check plans against")
     p.add_argument("--model", help="model file to check plans against")
@@ -32,7 +34,7 @@ def run(args) -> int:
     from hetero.specs.model import load_model
     from hetero.specs.plan import load_plan
 
-    from ._common import console, load_inputs
+    from ._common import console, load_inputs, memory_problems
 
     for name in (args.cluster, args.model):
         if name and name not in args.files:
@@ -72,7 +74,10 @@ def run(args) -> int:
         for example in r["examples"]:   # each entry as `predict --cluster C --model M --plan P` reads it
             if example.complete:
                 inputs = argparse.Namespace(**{kind: str(path) for kind, path in example.paths.items()})
-                attempt(example.problems, lambda inputs=inputs: load_inputs(inputs))
+
+                def check(inputs=inputs, example=example):
+                    example.problems.extend(memory_problems(*load_inputs(inputs), source=inputs.plan))
+                attempt(example.problems, check)
     # Plans are checked against a cluster and a model when exactly one of each is at hand.
     clusters = [r for r in results if r["kind"] == "cluster" and r["spec"] is not None
                 and (not args.cluster or r["path"] == args.cluster)]
@@ -92,7 +97,8 @@ def run(args) -> int:
             continue
         r["against"] = f"{c['spec'].name} / {m['spec'].name}"
         try:
-            load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
+            plan = load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
+            r["problems"].extend(memory_problems(c["spec"], m["spec"], plan, r["source"]))
         except SpecError as e:
             for problem in e.problems:   # each problem goes with the file that holds its fix
                 owner = c if problem.source == c["spec"].source else r
