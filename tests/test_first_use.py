@@ -56,3 +56,31 @@ def test_a_plan_that_cannot_fit_is_refused_by_validate_and_launch_and_flagged_by
     assert _cli(capsys, "predict", "--cluster", roomy, "--model", model, "--plan", plan).returncode == 0
     proc = _cli(capsys, "validate", "--cluster", roomy, "--model", model, plan)
     assert proc.returncode == 0 and "fits small / tiny" in proc.stdout, proc.stderr
+
+
+def test_a_dry_run_over_machines_without_hosts_shows_commands_each_machine_can_run(tmp_path, capsys):
+    """A cluster of GPU nodes without `hosts:`: the dry run shows every node slot's commands with a
+    placeholder for the rendezvous address (a launch refuses, see test_runtime), names this
+    interpreter rather than a bare `python`, and says what each machine needs besides: the run
+    file at its path, or the `hetero launch --node-rank R` call (this call's options) for its slot."""
+    import sys
+
+    gpus = {"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 2}]}
+    plan = {**PLAN, "micro_batch_size": 2,
+            "pipelines": [{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]}]}
+    cluster, plan_file = _write(tmp_path / "c.yaml", gpus), _write(tmp_path / "p.yaml", plan)
+    model = str(CONFIGS / "models" / "tiny.yaml")
+    out = _cli(capsys, "launch", "--cluster", cluster, "--model", model, "--plan", plan_file, "--steps", "3",
+               "--dry-run", "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "rendezvous static at <address of node slot 0>:29500" in text
+    assert "names no host for node slot 0" in text and "each machine needs" in text
+    commands = [line for line in text.splitlines() if "-m hetero.runtime.torchrun_loopback" in line]
+    assert len(commands) == 2 and all(line.startswith(sys.executable + " -m") for line in commands), commands
+    assert str(tmp_path / "run" / "run.json") in text.split("each machine needs", 1)[1].splitlines()[0]
+    calls = [line for line in text.splitlines() if line.startswith("# or, on that machine: ")]
+    assert [c.rsplit(" ", 1)[1] for c in calls] == ["0", "1"]
+    for call in calls:
+        assert f"{sys.executable} -m hetero launch --cluster {cluster} --model {model}" in call and "--steps 3" in call
+        assert "--dry-run" not in call and "--master-addr '<address of node slot 0>' --master-port 29500" in call

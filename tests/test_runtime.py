@@ -409,7 +409,10 @@ def test_a_launch_over_several_machines_needs_an_address_and_has_a_fixed_port(tm
                                        {"name": "mi", "device": "MI250X", "nodes": 1, "devices_per_node": 2}]}
     plan = _plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]},
                   {"replicas": 2, "micro_batches": 1, "stages": [{"group": "mi", "layers": [0, 4]}]}], gbs=12, mbs=2)
-    out = _dry_run(tmp_path, gpus, plan, "--node-rank", "1")
+    out = _dry_run(tmp_path, gpus, plan, "--node-rank", "1")   # a dry run shows the address to fill in
+    assert out.returncode == 0 and "'--master-addr=<address of node slot 0>'" in out.stdout, out.stderr
+    launch = [a for a in out.args if a != "--dry-run"]   # a launch refuses: file, field and fix
+    out = subprocess.run(launch, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "c.yaml: groups[0].hosts: the plan runs on 3 machines (a100/0, a100/1, mi/0)" in out.stderr, out.stderr
     assert "fix: list each group's machines under 'hosts:'" in out.stderr and "--master-addr" in out.stderr

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # as typed (a dry run repeats it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -229,13 +229,13 @@ def _launch(args, cluster, model, plan, options, out) -> None:
     from hetero.runtime.launcher import run as run_launch
 
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
-                     run_dir=args.run_dir, separate=args.node_rank is not None)
+                     run_dir=args.run_dir, separate=args.node_rank is not None, dry_run=args.dry_run)
     try:
         if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
             raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
                               f"(fix: give 0..{len(launch.nodes) - 1})")
         if args.dry_run:
-            print(dry_run_text(launch))
+            print(dry_run_text(launch, _relaunch(args)))
             launch.owns_run_dir = False  # kept: the commands printed read its run file
             return
         run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
@@ -243,6 +243,25 @@ def _launch(args, cluster, model, plan, options, out) -> None:
             _write_plot(args, cluster, model, plan, options.trace, out)
     finally:
         launch.remove_run_dir()
+
+
+def _relaunch(args) -> list[str] | None:
+    """This call's ``hetero launch`` argument list with this interpreter, less what a dry run shows
+    per node slot (``--dry-run``, ``--node-rank``, ``--master-addr``, ``--master-port``)."""
+    import sys
+
+    argv = getattr(args, "argv", None)
+    if not argv or argv[0] != "launch":
+        return None
+    out, skip = [sys.executable, "-m", "hetero"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--dry-run" or a.split("=")[0] in ("--node-rank", "--master-addr", "--master-port"):
+            skip = "=" not in a and a != "--dry-run"   # the value follows as its own word
+        else:
+            out.append(a)
+    return out
 
 
 def _write_plot(args, cluster, model, plan, trace_path: str, out) -> None:
