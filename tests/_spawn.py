@@ -21,13 +21,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import subprocess
 import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["spawn", "free_port", "SpawnError"]
+__all__ = ["spawn", "free_port", "SpawnError", "run_launcher", "end_launcher"]
 
 
 class SpawnError(RuntimeError):
@@ -115,3 +117,61 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), timeout
 def _load(path: str):
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def _sessions_naming(marker: str) -> set[int]:
+    """Session ids of the live processes whose command line holds ``marker`` (a run directory)."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    out.add(os.getsid(int(pid)))
+        except OSError:
+            continue
+    return out - {os.getsid(0)}
+
+
+def end_launcher(proc: subprocess.Popen, marker: str | None = None, grace: float = 10.0) -> None:
+    """End a ``hetero launch`` started by :func:`run_launcher` (or any Popen with
+    ``start_new_session=True``) and everything it started: SIGTERM first (the launcher then ends its
+    job's node launchers, which run in sessions of their own), SIGKILL to its process group after
+    ``grace`` seconds, then SIGKILL to the session of any process whose command line still names
+    ``marker`` (the run directory: node launchers and workers the launcher could not end)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    for sid in _sessions_naming(marker) if marker else ():
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_launcher(cmd, timeout: float, marker: str | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` for commands
+    that start process trees (``hetero launch``): the command leads a session of its own, and on the
+    timeout it and everything it started are ended (:func:`end_launcher`, ``marker``: the run
+    directory) before ``subprocess.TimeoutExpired`` is raised, so no orphan outlives the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_launcher(proc, marker)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    except BaseException:   # KeyboardInterrupt, pytest-timeout: nothing left running either
+        end_launcher(proc, marker)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

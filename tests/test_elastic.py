@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from _spawn import end_launcher
 from test_runtime import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, _assert_matches, _launch, _leftover, _plan, _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -238,7 +239,8 @@ def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str
            "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
            "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--summary", str(tmp_path / "summary.json"),
            "--timeout", "20", "--run-dir", str(run_dir), "--elastic", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)   # so a timeout can end its whole tree
     output: list[str] = []
     errors: list[str] = []
     readers = [threading.Thread(target=lambda pipe=pipe, into=into: into.extend(pipe), daemon=True)
@@ -254,9 +256,8 @@ def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str
         act(run_dir, output)
         proc.wait(timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:   # the launcher, its node launchers (sessions of their own) and workers
+            end_launcher(proc, str(run_dir))
         for reader in readers:
             reader.join(timeout=10)
     assert not _leftover(run_dir), "worker or launcher processes left behind"
