@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import CONFIGS
@@ -84,3 +85,53 @@ def test_a_dry_run_over_machines_without_hosts_shows_commands_each_machine_can_r
     for call in calls:
         assert f"{sys.executable} -m hetero launch --cluster {cluster} --model {model}" in call and "--steps 3" in call
         assert "--dry-run" not in call and "--master-addr '<address of node slot 0>' --master-port 29500" in call
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_node_slots_on_loopback_hosts_each_started_by_a_call_of_their_own_train_as_one_call(tmp_path):
+    """Groups on hosts 127.0.0.1 and 127.0.0.2 are two node slots of this machine: started by one
+    `hetero launch --node-rank R` call each (as on two machines, meeting at the rendezvous), they
+    train with the losses of one call that starts both slots itself."""
+    import subprocess
+    import sys
+    import time
+
+    from _spawn import end_launcher, free_port, run_launcher
+    from test_runtime import GPT, ROOT, _leftover
+
+    cluster = {"name": "loop", "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"},
+                                           "cpu-emu-b": {"base": "cpu", "vendor": "emu-b"}},
+               "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1,
+                           "hosts": ["127.0.0.1"]},
+                          {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1,
+                           "hosts": ["127.0.0.2"]}]}
+    plan = {"global_batch_size": 8, "micro_batch_size": 2,
+            "pipelines": [{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                          {"group": "slow", "layers": [2, 4]}]}]}
+    base = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path / "c.yaml", cluster),
+            "--model", _write(tmp_path / "m.yaml", GPT), "--plan", _write(tmp_path / "p.yaml", plan),
+            "--steps", "2", "--lr", "1e-2", "--timeout", "30", "--quiet"]
+
+    def call(i: int, *extra: str) -> list[str]:
+        return [*base, "--run-dir", str(tmp_path / f"run{i}"), "--summary", str(tmp_path / f"s{i}.json"), *extra]
+
+    port = str(free_port())
+    procs = [subprocess.Popen(call(r, "--node-rank", str(r), "--master-port", port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True) for r in (0, 1)]
+    outputs = []
+    try:
+        deadline = time.time() + 150
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.time())))
+    finally:
+        for r, p in enumerate(procs):
+            end_launcher(p, str(tmp_path / f"run{r}"))
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert not _leftover(tmp_path / "run0") and not _leftover(tmp_path / "run1")
+    one = run_launcher(call(2), 150, marker=str(tmp_path / "run2"), cwd=ROOT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    separate, together = (json.loads((tmp_path / f"s{i}.json").read_text()) for i in (0, 2))
+    assert separate["steps"] == together["steps"] == 2
+    assert separate["losses"] == together["losses"] and separate["grad_norms"] == together["grad_norms"]
+    assert not (tmp_path / "s1.json").exists()   # rank 0 (node slot 0's call) writes the summary

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from hetero.errors import HeteroError, Problem
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import LOOPBACK
+from hetero.runtime.torchrun_loopback import LOOPBACK, is_loopback
 
 LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
@@ -127,8 +127,10 @@ class Launch:
 
 
 def is_this_machine(host: str | None) -> bool:
-    """Whether a node's ``host`` (None: not named) is the machine running this process."""
-    return host in LOCAL_HOSTS or host == socket.gethostname() or host == socket.getfqdn()
+    """Whether a node's ``host`` (None: not named) is the machine running this process: any loopback
+    name or address (``localhost``, 127.0.0.2: node slots on them are started here, one call each
+    with ``--node-rank`` or all in one call), or this machine's own name."""
+    return host in LOCAL_HOSTS or is_loopback(host) or host == socket.gethostname() or host == socket.getfqdn()
 
 
 def machine_keys(nodes, families: list[str]) -> list:
@@ -171,7 +173,7 @@ def _rendezvous(cluster, layout: RankLayout, machines: list, master_addr: str | 
     first = layout.nodes[0]
     where = f"node slot 0 ({first.group}/{first.node})"
     if master_addr:
-        if master_addr in LOOPBACK:
+        if is_loopback(master_addr):
             raise HeteroError(f"--master-addr {master_addr}: {spans}, which cannot reach a loopback address "
                               f"(fix: give the address of {where}'s machine that the others reach)")
         return master_addr, port
@@ -184,7 +186,7 @@ def _rendezvous(cluster, layout: RankLayout, machines: list, master_addr: str | 
             f"{spans} and the cluster names no host for {where}, where the rendezvous listens",
             f"list each group's machines under 'hosts:', one per node, or give --master-addr with the address "
             f"of {where}'s machine (port {DEFAULT_PORT} unless --master-port)", cluster.source)))
-    if first.host in LOOPBACK:
+    if is_loopback(first.host):
         raise HeteroError(str(Problem(
             f"groups[{index}].hosts[{first.node}]", f"{first.host!r} holds the rendezvous ({where}), but {spans}, "
             f"which cannot reach a loopback address", "name that machine by an address the others reach, "
@@ -298,7 +300,7 @@ def dry_run_text(launch: Launch, relaunch: list[str] | None = None) -> str:
     call's own argument list, without ``--dry-run``) the call to run on each instead."""
     lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
              f"rendezvous static at {launch.master_addr}:{launch.master_port}"
-             + ("" if launch.master_addr in LOOPBACK else " (non-loopback: reachable from the network)"),
+             + ("" if is_loopback(launch.master_addr) else " (non-loopback: reachable from the network)"),
              f"# run file (rank -> group / pipeline / stage map): {launch.spec_path}"]
     if launch.master_addr == ADDRESS_PLACEHOLDER:
         lines.append(f"# the cluster file names no host for node slot 0: put its machine's address where "
@@ -450,7 +452,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
         raise HeteroError(f"this run spans machines {', '.join(machines)}: run `hetero launch ... --node-rank R` "
                           f"on each, node slot R's machine (see --dry-run for every node's command)")
     check_devices_here(launch, slots)
-    if launch.master_addr not in LOOPBACK:
+    if not is_loopback(launch.master_addr):
         where = ("node slot 0's store runs here and listens on every interface" if 0 in slots
                  else "node slot 0's machine")
         print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback: {where})")

@@ -36,6 +36,21 @@ CHECKOUT_KEY = "hetero/checkout/{slot}"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Master addresses whose rendezvous store is bound to the loopback interface only (the launcher's too)."""
 
+
+def is_loopback(addr: str | None) -> bool:
+    """Whether ``addr`` names this machine's loopback interface: ``localhost`` or any address of
+    127.0.0.0/8 or ::1 (127.0.0.2 is this machine too)."""
+    import ipaddress
+
+    if addr is None:
+        return False
+    if addr in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
 _NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
           "Error waiting on exit barrier", "Got termination signal")
 """torchelastic log lines this wrapper replaces: the agent being stopped, the failure summary that
@@ -87,7 +102,7 @@ def bind_store(addr: str, port: int):
 def host_store(addr: str, port: int):
     """Node slot 0's store server: on ``addr`` only when it is a loopback address, else on every
     interface as torchrun's own (the caller printed that address)."""
-    if addr in LOOPBACK:
+    if is_loopback(addr):
         return bind_store(addr, port)
     from torch.distributed import TCPStore
 
