@@ -135,3 +135,18 @@ def test_node_slots_on_loopback_hosts_each_started_by_a_call_of_their_own_train_
     assert separate["steps"] == together["steps"] == 2
     assert separate["losses"] == together["losses"] and separate["grad_norms"] == together["grad_norms"]
     assert not (tmp_path / "s1.json").exists()   # rank 0 (node slot 0's call) writes the summary
+
+
+def test_a_file_that_repeats_a_mistake_prints_a_capped_list(tmp_path, capsys):
+    """A group alias used 300 times with one bad field: 300 problems, of which the first 50 are
+    printed, then how many more there are (validate, and every other command's file errors)."""
+    from hetero.cli._common import MAX_PROBLEMS
+
+    lines = ["name: x", "bad: &b {name: g, device: cpu, nodes: 0, devices_per_node: 1}", "groups:"]
+    path = tmp_path / "flood.yaml"
+    path.write_text("\n".join(lines + ["  - *b"] * 300) + "\n")
+    for argv in (["validate", str(path)], ["devices", "--cluster", str(path)]):
+        out = _cli(capsys, *argv)
+        errors = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(errors) == MAX_PROBLEMS + 1, (argv, errors[-3:])
+        assert errors[-1].startswith("error: ... and 251 more problems not shown"), errors[-1]

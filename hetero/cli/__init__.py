@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         check_outputs_apart(args)   # before any work: no output flag names an input file
         return int(args.func(args) or 0)
     except SpecError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
+        from ._common import print_problems
+
+        print_problems(e.problems)   # at most MAX_PROBLEMS, then how many more
         return 1
     except HeteroError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,6 +14,22 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, width=width)
 
 
+MAX_PROBLEMS = 50
+"""Most problems printed for one command or file: a file that repeats one mistake (a YAML alias used
+100,000 times) would otherwise print every copy."""
+
+
+def print_problems(problems) -> None:
+    """``error: PROBLEM`` on stderr for each of ``problems`` (Problems or strings), the first
+    :data:`MAX_PROBLEMS` of them, then how many more there are."""
+    problems = list(problems)
+    for problem in problems[:MAX_PROBLEMS]:
+        print(f"error: {problem}", file=sys.stderr)
+    if len(problems) > MAX_PROBLEMS:
+        print(f"error: ... and {len(problems) - MAX_PROBLEMS:,} more problems not shown (fix the ones above, "
+              f"which may be the same mistake repeated, and run again)", file=sys.stderr)
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` for counts that must be >= 1: anything else is a usage error (exit 2)."""
     import argparse

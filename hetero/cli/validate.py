@@ -3,7 +3,6 @@ problem at once."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(sub) -> None:
@@ -34,7 +33,7 @@ def run(args) -> int:
     from hetero.specs.model import load_model
     from hetero.specs.plan import load_plan
 
-    from ._common import console, load_inputs, memory_problems
+    from ._common import console, load_inputs, memory_problems, print_problems
 
     for name in (args.cluster, args.model):
         if name and name not in args.files:
@@ -113,10 +112,9 @@ def run(args) -> int:
     def verdict(ok: bool, subject: str, detail: str, problems) -> None:
         status = "[green]ok[/green]   " if ok else "[red]error[/red]"
         out.print(f"{status} {escape(subject)}{escape(detail)}")
-        for problem in problems:
-            if str(problem) not in told:
-                told.add(str(problem))
-                print(f"error: {problem}", file=sys.stderr)
+        new = [p for p in dict.fromkeys(map(str, problems)) if p not in told]
+        told.update(new)
+        print_problems(new)   # at most MAX_PROBLEMS, then how many more
 
     failed = 0
     for r in results:
