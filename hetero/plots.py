@@ -161,22 +161,25 @@ def run_figure(prediction, trace: dict, title: str = ""):
 
 
 def draw_stage_memory(ax, stages: list[tuple[int, int, dict]]) -> None:
-    """Per stage (``(pipeline, stage, its prediction dict)``): predicted peak memory (GiB) as a bar,
-    the device's capacity as a tick; a bar over capacity is red."""
-    gib = 2 ** 30
+    """Per stage (``(pipeline, stage, its prediction dict)``): predicted peak memory as a bar, the
+    device's capacity as a diamond (not a tick mark, which it would read as); a bar over capacity is
+    red. The axis unit follows the largest value (KiB, MiB, GiB), so small stages do not read as 0."""
+    largest = max([max(s["peak_memory_bytes"], s.get("memory_capacity_bytes") or 0) for _, _, s in stages] or [0])
+    unit, scale = next(((u, f) for u, f in (("TiB", 2.0 ** 40), ("GiB", 2.0 ** 30), ("MiB", 2.0 ** 20),
+                                            ("KiB", 2.0 ** 10)) if largest >= f), ("B", 1.0))
     labels, peaks, caps = [], [], []
     for pi, si, s in stages:
         where = (f"{s['held_layers']} layers" if "held_layers" in s else f"L{s['layers'][0]}-{s['layers'][1] - 1}")
         labels.append(f"p{pi} s{si} {s['group']} tp{s['tp']} {where}")
-        peaks.append(s["peak_memory_bytes"] / gib)
-        caps.append((s.get("memory_capacity_bytes") or 0) / gib)
+        peaks.append(s["peak_memory_bytes"] / scale)
+        caps.append((s.get("memory_capacity_bytes") or 0) / scale)
     ys = range(len(stages))
     colours = ["#c44e52" if c and p > c else "#4c72b0" for p, c in zip(peaks, caps)]
     ax.barh(list(ys), peaks, color=colours, height=0.6)
-    ax.scatter([c for c in caps], list(ys), marker="|", s=300, color="black", label="capacity")
+    ax.scatter([c for c in caps], list(ys), marker="D", s=30, color="black", label="device capacity")
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.set_ylim(len(stages) - 0.5, -0.5)
-    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_xlabel(f"peak memory per device ({unit})")
     ax.legend(loc="lower right", fontsize=7)
 
 

@@ -30,8 +30,11 @@ DOES_NOT_FIT = 3
 """Exit status of a prediction whose plan does not fit memory (reported in full, yet not runnable)."""
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+def _bytes(x: float) -> str:
+    """Memory in the unit its size calls for (``7.92 MiB``, ``35.4 GiB``), so a small need is not ``0.00 GiB``."""
+    from hetero.specs.units import format_quantity
+
+    return format_quantity(x, "bytes")
 
 
 def _ms(x: float) -> str:
@@ -79,7 +82,7 @@ def run(args) -> int:
                     "DP sync", ""):
             t.add_column(col, justify="right" if col in numeric else "left")
         for si, s in enumerate(pp.stages):
-            memtxt = f"{_gib(s.peak_memory_bytes)} / {_gib(s.memory_capacity_bytes)}"
+            memtxt = f"{_bytes(s.peak_memory_bytes)} / {_bytes(s.memory_capacity_bytes)}"
             if not s.fits:
                 memtxt = f"[red]{memtxt}[/red]"
             mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
@@ -100,8 +103,8 @@ def run(args) -> int:
         out.print("[bold]memory[/bold] [red]does not fit[/red]:")
         for pi, si, s in pred.memory_shortfalls():
             out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
-                      f"needs {_gib(s.peak_memory_bytes)} of {_gib(s.memory_capacity_bytes)}: "
-                      f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
+                      f"needs {_bytes(s.peak_memory_bytes)} of {_bytes(s.memory_capacity_bytes)}: "
+                      f"{_bytes(s.memory_shortfall_bytes)} ({s.memory_shortfall_bytes:,} bytes) more")
     shown = pred.launch_bound_stages()
     for s, mbs in shown:
         out.print(f"[bold]launch-bound[/bold] {s.group} (tp {s.tp}, micro-batch {mbs}): the host issues a layer's "
