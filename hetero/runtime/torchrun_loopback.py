@@ -153,6 +153,18 @@ def _check_out(store, slot: int, nnodes: int, addr: str, port: int) -> None:
     client.set(CHECKOUT_KEY.format(slot=slot), "1")
 
 
+def _quiet_exit() -> None:
+    """torchelastic's handlers raise SignalException on SIGTERM even after torchrun returned: the
+    launcher's teardown then printed a traceback from the interpreter's exit. Once torchrun is done
+    a stop signal just ends this process."""
+    import signal
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     addr, port = master_endpoint(argv)
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a rendezvous that failed, a store that went away
         _say(slot_text, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         return 1
+    finally:
+        _quiet_exit()
     try:
         _check_out(store, slot, nnodes, addr, port)
     except Exception:  # noqa: BLE001 - the run succeeded; a check-out nobody waits for any more is moot
