@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.specs.plan import check_plan
+from hetero.specs.units import plural
 
 from .costs import StageCostModel
 from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches,
@@ -334,7 +335,8 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
         V = len(p.stages)
         phys = max(1, V // v)
         out.append({"ph": "M", "name": "process_name", "pid": pi, "tid": 0,
-                    "args": {"name": f"pipeline {pi} ({p.replicas} replicas, {p.micro_batches} micro-batches)"}})
+                    "args": {"name": f"pipeline {pi} ({plural(p.replicas, 'replica')}, "
+                                                    f"{plural(p.micro_batches, 'micro-batch', 'micro-batches')})"}})
         for i in range(phys):
             s = p.stages[i]
             out.append({"ph": "M", "name": "thread_name", "pid": pi, "tid": 2 * i,

@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list of {plan, prediction}")
     p.add_argument("--no-interleave", action="store_true",
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
-                        "device is weighed too, and kept where it predicts faster)")
+                        "device is weighed too, and kept where it predicts faster; never for a pipeline of "
+                        "exactly two physical stages that are both on NCCL/RCCL or both on HCCL devices, whose "
+                        "send/recv ignore the tags that keep activations and gradients apart)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
                    inputs={"--cluster": "cluster", "--model": "model", "--calibration": "calibration"},
@@ -99,6 +101,9 @@ def run(args) -> int:
         row += [room, escape(r.one_line)]
         table.add_row(*row)
     out.print(table)
+    from hetero.planner.search import NOTATION
+
+    out.print(f"[dim]{escape(NOTATION)}[/dim]")
     parts = ", ".join(f"{g} {v:,.0f}" for g, v in alone.items())
     if ub:
         out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")

@@ -43,6 +43,7 @@ def _ms(x: float) -> str:
 
 def run(args) -> int:
     from hetero.predictor import predict
+    from hetero.specs.units import plural
 
     from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
                           write_output)
@@ -74,8 +75,8 @@ def run(args) -> int:
     out = console()
     bp, bs = pred.bottleneck
     for pi, (p, pp) in enumerate(zip(plan.pipelines, pred.pipelines)):
-        t = Table(title=f"pipeline {pi}: {pp.replicas} replica(s) x {pp.micro_batches} micro-batches of "
-                        f"{pp.micro_batch_size}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
+        t = Table(title=f"pipeline {pi}: {plural(pp.replicas, 'replica')}, each {plural(pp.micro_batches, 'micro-batch', 'micro-batches')} "
+                        f"of {plural(pp.micro_batch_size, 'sample')}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
                   title_justify="left")
         numeric = ("tp", "forward", "backward", "to next", "DP sync")
         for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", "memory / capacity",
@@ -133,7 +134,7 @@ def run(args) -> int:
         out.print(f"plot written to {args.plot}")
     if not pred.fits_memory:   # said last, where it is read, and in the exit status
         n = len(pred.memory_shortfalls())
-        out.print(f"[bold red]does not fit[/bold red]: {n} stage(s) need more memory than their devices hold "
+        out.print(f"[bold red]does not fit[/bold red]: {plural(n, 'stage')} need more memory than their devices hold "
                   f"(see 'memory' above; `hetero launch` refuses this plan); exit status {DOES_NOT_FIT}")
         return DOES_NOT_FIT
     return 0

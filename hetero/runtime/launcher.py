@@ -37,10 +37,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from hetero.errors import HeteroError, Problem
+from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 from hetero.runtime.torchrun_loopback import LOOPBACK, is_loopback
+from hetero.specs.units import plural
 
 LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
@@ -298,7 +299,7 @@ def dry_run_text(launch: Launch, relaunch: list[str] | None = None) -> str:
     """``--dry-run``: the rank map and every node's environment and torchrun command, as shell text.
     Over several machines it says what each needs, and with ``relaunch`` (this ``hetero launch``
     call's own argument list, without ``--dry-run``) the call to run on each instead."""
-    lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
+    lines = [f"# {plural(len(launch.nodes), 'node slot')}, world size {launch.layout.world_size}, "
              f"rendezvous static at {launch.master_addr}:{launch.master_port}"
              + ("" if is_loopback(launch.master_addr) else " (non-loopback: reachable from the network)"),
              f"# run file (rank -> group / pipeline / stage map): {launch.spec_path}"]
@@ -318,7 +319,7 @@ def dry_run_text(launch: Launch, relaunch: list[str] | None = None) -> str:
         last = cmd.first_rank + cmd.num_ranks - 1
         host = cmd.machine or "not named in the cluster file"
         lines.append(f"\n# node slot {cmd.slot}: group {cmd.group} node {cmd.node} host {host}, "
-                     f"ranks {cmd.first_rank}-{last} ({cmd.num_ranks} processes)")
+                     f"ranks {cmd.first_rank}-{last} ({plural(cmd.num_ranks, 'process', 'processes')})")
         for k, v in cmd.env.items():
             lines.append(f"export {k}={shlex.quote(v)}")
         lines.append(shlex.join(cmd.argv()))
@@ -616,5 +617,5 @@ def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: 
                          f"exited with status {code}")
     others = [e for e in errors[1:]]
     if others:
-        lines.append("then: " + "; ".join(f"rank {e['rank']}: {e['message'][:160]}" for e in others[:4]))
+        lines.append("then: " + "; ".join(f"rank {e['rank']}: {clip(e['message'], 160)}" for e in others[:4]))
     return "training failed: " + "\n  ".join(lines)

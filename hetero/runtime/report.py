@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import statistics
 
+from hetero.specs.units import plural
+
 
 class Reporter:
     """Rank 0's console output for a run: header, one line per step, footer tables."""
@@ -16,7 +18,7 @@ class Reporter:
     def header(self) -> None:
         ctx = self.t.ctx
         self.out.print(f"[bold]hetero launch[/bold]: {ctx.model.name} on {ctx.cluster.name}, "
-                       f"{self.t.world} ranks, engine {ctx.options.engine}, schedule {ctx.plan.schedule}, "
+                       f"{plural(self.t.world, 'rank')}, engine {ctx.options.engine}, schedule {ctx.plan.schedule}, "
                        f"global batch {ctx.plan.global_batch_size}")
         self.out.print(f"plan: {ctx.plan.one_line()}")
         by_type: dict[str, list[int]] = {}

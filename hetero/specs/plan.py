@@ -162,11 +162,12 @@ class Plan:
         write_yaml_atomic(path, self.to_dict(), header)
 
     def one_line(self) -> str:
-        """``2x[A100x4 tp4 L0-19 | MI250x8 tp8 L20-31] + ...``: a compact description."""
+        """``2x(a100[tp4,L0:20] | mi250[tp8,L20:32]) 8 mb + ...``: a compact description (layers
+        half-open, as in the file; micro-batches per replica)."""
         parts = []
         for p in self.pipelines:
-            stages = " | ".join(f"{s.group}[tp{s.tp},L{s.layers[0]}-{s.layers[1] - 1}]" for s in p.stages)
-            parts.append(f"{p.replicas}x({stages}) mb{p.micro_batches}")
+            stages = " | ".join(f"{s.group}[tp{s.tp},L{s.layers[0]}:{s.layers[1]}]" for s in p.stages)
+            parts.append(f"{p.replicas}x({stages}) {p.micro_batches} mb")
         return " + ".join(parts)
 
 
@@ -291,7 +292,8 @@ def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> N
 
 def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems, cluster: Cluster) -> None:
     """Virtual stages map onto physical ones; interleaving needs two physical stages, and over
-    exactly two of one vendor a library that keeps message tags (see below)."""
+    exactly two that share one vendor, a library that keeps message tags (Gloo; not NCCL/RCCL or
+    HCCL): three or more physical stages, or two of different vendors, interleave on any library."""
     v, n = plan.interleave, len(p.stages)
     spath = join_path(path, "stages")
     if n % v:
