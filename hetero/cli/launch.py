@@ -203,6 +203,8 @@ def run(args) -> int:
                 out.print(reconfiguration_table(merged["reconfigurations"]))
             if options.summary and not options.quiet:
                 out.print(f"summary: {options.summary}")
+            if options.trace and not options.quiet:
+                out.print(f"trace: {options.trace} (open in ui.perfetto.dev)")
             return 0
     plot_dir = None
     if args.plot and not args.trace and not args.dry_run:   # the trace --plot draws, not asked for: temporary
@@ -217,8 +219,10 @@ def run(args) -> int:
             import shutil
 
             shutil.rmtree(plot_dir, ignore_errors=True)
-    if options.summary and not options.quiet:
+    if options.summary and not options.quiet and not args.dry_run:
         out.print(f"summary: {options.summary}")
+    if args.trace and not options.quiet and not args.dry_run:   # not the temporary one --plot draws
+        out.print(f"trace: {options.trace} (open in ui.perfetto.dev)")
     return 0
 
 
