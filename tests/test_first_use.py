@@ -151,3 +151,17 @@ def test_a_file_that_repeats_a_mistake_prints_a_capped_list(tmp_path, capsys):
         errors = out.stderr.strip().splitlines()
         assert out.returncode == 1 and len(errors) == MAX_PROBLEMS + 1, (argv, errors[-3:])
         assert errors[-1].startswith("error: ... and 251 more problems not shown"), errors[-1]
+
+
+def test_a_cpu_cluster_without_a_profile_is_predicted_with_a_warning(capsys):
+    """The suite's profile cache is empty (conftest): CPU devices are predicted from generic figures,
+    and predict and plan say so on stderr, --json too; a GPU cluster's prediction says nothing."""
+    cpu = ["--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model", str(CONFIGS / "models" / "tiny.yaml")]
+    out = _cli(capsys, "predict", *cpu, "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml"), "--json")
+    assert out.returncode == 0 and "has no profile yet" in out.stderr and "`hetero profile`" in out.stderr
+    out = _cli(capsys, "plan", *cpu, "--global-batch-size", "8", "--top-k", "1", "--no-progress")
+    assert out.returncode == 0 and "has no profile yet" in out.stderr, out.stderr
+    gpu = ["--cluster", str(CONFIGS / "clusters" / "h100-a100.yaml"), "--model", str(CONFIGS / "models" / "llama3-8b.yaml"),
+           "--plan", str(CONFIGS / "plans" / "h100-a100-llama3-8b.yaml")]
+    out = _cli(capsys, "predict", *gpu, "--json")
+    assert out.returncode == 0 and "profile" not in out.stderr, out.stderr

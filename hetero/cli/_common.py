@@ -189,6 +189,19 @@ def memory_problems(cluster, model, plan, source: str, calibration=None, predict
     return out
 
 
+def warn_if_cpu_unprofiled(cluster, provenance: dict) -> None:
+    """On stderr (so ``--json`` users see it too): the cluster's CPU-family devices (emulated ones
+    included) are predicted without a profile of this machine, from generic CPU figures that can be
+    several times off, until ``hetero profile`` has measured it once."""
+    devices = [dev for dev, info in provenance.items()
+               if cluster.device_type(info["groups"][0]).family == "cpu" and info.get("op_model") != "profile"]
+    if devices:
+        console(stderr=True).print(
+            f"[bold yellow]warning[/bold yellow]: this machine's CPU has no profile yet, so {', '.join(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} predicted from generic CPU figures, which can be several times "
+            f"off; run `hetero profile` once (a few minutes, cached for every later prediction)", soft_wrap=True)
+
+
 def warn_if_calibration_unused(calibration, cluster, source: str) -> None:
     """A calibration that covers none of the cluster's device types changes nothing: say so on
     stderr, so an uncalibrated prediction is not taken for a calibrated one."""

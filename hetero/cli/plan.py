@@ -52,7 +52,7 @@ def run(args) -> int:
     from hetero.planner import search
 
     from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
-                          write_output)
+                          warn_if_cpu_unprofiled, write_output)
 
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
@@ -66,6 +66,7 @@ def run(args) -> int:
                      calibration=calibration, progress=show_progress,
                      **({"interleaves": ()} if args.no_interleave else {}))
     best = results[0]
+    warn_if_cpu_unprofiled(cluster, best.prediction.provenance)
     if args.output:
         header = (f"# hetero plan: {cluster.name} / {model.name}, predicted "
                   f"{best.prediction.tokens_per_s:,.0f} tokens/s\n# {best.one_line}")
