@@ -364,8 +364,9 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
                      ("dp grad sync", sp.dp_sync_start_s, sp.dp_sync_end_s),
                      ("grad-norm all-reduce", sp.dp_sync_end_s, synced))
             for name, a, b in spans:
-                if b > a:
-                    out.append({"ph": "X", "name": name, "cat": "dp", "pid": pi, "tid": 2 * i + 1,
+                if b > a:   # waiting for slower devices is drawn as waiting, not as a slow all-reduce
+                    cat = "dp" if name == "dp grad sync" else "wait"
+                    out.append({"ph": "X", "name": name, "cat": cat, "pid": pi, "tid": 2 * i + 1,
                                 "ts": a * us, "dur": (b - a) * us,
                                 "args": {"transfer_s": sp.dp_sync_time_s} if name == "dp grad sync" else {}})
             out.append({"ph": "X", "name": "optimizer", "cat": "optimizer", "pid": pi, "tid": 2 * i,
