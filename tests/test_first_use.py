@@ -49,7 +49,7 @@ def test_a_plan_that_cannot_fit_is_refused_by_validate_and_launch_and_flagged_by
     assert proc.returncode == 0 and "--nproc-per-node=2" in proc.stdout, proc.stderr
     proc = _cli(capsys, "predict", *inputs)   # the full report, then the verdict on its last line and in the status
     assert proc.returncode == 3 and "iteration" in proc.stdout, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("does not fit: 1 stage(s)")
+    assert proc.stdout.strip().splitlines()[-1].startswith("does not fit: 1 stage needs more memory")
     assert "MiB / 1 MiB" in proc.stdout and "0.00 GiB" not in proc.stdout   # units follow the size
     proc = _cli(capsys, "predict", *inputs, "--json")
     assert proc.returncode == 3 and json.loads(proc.stdout)["fits_memory"] is False

@@ -135,7 +135,8 @@ def run(args) -> int:
         out.print(f"plot written to {args.plot}")
     if not pred.fits_memory:   # said last, where it is read, and in the exit status
         n = len(pred.memory_shortfalls())
-        out.print(f"[bold red]does not fit[/bold red]: {plural(n, 'stage')} need more memory than their devices hold "
+        out.print(f"[bold red]does not fit[/bold red]: {plural(n, 'stage')} {'needs' if n == 1 else 'need'} more "
+                  f"memory than {'its' if n == 1 else 'their'} devices hold "
                   f"(see 'memory' above; `hetero launch` refuses this plan); exit status {DOES_NOT_FIT}")
         return DOES_NOT_FIT
     return 0
