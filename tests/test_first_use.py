@@ -165,3 +165,33 @@ def test_a_cpu_cluster_without_a_profile_is_predicted_with_a_warning(capsys):
            "--plan", str(CONFIGS / "plans" / "h100-a100-llama3-8b.yaml")]
     out = _cli(capsys, "predict", *gpu, "--json")
     assert out.returncode == 0 and "profile" not in out.stderr, out.stderr
+
+
+def test_tensor_parallelism_over_whole_nodes_is_predicted_over_the_network_and_not_launched(tmp_path, capsys):
+    """tp 16 over two 8-GPU nodes (a layout Megatron runs): validate and predict take it with a
+    warning, its all-reduces charged on the inter-node links (a slower network, a slower stage);
+    launch refuses it before anything starts; tp 12 (not whole nodes) stays an error."""
+    import hetero
+
+    cluster = {"name": "h16", "groups": [{"name": "h100", "device": "H100-SXM5-80GB", "nodes": 2, "devices_per_node": 8}]}
+    plan = {"global_batch_size": 16, "micro_batch_size": 1,
+            "pipelines": [{"micro_batches": 16, "stages": [{"group": "h100", "tp": 16, "layers": [0, 32]}]}]}
+    c, p = _write(tmp_path / "c.yaml", cluster), _write(tmp_path / "p.yaml", plan)
+    model = str(CONFIGS / "models" / "llama2-7b.yaml")
+    out = _cli(capsys, "validate", "--cluster", c, "--model", model, p)
+    assert out.returncode == 0 and "tp=16 spans 2 nodes" in out.stderr and "refuses this plan" in out.stderr, out
+    out = _cli(capsys, "predict", "--cluster", c, "--model", model, "--plan", p)
+    assert out.returncode == 0 and "tp=16 spans 2 nodes" in out.stderr, out.stderr
+    out = _cli(capsys, "launch", "--cluster", c, "--model", model, "--plan", p, "--dry-run")
+    assert out.returncode == 1 and "tp=16 spans 2 nodes" in out.stderr and "HETERO_RUN_SPEC" not in out.stdout
+
+    def stage_time(bandwidth: str) -> float:
+        net = {**cluster, "network": {"inter_node": {"bandwidth": bandwidth, "latency": "5 us"}}}
+        s = hetero.predict(hetero.load_cluster(net), hetero.load_model(model), hetero.load_plan(plan)).stage(0, 0)
+        return s.forward_time_s + s.backward_time_s
+
+    assert stage_time("10 GB/s") > 1.5 * stage_time("400 GB/s")
+    out = _cli(capsys, "validate", "--cluster", c, "--model", model,
+               _write(tmp_path / "p12.yaml", {**plan, "pipelines": [{"micro_batches": 16, "stages": [
+                   {"group": "h100", "tp": 12, "layers": [0, 32]}]}]}))
+    assert out.returncode == 1 and "exceeds the 8 devices of one node" in out.stderr, out.stderr

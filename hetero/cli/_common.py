@@ -202,6 +202,22 @@ def warn_if_cpu_unprofiled(cluster, provenance: dict) -> None:
             f"off; run `hetero profile` once (a few minutes, cached for every later prediction)", soft_wrap=True)
 
 
+def warn_cross_node_tp(cluster, plan, source: str) -> None:
+    """A warning on stderr per stage whose tp group spans whole nodes: predicted with its all-reduces
+    over the inter-node links (as Megatron runs it), but ``hetero launch`` refuses it."""
+    from rich.markup import escape
+
+    from hetero.specs.plan import cross_node_tp
+
+    link = cluster.network.inter_node
+    for pi, si, tp, nodes in cross_node_tp(plan, cluster):
+        console(stderr=True).print(
+            f"[yellow]warning[/yellow]: {escape(str(source))}: pipelines[{pi}].stages[{si}]: tp={tp} spans {nodes} "
+            f"nodes, so its all-reduces cross network.inter_node ({link.bandwidth / 1e9:g} GB/s per node), which "
+            f"the prediction charges; `hetero launch` keeps tensor parallelism inside a node and refuses this plan",
+            soft_wrap=True)
+
+
 def warn_if_calibration_unused(calibration, cluster, source: str) -> None:
     """A calibration that covers none of the cluster's device types changes nothing: say so on
     stderr, so an uncalibrated prediction is not taken for a calibrated one."""

@@ -46,7 +46,7 @@ def run(args) -> int:
     from hetero.specs.units import plural
 
     from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
-                          warn_if_cpu_unprofiled, write_output)
+                          warn_cross_node_tp, warn_if_cpu_unprofiled, write_output)
 
     cluster, model, plan = load_inputs(args)
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
@@ -59,6 +59,7 @@ def run(args) -> int:
     calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot))
     warn_if_cpu_unprofiled(cluster, pred.provenance)
+    warn_cross_node_tp(cluster, plan, args.plan)
     if args.timeline:
         write_output(args.timeline, "--timeline", json.dumps(pred.timeline()))
     if args.plot:

@@ -33,7 +33,7 @@ def run(args) -> int:
     from hetero.specs.model import load_model
     from hetero.specs.plan import load_plan
 
-    from ._common import console, load_inputs, memory_problems, print_problems
+    from ._common import console, load_inputs, memory_problems, print_problems, warn_cross_node_tp
 
     for name in (args.cluster, args.model):
         if name and name not in args.files:
@@ -98,6 +98,7 @@ def run(args) -> int:
         try:
             plan = load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
             r["problems"].extend(memory_problems(c["spec"], m["spec"], plan, r["source"]))
+            warn_cross_node_tp(c["spec"], plan, r["source"])
         except SpecError as e:
             for problem in e.problems:   # each problem goes with the file that holds its fix
                 owner = c if problem.source == c["spec"].source else r

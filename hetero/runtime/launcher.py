@@ -208,9 +208,15 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     """Check the plan (and the ``--data`` file), lay out ranks, write the run file and build every
     node's command. ``separate``: each node slot is started by a call of its own (``--node-rank``);
     ``dry_run``: the commands are only shown (an address no file names becomes a placeholder)."""
-    from hetero.specs.plan import check_plan
+    from hetero.specs.plan import check_plan, cross_node_tp
 
     check_plan(plan, cluster, model)
+    spanning = cross_node_tp(plan, cluster)
+    if spanning:   # predicted and validated (Megatron runs it); this runtime keeps tp inside a node
+        pi, si, tp, nodes = spanning[0]
+        raise HeteroError(f"pipelines[{pi}].stages[{si}]: tp={tp} spans {nodes} nodes, which hetero predict and "
+                          f"validate model but this runtime does not run: its tensor parallelism stays inside a "
+                          f"node (fix: tp of at most devices_per_node, with more pipeline stages)")
     if options.engine == "deepspeed":
         from hetero.runtime.ds_engine import check_deepspeed_plan
 
