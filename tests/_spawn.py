@@ -119,19 +119,31 @@ def _load(path: str):
         return pickle.load(f)
 
 
-def _sessions_naming(marker: str) -> set[int]:
-    """Session ids of the live processes whose command line holds ``marker`` (a run directory)."""
-    out = set()
+def _naming(marker: str) -> list[int]:
+    """The live processes (not zombies) whose command line holds ``marker`` (a run directory), this
+    process and its ancestors aside."""
+    mine, pid = set(), os.getpid()
+    while pid > 1 and pid not in mine:
+        mine.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    out = []
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) in mine:
             continue
         try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":   # exited, not yet reaped: nothing to end
+                    continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if marker.encode() in f.read():
-                    out.add(os.getsid(int(pid)))
+                    out.append(int(pid))
         except OSError:
             continue
-    return out - {os.getsid(0)}
+    return out
 
 
 def end_launcher(proc: subprocess.Popen, marker: str | None = None, grace: float = 10.0) -> None:
@@ -151,11 +163,21 @@ def end_launcher(proc: subprocess.Popen, marker: str | None = None, grace: float
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             pass
-    for sid in _sessions_naming(marker) if marker else ():
-        try:
-            os.killpg(sid, signal.SIGKILL)
-        except OSError:
-            pass
+    deadline = time.monotonic() + 10.0   # then until none is left (a killed process takes a moment to go)
+    while marker and time.monotonic() < deadline:
+        pids = _naming(marker)
+        if not pids:
+            break
+        for pid in pids:
+            try:   # its session: a node launcher and its workers
+                sid = os.getsid(pid)
+                if sid != os.getsid(0):
+                    os.killpg(sid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.2)
 
 
 def run_launcher(cmd, timeout: float, marker: str | None = None, **kwargs) -> subprocess.CompletedProcess:
