@@ -12,11 +12,15 @@ EXTRAS ?= dev,mpi,deepspeed,plot,moo
 .PHONY: setup demo test clean
 
 $(VENV)/.installed: setup.py
+	@echo "== creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	@echo "== installing $(TORCH_SPEC) (CPU build where available; the largest download)"
 	$(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.5"
+	@echo "== installing hetero (editable) with the extras $(EXTRAS)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	touch $@
+	@echo "== installed: the command is $(VENV)/bin/hetero; run '. $(VENV)/bin/activate' to call it as plain 'hetero'"
 
 setup: $(VENV)/.installed
 

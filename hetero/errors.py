@@ -8,4 +8,27 @@ class HeteroError(RuntimeError):
     """A problem the user can fix (bad combination of inputs, a run that cannot fit, ...)."""
 
 
-__all__ = ["HeteroError", "Problem", "SpecError"]
+CLOSED_CONNECTION = ("connection closed", "connection reset", "broken pipe", "closed its connection",
+                     "lost the connection")
+"""Phrases of a transport error that says a peer's connection went away (the peer died or left)."""
+
+
+def lost_connection(text: str) -> bool:
+    """Whether an error's text says a peer's connection closed (not that something timed out)."""
+    low = text.lower()
+    return any(s in low for s in CLOSED_CONNECTION)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with "..." when cut (a message
+    quoted inside another is not left ending mid-word)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    if text[limit - 3] != " ":   # the last word was cut: drop it
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;:") + "..."
+
+
+__all__ = ["HeteroError", "Problem", "SpecError", "clip", "lost_connection"]

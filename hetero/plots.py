@@ -12,7 +12,7 @@ import io
 from hetero.errors import HeteroError
 
 CATEGORY_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "p2p": "#8c8c8c", "dp": "#55a868",
-                    "optimizer": "#c44e52"}
+                    "optimizer": "#c44e52", "wait": "#e0e0e0", "steady": "#b4a0b8"}
 """Chrome-trace categories of the predicted step (and of ``hetero launch --trace``)."""
 OTHER_COLOUR = "#8172b3"
 
@@ -68,14 +68,34 @@ def trace_rows(trace: dict) -> list[tuple[tuple, str, list[dict]]]:
     return out
 
 
+MERGE_ABOVE = 48
+"""A row with more forward / backward bars than this draws its first and last :data:`KEEP` as they
+are and the ones between as one bar (category ``steady``): at a few pixels each they would read as
+one solid stripe anyway, and the schedule's shape is in its start and end."""
+KEEP = 8
+
+
+def _merged(events: list[dict]) -> list[dict]:
+    """``events`` of one row with the middle of its forward / backward run merged (:data:`MERGE_ABOVE`)."""
+    compute = sorted((e for e in events if e.get("cat") in ("forward", "backward")), key=lambda e: e["ts"])
+    if len(compute) <= MERGE_ABOVE:
+        return events
+    middle = compute[KEEP:-KEEP]
+    start, end = middle[0]["ts"], max(e["ts"] + e.get("dur", 0.0) for e in middle)
+    inner = {id(e) for e in middle}
+    return [e for e in events if id(e) not in inner] + [
+        {"ph": "X", "cat": "steady", "name": f"{len(middle)} forwards and backwards", "ts": start, "dur": end - start}]
+
+
 def draw_gantt(ax, trace: dict) -> dict[str, int]:
     """One horizontal bar per event of ``trace`` (seconds on x, one row per process / thread),
-    coloured by category; returns the number of bars drawn per category."""
+    coloured by category, the middle of a long forward / backward run merged into one ``steady``
+    bar (:data:`MERGE_ABOVE`); returns the number of bars drawn per category."""
     rows = trace_rows(trace)
     drawn: dict[str, int] = {}
     for y, (_, _, events) in enumerate(rows):
         by_cat: dict[str, list] = {}
-        for e in events:
+        for e in _merged(events):
             by_cat.setdefault(e.get("cat", ""), []).append((e["ts"] / 1e6, max(e.get("dur", 0.0), 0.0) / 1e6))
         for cat, spans in by_cat.items():
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=CATEGORY_COLOURS.get(cat, OTHER_COLOUR),
@@ -86,7 +106,9 @@ def draw_gantt(ax, trace: dict) -> dict[str, int]:
     ax.set_xlabel("time (s)")
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=CATEGORY_COLOURS.get(c, OTHER_COLOUR), label=c or "other") for c in sorted(drawn)],
+    names = {"steady": f"forward + backward (beyond the first and last {KEEP} of a long run)"}
+    ax.legend(handles=[Patch(color=CATEGORY_COLOURS.get(c, OTHER_COLOUR), label=names.get(c, c or "other"))
+                       for c in sorted(drawn)],
               loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=max(len(drawn), 1), frameon=False)
     return drawn
 
@@ -141,7 +163,8 @@ def one_step(trace: dict, step: int | None = None) -> tuple[dict, int, float]:
 def run_figure(prediction, trace: dict, title: str = ""):
     """The predicted step (``prediction`` made with ``timeline=True``) above one measured step of
     the run's trace (:func:`one_step`), on one time scale: where the schedules agree, and where the
-    prediction is off, at a glance. The measured trace holds forwards and backwards only."""
+    prediction is off, at a glance. Both hold the schedule, the gradient sync and the optimizer (a
+    trace of an older run: forwards and backwards only, and the title says so)."""
     plt = _pyplot("--plot")
     predicted = prediction.timeline()
     measured, step, span = one_step(trace)
@@ -151,9 +174,11 @@ def run_figure(prediction, trace: dict, title: str = ""):
     draw_gantt(top, predicted)
     top.set_xlabel("")
     top.set_title(f"predicted: {prediction.iteration_time_s:.4g} s per step", fontsize=9, loc="right")
-    draw_gantt(bottom, measured)
-    bottom.set_title(f"measured: step {step}, forwards and backwards span {span:.4g} s "
-                     f"(the median step after the first)", fontsize=9, loc="right")
+    drawn = draw_gantt(bottom, measured)
+    what = ("schedule, gradient sync and optimizer" if "dp" in drawn or "optimizer" in drawn
+            else "forwards and backwards only")
+    bottom.set_title(f"measured: step {step}, {what}: {span:.4g} s (the median step after the first)",
+                     fontsize=9, loc="right")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -161,22 +186,25 @@ def run_figure(prediction, trace: dict, title: str = ""):
 
 
 def draw_stage_memory(ax, stages: list[tuple[int, int, dict]]) -> None:
-    """Per stage (``(pipeline, stage, its prediction dict)``): predicted peak memory (GiB) as a bar,
-    the device's capacity as a tick; a bar over capacity is red."""
-    gib = 2 ** 30
+    """Per stage (``(pipeline, stage, its prediction dict)``): predicted peak memory as a bar, the
+    device's capacity as a diamond (not a tick mark, which it would read as); a bar over capacity is
+    red. The axis unit follows the largest value (KiB, MiB, GiB), so small stages do not read as 0."""
+    largest = max([max(s["peak_memory_bytes"], s.get("memory_capacity_bytes") or 0) for _, _, s in stages] or [0])
+    unit, scale = next(((u, f) for u, f in (("TiB", 2.0 ** 40), ("GiB", 2.0 ** 30), ("MiB", 2.0 ** 20),
+                                            ("KiB", 2.0 ** 10)) if largest >= f), ("B", 1.0))
     labels, peaks, caps = [], [], []
     for pi, si, s in stages:
-        where = (f"{s['held_layers']} layers" if "held_layers" in s else f"L{s['layers'][0]}-{s['layers'][1] - 1}")
+        where = (f"{s['held_layers']} layers" if "held_layers" in s else f"L{s['layers'][0]}:{s['layers'][1]}")
         labels.append(f"p{pi} s{si} {s['group']} tp{s['tp']} {where}")
-        peaks.append(s["peak_memory_bytes"] / gib)
-        caps.append((s.get("memory_capacity_bytes") or 0) / gib)
+        peaks.append(s["peak_memory_bytes"] / scale)
+        caps.append((s.get("memory_capacity_bytes") or 0) / scale)
     ys = range(len(stages))
     colours = ["#c44e52" if c and p > c else "#4c72b0" for p, c in zip(peaks, caps)]
     ax.barh(list(ys), peaks, color=colours, height=0.6)
-    ax.scatter([c for c in caps], list(ys), marker="|", s=300, color="black", label="capacity")
+    ax.scatter([c for c in caps], list(ys), marker="D", s=30, color="black", label="device capacity")
     ax.set_yticks(list(ys), labels, fontsize=7)
     ax.set_ylim(len(stages) - 0.5, -0.5)
-    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_xlabel(f"peak memory per device ({unit})")
     ax.legend(loc="lower right", fontsize=7)
 
 

@@ -207,9 +207,18 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
     return results
 
 
+NOTATION = ("plan notation: '2x' two data-parallel replicas of the pipeline; 'a100:16' group a100, 16 devices "
+            "over all replicas; 'tp4' tensor parallelism; 'pp2' two pipeline stages of that group; 'L0:20' "
+            "layers 0 to 19 (half-open, as [0, 20) in plan files); '8 mb of 2' 8 micro-batches of 2 samples "
+            "per replica and step")
+"""What :func:`describe`'s notation means: ``hetero plan`` prints it once under its table."""
+
+
 def describe(plan: Plan, cluster=None) -> str:
-    """``A100x16[tp4,L0-19] | MI250x8[tp8,L20-31]``: devices per stage run (over replicas) and layers.
-    Interleaved plans count each run's layers (its devices hold several ranges): ``A100x16[tp4,pp4,40 layers]``."""
+    """``2x a100:16[tp4,L0:20] | mi250:8[tp8,L20:32] 8 mb of 2``: per pipeline its replicas, then per run
+    of stages its group, devices (over replicas), parallelism and layers (half-open, as in plan
+    files), then micro-batches per replica and their size (:data:`NOTATION`). Interleaved plans count
+    each run's layers (its devices hold several ranges): ``a100:16[tp4,pp4,40 layers]``."""
     parts = []
     for p in plan.pipelines:
         v = plan.virtual_chunks(p)
@@ -227,11 +236,10 @@ def describe(plan: Plan, cluster=None) -> str:
         for g, tp, n, a, b, n_layers in runs:
             dev = p.replicas * tp * n
             pp = f",pp{n}" if n > 1 else ""
-            sep = "-x" if g[-1:].lower() == "x" else "x"
-            where = f"{n_layers} layers" if v > 1 else f"L{a}-{b - 1}"
-            segs.append(f"{g}{sep}{dev}[tp{tp}{pp},{where}]")
+            where = f"{n_layers} layers" if v > 1 else f"L{a}:{b}"
+            segs.append(f"{g}:{dev}[tp{tp}{pp},{where}]")
         rep = f"{p.replicas}x " if p.replicas > 1 else ""
-        parts.append(f"{rep}{' | '.join(segs)} mb{p.micro_batches}x{plan.mbs(p)}")
+        parts.append(f"{rep}{' | '.join(segs)} {p.micro_batches} mb of {plan.mbs(p)}")
     tail = []
     if plan.schedule != "1f1b":
         tail.append(f"interleaved x{plan.interleave}" if plan.schedule == "interleaved" else plan.schedule)

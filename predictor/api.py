@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.specs.plan import check_plan
+from hetero.specs.units import plural
 
 from .allocator import reserved_bytes
 from .costs import StageCostModel
@@ -356,7 +357,8 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
         V = len(p.stages)
         phys = max(1, V // v)
         out.append({"ph": "M", "name": "process_name", "pid": pi, "tid": 0,
-                    "args": {"name": f"pipeline {pi} ({p.replicas} replicas, {p.micro_batches} micro-batches)"}})
+                    "args": {"name": f"pipeline {pi} ({plural(p.replicas, 'replica')}, "
+                                                    f"{plural(p.micro_batches, 'micro-batch', 'micro-batches')})"}})
         for i in range(phys):
             s = p.stages[i]
             out.append({"ph": "M", "name": "thread_name", "pid": pi, "tid": 2 * i,
@@ -384,8 +386,9 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
                      ("dp grad sync", sp.dp_sync_start_s, sp.dp_sync_end_s),
                      ("grad-norm all-reduce", sp.dp_sync_end_s, synced))
             for name, a, b in spans:
-                if b > a:
-                    out.append({"ph": "X", "name": name, "cat": "dp", "pid": pi, "tid": 2 * i + 1,
+                if b > a:   # waiting for slower devices is drawn as waiting, not as a slow all-reduce
+                    cat = "dp" if name == "dp grad sync" else "wait"
+                    out.append({"ph": "X", "name": name, "cat": cat, "pid": pi, "tid": 2 * i + 1,
                                 "ts": a * us, "dur": (b - a) * us,
                                 "args": {"transfer_s": sp.dp_sync_time_s} if name == "dp grad sync" else {}})
             out.append({"ph": "X", "name": "optimizer", "cat": "optimizer", "pid": pi, "tid": 2 * i,

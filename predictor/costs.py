@@ -240,12 +240,21 @@ class StageCostModel:
             return 1.0, 1.0
 
     def _tp_allreduce(self, group: str, tp: int, mbs: int) -> float:
-        """One Megatron tensor-parallel all-reduce of the b x s x h activation (intra-node)."""
+        """One Megatron tensor-parallel all-reduce of the b x s x h activation: inside a node, or, for
+        a tp group over k whole nodes, hierarchically (reduce-scatter in the node, all-reduce of the
+        whole activation over the k nodes' inter-node links, all-gather in the node)."""
         if tp <= 1:
             return 0.0
-        link = self._groups[group].intra_node
+        g = self._groups[group]
+        link = g.intra_node
         nbytes = mbs * self.model.seq_length * self.model.hidden_size * self.e
-        return comm.allreduce(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
+        if tp <= g.devices_per_node:
+            return comm.allreduce(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
+        per, k, net = g.devices_per_node, tp // g.devices_per_node, self.cluster.network.inter_node
+        t = (comm.reduce_scatter(nbytes, per, link.bandwidth, link.latency)
+             + comm.allreduce(nbytes, k, net.bandwidth, net.latency)
+             + comm.allgather(nbytes, per, link.bandwidth, link.latency))
+        return t * self._factors[group].communication
 
     def layer_compute_times(self, group: str, tp: int, mbs: int, recompute: str) -> tuple[float, float]:
         """Per layer, compute only (no communication, no overhead)."""
@@ -393,11 +402,18 @@ class StageCostModel:
         return hit
 
     def _gather_time(self, group: str, tp: int, nbytes: float) -> float:
-        """All-gather of one activation (``nbytes``) among a stage's ``tp`` ranks (one node)."""
+        """All-gather of one activation (``nbytes``) among a stage's ``tp`` ranks (one node; over k
+        whole nodes: across the nodes' inter-node links, then inside each node)."""
         if tp <= 1:
             return 0.0
-        link = self._groups[group].intra_node
-        return comm.allgather(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
+        g = self._groups[group]
+        link = g.intra_node
+        if tp <= g.devices_per_node:
+            return comm.allgather(nbytes, tp, link.bandwidth, link.latency) * self._factors[group].communication
+        per, k, net = g.devices_per_node, tp // g.devices_per_node, self.cluster.network.inter_node
+        t = comm.allgather(nbytes, k, net.bandwidth, net.latency) + comm.allgather(nbytes, per, link.bandwidth,
+                                                                                   link.latency)
+        return t * self._factors[group].communication
 
     def _staged(self, a: str, b: str) -> bool:
         da, db = self._dev[a], self._dev[b]

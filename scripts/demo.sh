@@ -4,7 +4,12 @@
 set -euo pipefail
 PY=${1:-python}
 cd "$(dirname "$0")/.."
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# bold headings on a terminal only: a log (make demo > demo.log) or NO_COLOR gets plain text
+if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then
+  step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+else
+  step() { printf '\n== %s\n' "$*"; }
+fi
 
 if $PY -c "import hetero.cli.plan" 2>/dev/null; then
   step "Plan llama2-7b on a mixed NVIDIA + AMD + Ascend cluster"

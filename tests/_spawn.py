@@ -21,13 +21,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import subprocess
 import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["spawn", "free_port", "SpawnError"]
+__all__ = ["spawn", "free_port", "SpawnError", "run_launcher", "end_launcher"]
 
 
 class SpawnError(RuntimeError):
@@ -115,3 +117,83 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), timeout
 def _load(path: str):
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def _naming(marker: str) -> list[int]:
+    """The live processes (not zombies) whose command line holds ``marker`` (a run directory), this
+    process and its ancestors aside."""
+    mine, pid = set(), os.getpid()
+    while pid > 1 and pid not in mine:
+        mine.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) in mine:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":   # exited, not yet reaped: nothing to end
+                    continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def end_launcher(proc: subprocess.Popen, marker: str | None = None, grace: float = 10.0) -> None:
+    """End a ``hetero launch`` started by :func:`run_launcher` (or any Popen with
+    ``start_new_session=True``) and everything it started: SIGTERM first (the launcher then ends its
+    job's node launchers, which run in sessions of their own), SIGKILL to its process group after
+    ``grace`` seconds, then SIGKILL to the session of any process whose command line still names
+    ``marker`` (the run directory: node launchers and workers the launcher could not end)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + 10.0   # then until none is left (a killed process takes a moment to go)
+    while marker and time.monotonic() < deadline:
+        pids = _naming(marker)
+        if not pids:
+            break
+        for pid in pids:
+            try:   # its session: a node launcher and its workers
+                sid = os.getsid(pid)
+                if sid != os.getsid(0):
+                    os.killpg(sid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.2)
+
+
+def run_launcher(cmd, timeout: float, marker: str | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` for commands
+    that start process trees (``hetero launch``): the command leads a session of its own, and on the
+    timeout it and everything it started are ended (:func:`end_launcher`, ``marker``: the run
+    directory) before ``subprocess.TimeoutExpired`` is raised, so no orphan outlives the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_launcher(proc, marker)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    except BaseException:   # KeyboardInterrupt, pytest-timeout: nothing left running either
+        end_launcher(proc, marker)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -13,6 +13,24 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_profile_cache(tmp_path_factory) -> Path:
+    """Every test, and every process a test starts, uses a profile cache of the suite's own
+    (``HETERO_CACHE_DIR``, empty at the start), never the user's ``~/.cache/hetero``: a profile
+    measured on a loaded machine must not change what the tests see. A test that needs a profile
+    writes one (or points ``HETERO_CACHE_DIR`` elsewhere with monkeypatch)."""
+    import os
+
+    path = tmp_path_factory.mktemp("hetero-cache")
+    previous = os.environ.get("HETERO_CACHE_DIR")
+    os.environ["HETERO_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("HETERO_CACHE_DIR", None)
+    else:
+        os.environ["HETERO_CACHE_DIR"] = previous
+
+
 @pytest.fixture
 def shared_data() -> Path:
     path = shared_data_dir()

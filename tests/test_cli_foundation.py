@@ -44,7 +44,7 @@ def test_validate_plan_against_cluster_and_model(tmp_path):
     ("cluster", lambda d: d["network"]["inter_node"].update(bandwidth="100 GB"), ["network.inter_node.bandwidth", "unit"]),
     ("model", lambda d: d.update(num_kv_heads=3), ["num_kv_heads", "must divide"]),
     ("plan", lambda d: d["pipelines"][0]["stages"][1].update(layers=[15, 24]), ["pipelines[0].stages[1].layers"]),
-    ("plan", lambda d: d["pipelines"][0]["stages"][0].update(tp=16), ["pipelines[0].stages[0].tp"]),
+    ("plan", lambda d: d["pipelines"][0]["stages"][0].update(tp=32), ["pipelines[0].stages[0].tp", "exceeds the 8 devices of one node"]),
     ("plan", lambda d: d["pipelines"][1].update(micro_batches=3), ["global_batch_size"]),
     ("plan", lambda d: d["pipelines"][1].update(replicas=3), ["group 'a100' has 16 devices"]),
     ("plan", lambda d: d["pipelines"][0].update(replicas=2.0),

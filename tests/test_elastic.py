@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from _spawn import end_launcher
 from test_runtime import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, _assert_matches, _launch, _leftover, _plan, _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -128,6 +129,8 @@ def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothin
     # the final summary describes the new plan's ranks, none of them on the lost device's slot
     assert len(summary["ranks"]) == rc["world_size_after"]
     assert "elastic: replanned on 3 device(s)" in proc.stdout
+    # the survivors say once, briefly, that they lost a peer: no timeout that was never waited for
+    assert "timed out" not in proc.stderr and "within its timeout" not in proc.stderr, proc.stderr
     _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=3, ranks_after=rc["world_size_after"])
 
 
@@ -187,13 +190,17 @@ def test_a_stage_without_a_replica_ends_the_run_naming_its_layers(tmp_path):
 
 
 def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
-    """A slow device joins that the best plan leaves idle: the cluster is taken in, nothing pauses."""
+    """A slow device joins that the best plan leaves idle: the cluster is taken in, nothing pauses.
+    It is 100x slower, so no plausible profile of this machine's CPU makes it worth a share of the
+    batch (at 2x, a profile measured on a loaded machine does: the planner gives it a micro-batch)."""
     import hetero
     from hetero.runtime.cluster_watch import ClusterWatch
     from hetero.runtime.elastic import replan
 
-    with_slow = {**ONE_FAST, "groups": [*ONE_FAST["groups"],
-                                        {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1}]}
+    crawl = {"base": "cpu", "vendor": "emu-b", "slowdown": 100.0}
+    with_slow = {**ONE_FAST, "devices": {**ONE_FAST["devices"], "cpu-crawl": crawl},
+                 "groups": [*ONE_FAST["groups"], {"name": "slow", "device": "cpu-crawl", "nodes": 1,
+                                                  "devices_per_node": 1}]}
     model = hetero.load_model(GPT)
     best = replan(hetero.load_cluster(with_slow), model,
                   hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}])))
@@ -238,7 +245,8 @@ def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str
            "--model", _write(tmp_path, "model.yaml", GPT), "--plan", _write(tmp_path, "plan.yaml", plan),
            "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--summary", str(tmp_path / "summary.json"),
            "--timeout", "20", "--run-dir", str(run_dir), "--elastic", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)   # so a timeout can end its whole tree
     output: list[str] = []
     errors: list[str] = []
     readers = [threading.Thread(target=lambda pipe=pipe, into=into: into.extend(pipe), daemon=True)
@@ -254,9 +262,8 @@ def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str
         act(run_dir, output)
         proc.wait(timeout=180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:   # the launcher, its node launchers (sessions of their own) and workers
+            end_launcher(proc, str(run_dir))
         for reader in readers:
             reader.join(timeout=10)
     assert not _leftover(run_dir), "worker or launcher processes left behind"

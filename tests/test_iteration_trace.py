@@ -103,7 +103,7 @@ def check_trace_follows_the_rules(pred):
                            for pi in range(len(pred.pipelines)))
     begin = _start(opt[0])
     assert all(_start(e) == pytest.approx(begin, rel=1e-12) for e in opt)
-    assert begin >= max(_end(e) for e in xs if e["cat"] in ("forward", "backward", "p2p", "dp")) - eps
+    assert begin >= max(_end(e) for e in xs if e["cat"] in ("forward", "backward", "p2p", "dp", "wait")) - eps
     assert it + eps >= begin + max(e["dur"] for e in opt) / 1e6 + pred.overhead_time_s
 
 

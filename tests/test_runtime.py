@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _spawn import run_launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = {
     "name": "local-cpu-test",
@@ -50,7 +52,7 @@ def _launch(tmp_path: Path, model: dict, plan: dict, *extra: str, timeout: float
            "--steps", str(STEPS), "--seed", "0", "--lr", str(LR), "--summary", str(summary), "--timeout", "20",
            "--run-dir", str(tmp_path / "run"), "--quiet", *extra]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = run_launcher(cmd, timeout, marker=str(tmp_path / "run"), cwd=ROOT)   # a timeout ends the whole tree
     proc.elapsed = time.time() - t0
     assert not _leftover(tmp_path / "run"), "worker or launcher processes left behind"
     if check:
@@ -409,7 +411,10 @@ def test_a_launch_over_several_machines_needs_an_address_and_has_a_fixed_port(tm
                                        {"name": "mi", "device": "MI250X", "nodes": 1, "devices_per_node": 2}]}
     plan = _plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]},
                   {"replicas": 2, "micro_batches": 1, "stages": [{"group": "mi", "layers": [0, 4]}]}], gbs=12, mbs=2)
-    out = _dry_run(tmp_path, gpus, plan, "--node-rank", "1")
+    out = _dry_run(tmp_path, gpus, plan, "--node-rank", "1")   # a dry run shows the address to fill in
+    assert out.returncode == 0 and "'--master-addr=<address of node slot 0>'" in out.stdout, out.stderr
+    launch = [a for a in out.args if a != "--dry-run"]   # a launch refuses: file, field and fix
+    out = run_launcher(launch, 60, marker=str(tmp_path), cwd=ROOT)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "c.yaml: groups[0].hosts: the plan runs on 3 machines (a100/0, a100/1, mi/0)" in out.stderr, out.stderr
     assert "fix: list each group's machines under 'hosts:'" in out.stderr and "--master-addr" in out.stderr
@@ -485,7 +490,7 @@ def test_data_files_are_checked_before_any_process_starts(tmp_path):
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", str(tmp_path / "c.yaml"), "--model",
            str(tmp_path / "m.yaml"), "--plan", str(tmp_path / "p.yaml"), "--run-dir", str(tmp_path / "real"),
            "--data", str(tmp_path / "f64.npy")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = run_launcher(cmd, 60, marker=str(tmp_path / "real"), cwd=ROOT)
     assert out.returncode == 1 and "dtype float64" in out.stderr and "[hetero worker]" not in out.stderr
     assert not list((tmp_path / "real").glob("rank*"))
 
@@ -547,14 +552,14 @@ def test_save_or_run_dir_that_is_a_file_is_refused_before_training(tmp_path):
             "--model", _write(tmp_path, "m.yaml", GPT), "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run"]
     for flag, path in (("--save", afile), ("--save", afile / "ckpt"), ("--run-dir", afile),
                        ("--run-dir", afile / "run")):
-        out = subprocess.run(base + [flag, str(path)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        out = run_launcher(base + [flag, str(path)], 60, marker=str(tmp_path), cwd=ROOT)
         assert out.returncode == 1 and f"error: {flag} {path}: {afile} is a file" in out.stderr, out.stderr
         assert "fix:" in out.stderr and "Traceback" not in out.stderr, out.stderr
     # a directory of other files: the checkpoint would replace it whole, so it is refused
     other = tmp_path / "notes"
     other.mkdir()
     (other / "keep.txt").write_text("mine")
-    out = subprocess.run(base + ["--save", str(other)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = run_launcher(base + ["--save", str(other)], 60, marker=str(tmp_path), cwd=ROOT)
     assert out.returncode == 1 and "holds files that are not a checkpoint" in out.stderr, out.stderr
     assert (other / "keep.txt").read_text() == "mine"
 
@@ -937,8 +942,7 @@ def _launch_in(tmp: Path, model: dict, plan: dict, *extra: str, cluster: dict = 
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp.parent, "c.yaml", cluster),
            "--model", _write(tmp.parent, "m.yaml", model), "--plan", _write(tmp.parent, "p.yaml", plan),
            "--steps", "1", "--timeout", "20", "--quiet", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT,
-                          env={**os.environ, "TMPDIR": str(tmp)})
+    proc = run_launcher(cmd, 100, marker=str(tmp), cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
     assert not _leftover(tmp), "worker or launcher processes left behind"
     return proc, sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor"))
 

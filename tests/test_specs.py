@@ -197,7 +197,7 @@ def test_plan_loads_and_round_trips(tmp_path):
     assert plan.devices_by_group() == {"a100": 2 * 4 + 8, "mi250": 2 * 2}
     plan.save(tmp_path / "p.yaml")
     assert hetero.load_plan(tmp_path / "p.yaml") == plan
-    assert "a100[tp4,L0-13]" in plan.one_line()
+    assert "a100[tp4,L0:14]" in plan.one_line()
 
 
 @pytest.mark.parametrize("mutate,fragments", [

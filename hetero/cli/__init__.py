@@ -1,6 +1,7 @@
 """The ``hetero`` command line: one module per subcommand, each with ``add_parser`` and ``run``.
 
 Exit status: 0 success, 1 bad input (a clear message, no traceback), 2 usage errors (argparse).
+``hetero predict`` exits 3 when it predicted a plan that does not fit memory.
 """
 from __future__ import annotations
 
@@ -33,14 +34,19 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # as typed (a dry run repeats it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        from ._common import check_outputs_apart
+
+        check_outputs_apart(args)   # before any work: no output flag names an input file
         return int(args.func(args) or 0)
     except SpecError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
+        from ._common import print_problems
+
+        print_problems(e.problems)   # at most MAX_PROBLEMS, then how many more
         return 1
     except HeteroError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -14,6 +14,22 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, width=width)
 
 
+MAX_PROBLEMS = 50
+"""Most problems printed for one command or file: a file that repeats one mistake (a YAML alias used
+100,000 times) would otherwise print every copy."""
+
+
+def print_problems(problems) -> None:
+    """``error: PROBLEM`` on stderr for each of ``problems`` (Problems or strings), the first
+    :data:`MAX_PROBLEMS` of them, then how many more there are."""
+    problems = list(problems)
+    for problem in problems[:MAX_PROBLEMS]:
+        print(f"error: {problem}", file=sys.stderr)
+    if len(problems) > MAX_PROBLEMS:
+        print(f"error: ... and {len(problems) - MAX_PROBLEMS:,} more problems not shown (fix the ones above, "
+              f"which may be the same mistake repeated, and run again)", file=sys.stderr)
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` for counts that must be >= 1: anything else is a usage error (exit 2)."""
     import argparse
@@ -48,6 +64,51 @@ def check_output(path, flag: str) -> None:
     from hetero.specs.io import check_output_path
 
     check_output_path(path, flag)
+
+
+def check_outputs_apart(args) -> None:
+    """Before any work: no output file of the command (the flags its parser lists in ``outputs``,
+    ``{flag: attribute}``) is one of its input files (``inputs``: ``{flag: attribute}``; an attribute
+    may hold a list), nor another of its outputs: the same file after resolving links, so
+    ``--plot cluster.yaml`` cannot replace the cluster file with a PNG. ``--plot`` with a name not
+    ending in ``.png`` is written anyway (it is the user's name) with a warning on stderr."""
+    import os
+
+    from hetero.errors import HeteroError
+
+    def given(table) -> list[tuple[str, str]]:
+        pairs = []
+        for flag, attribute in (table or {}).items():
+            value = getattr(args, attribute, None)
+            for v in (value if isinstance(value, list) else [value]):
+                if v:   # None or "" (an empty path is check_output's error)
+                    pairs.append((flag, str(v)))
+        return pairs
+
+    def same(a: str, b: str) -> bool:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        try:   # hard links, or two spellings realpath does not join
+            return os.path.samefile(a, b)
+        except OSError:
+            return False
+
+    inputs, outputs = given(getattr(args, "inputs", None)), given(getattr(args, "outputs", None))
+    for i, (flag, path) in enumerate(outputs):
+        for in_flag, in_path in inputs:
+            if same(path, in_path):
+                raise HeteroError(f"{flag} {path} is the {in_flag} file {in_path}: writing it would replace that input "
+                                  f"(fix: give {flag} a new file name)")
+        for other_flag, other in outputs[:i]:
+            if same(path, other):
+                raise HeteroError(f"{flag} {path} is also the file of {other_flag} {other}: one would replace "
+                                  f"the other (fix: give each output a file of its own)")
+    for flag, path in outputs:
+        if flag == "--plot" and not path.lower().endswith(".png"):
+            from rich.markup import escape
+
+            console(stderr=True).print(f"[yellow]warning[/yellow]: --plot {escape(path)}: the plot is a PNG image whatever "
+                                       f"the name (name it *.png to open it as one)")
 
 
 def write_output(path, flag: str, content) -> None:
@@ -102,6 +163,59 @@ def load_inputs(args, need_plan: bool = True, need_cluster: bool = True):
     if problems:
         raise SpecError(problems)
     return cluster, model, plan
+
+
+def memory_problems(cluster, model, plan, source: str, calibration=None, prediction=None) -> list:
+    """One :class:`~hetero.specs.errors.Problem` per stage of ``plan`` that the predictor says does
+    not fit its devices' memory (its need, the capacity, the fix), naming the plan's file (``source``)
+    and the stage's field: what ``validate`` reports and ``launch`` refuses. ``prediction``: one already made."""
+    from hetero.specs.errors import Problem
+    from hetero.specs.units import format_quantity
+
+    if prediction is None:
+        from hetero.predictor import predict
+
+        prediction = predict(cluster, model, plan, calibration=calibration, check=False)
+    out = []
+    for pi, si, s in prediction.memory_shortfalls():
+        need, have = (format_quantity(x, "bytes") for x in (s.peak_memory_bytes, s.memory_capacity_bytes))
+        out.append(Problem(
+            f"pipelines[{pi}].stages[{si}]",
+            f"does not fit: the stage ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) needs {need} per "
+            f"device, and a device of group {s.group} holds {have}",
+            "more stages or tensor parallelism for these layers, a smaller micro_batch_size, recompute: full, or "
+            "`hetero plan` for a plan that fits; an emulated device type may set a larger 'memory'",
+            source))
+    return out
+
+
+def warn_if_cpu_unprofiled(cluster, provenance: dict) -> None:
+    """On stderr (so ``--json`` users see it too): the cluster's CPU-family devices (emulated ones
+    included) are predicted without a profile of this machine, from generic CPU figures that can be
+    several times off, until ``hetero profile`` has measured it once."""
+    devices = [dev for dev, info in provenance.items()
+               if cluster.device_type(info["groups"][0]).family == "cpu" and info.get("op_model") != "profile"]
+    if devices:
+        console(stderr=True).print(
+            f"[bold yellow]warning[/bold yellow]: this machine's CPU has no profile yet, so {', '.join(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} predicted from generic CPU figures, which can be several times "
+            f"off; run `hetero profile` once (a few minutes, cached for every later prediction)", soft_wrap=True)
+
+
+def warn_cross_node_tp(cluster, plan, source: str) -> None:
+    """A warning on stderr per stage whose tp group spans whole nodes: predicted with its all-reduces
+    over the inter-node links (as Megatron runs it), but ``hetero launch`` refuses it."""
+    from rich.markup import escape
+
+    from hetero.specs.plan import cross_node_tp
+
+    link = cluster.network.inter_node
+    for pi, si, tp, nodes in cross_node_tp(plan, cluster):
+        console(stderr=True).print(
+            f"[yellow]warning[/yellow]: {escape(str(source))}: pipelines[{pi}].stages[{si}]: tp={tp} spans {nodes} "
+            f"nodes, so its all-reduces cross network.inter_node ({link.bandwidth / 1e9:g} GB/s per node), which "
+            f"the prediction charges; `hetero launch` keeps tensor parallelism inside a node and refuses this plan",
+            soft_wrap=True)
 
 
 def warn_if_calibration_unused(calibration, cluster, source: str) -> None:

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="CAL", help="calibration JSON to write")
     p.add_argument("--json", action="store_true", help="print the calibration JSON instead of tables")
     p.add_argument("--max-rows", type=int, default=40, help="rows of the error table to show (worst first)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--runs": "runs"}, outputs={"-o": "output"})
 
 
 def run(args) -> int:

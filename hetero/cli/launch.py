@@ -62,8 +62,14 @@ def add_parser(sub) -> None:
     p.add_argument("--allocator", choices=("caching", "planned"), default="caching",
                    help="caching: PyTorch's default allocator; planned: each rank records two steps, then serves "
                         "its step's memory plan from one arena (docs/memory-planning.md)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="launch a plan although the predictor says a stage does not fit its devices' memory (by "
+                        "default refused before any worker starts; for emulated device types whose 'memory' is "
+                        "not what this machine gives each process)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--data": "data"},
+                   outputs={"--summary": "summary", "--trace": "trace", "--plot": "plot"})
 
 
 def parse_failure(text: str | None) -> tuple[int, int] | None:
@@ -142,6 +148,7 @@ def _check_numbers(args) -> None:
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.runtime.spec import RunOptions
+    from hetero.specs.errors import Problem
 
     from ._common import console, load_inputs
 
@@ -173,6 +180,16 @@ def run(args) -> int:
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)
+    if not args.skip_memory_check:   # before any worker starts, dry runs too
+        from hetero.specs.errors import SpecError
+
+        from ._common import memory_problems
+
+        problems = memory_problems(cluster, model, plan, args.plan)
+        if problems:
+            raise SpecError([*problems, Problem("", "the plan does not fit memory: nothing was started",
+                                                "a plan that fits, or --skip-memory-check to launch this one "
+                                                "anyway on emulated devices", args.plan)])
     if options.inject_failure:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
@@ -192,6 +209,8 @@ def run(args) -> int:
                 out.print(reconfiguration_table(merged["reconfigurations"]))
             if options.summary and not options.quiet:
                 out.print(f"summary: {options.summary}")
+            if options.trace and not options.quiet:
+                out.print(f"trace: {options.trace} (open in ui.perfetto.dev)")
             return 0
     plot_dir = None
     if args.plot and not args.trace and not args.dry_run:   # the trace --plot draws, not asked for: temporary
@@ -206,8 +225,10 @@ def run(args) -> int:
             import shutil
 
             shutil.rmtree(plot_dir, ignore_errors=True)
-    if options.summary and not options.quiet:
+    if options.summary and not options.quiet and not args.dry_run:
         out.print(f"summary: {options.summary}")
+    if args.trace and not options.quiet and not args.dry_run:   # not the temporary one --plot draws
+        out.print(f"trace: {options.trace} (open in ui.perfetto.dev)")
     return 0
 
 
@@ -218,13 +239,13 @@ def _launch(args, cluster, model, plan, options, out) -> None:
     from hetero.runtime.launcher import run as run_launch
 
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
-                     run_dir=args.run_dir, separate=args.node_rank is not None)
+                     run_dir=args.run_dir, separate=args.node_rank is not None, dry_run=args.dry_run)
     try:
         if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
             raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
                               f"(fix: give 0..{len(launch.nodes) - 1})")
         if args.dry_run:
-            print(dry_run_text(launch))
+            print(dry_run_text(launch, _relaunch(args)))
             launch.owns_run_dir = False  # kept: the commands printed read its run file
             return
         run_launch(launch, node_rank=args.node_rank, print_fn=out.print)
@@ -232,6 +253,25 @@ def _launch(args, cluster, model, plan, options, out) -> None:
             _write_plot(args, cluster, model, plan, options.trace, out)
     finally:
         launch.remove_run_dir()
+
+
+def _relaunch(args) -> list[str] | None:
+    """This call's ``hetero launch`` argument list with this interpreter, less what a dry run shows
+    per node slot (``--dry-run``, ``--node-rank``, ``--master-addr``, ``--master-port``)."""
+    import sys
+
+    argv = getattr(args, "argv", None)
+    if not argv or argv[0] != "launch":
+        return None
+    out, skip = [sys.executable, "-m", "hetero"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--dry-run" or a.split("=")[0] in ("--node-rank", "--master-addr", "--master-port"):
+            skip = "=" not in a and a != "--dry-run"   # the value follows as its own word
+        else:
+            out.append(a)
+    return out
 
 
 def _write_plot(args, cluster, model, plan, trace_path: str, out) -> None:

@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the planned layout (every block over its lifetime and byte range), the bytes live "
                         "and what the caching allocator reserves, as a PNG (needs matplotlib)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--model": "model", "--plan": "plan", "--trace": "trace"}, outputs={"--plot": "plot"})
 
 
 def _bytes(x: float) -> str:

@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
                                                          "{front: [{plan, objectives}], evaluations, seconds})")
     p.add_argument("--no-interleave", action="store_true",
                    help="plan the 1F1B schedule only (by default interleaved 1F1B with 2-4 model chunks per "
-                        "device is weighed too, and kept where it predicts faster)")
+                        "device is weighed too, and kept where it predicts faster; never for a pipeline of "
+                        "exactly two physical stages that are both on NCCL/RCCL or both on HCCL devices, whose "
+                        "send/recv ignore the tags that keep activations and gradients apart)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allocator", choices=("caching", "planned"),
                    help="judge fit by what this allocator reserves: caching (PyTorch's default, fragmentation "
@@ -39,7 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--budget", type=positive_int, default=600, metavar="N",
                    help="with --objectives: plans evaluated by the search (default 600)")
     p.add_argument("--seed", type=int, default=0, help="with --objectives: random seed of the search")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--calibration": "calibration"},
+                   outputs={"-o": "output", "--plot": "plot"})
 
 
 def _gb(x: float) -> str:
@@ -64,7 +68,7 @@ def run(args) -> int:
     from hetero.planner import search
 
     from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
-                          write_output)
+                          warn_if_cpu_unprofiled, write_output)
 
     if args.global_batch_size < 1:
         print("error: --global-batch-size must be >= 1", file=sys.stderr)
@@ -87,6 +91,7 @@ def run(args) -> int:
                      calibration=calibration, progress=show_progress, allocator=args.allocator,
                      **({"interleaves": ()} if args.no_interleave else {}))
     best = results[0]
+    warn_if_cpu_unprofiled(cluster, best.prediction.provenance)
     if args.output:
         header = (f"# hetero plan: {cluster.name} / {model.name}, predicted "
                   f"{best.prediction.tokens_per_s:,.0f} tokens/s\n# {best.one_line}")
@@ -122,6 +127,9 @@ def run(args) -> int:
         row += [room, escape(r.one_line)]
         table.add_row(*row)
     out.print(table)
+    from hetero.planner.search import NOTATION
+
+    out.print(f"[dim]{escape(NOTATION)}[/dim]")
     parts = ", ".join(f"{g} {v:,.0f}" for g, v in alone.items())
     if ub:
         out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")

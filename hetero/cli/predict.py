@@ -8,7 +8,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("predict", help="predict iteration time, throughput and memory of a plan",
                        description="Score a plan on a cluster: per-stage forward/backward times and memory, "
                                    "the iteration time (schedule simulation + DP sync + optimizer), tokens/s "
-                                   "and MFU, and where every device's numbers come from.")
+                                   "and MFU, and where every device's numbers come from. Exit status: 0 the plan "
+                                   "fits memory, 3 it was predicted but a stage does not fit its devices' memory "
+                                   "(the last line says so; --json too: see fits_memory), 1 bad input.")
     p.add_argument("--cluster", required=True, help="cluster file")
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--plan", required=True, help="plan file")
@@ -23,11 +25,20 @@ def add_parser(sub) -> None:
                    help="judge fit by what this allocator reserves for each stage's peak: caching (PyTorch's "
                         "default, fragmentation included) or planned (hetero launch --allocator planned's arena); "
                         "default: the live peak itself")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--calibration": "calibration"},
+                   outputs={"--plot": "plot", "--timeline": "timeline"})
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+DOES_NOT_FIT = 3
+"""Exit status of a prediction whose plan does not fit memory (reported in full, yet not runnable)."""
+
+
+def _bytes(x: float) -> str:
+    """Memory in the unit its size calls for (``7.92 MiB``, ``35.4 GiB``), so a small need is not ``0.00 GiB``."""
+    from hetero.specs.units import format_quantity
+
+    return format_quantity(x, "bytes")
 
 
 def _ms(x: float) -> str:
@@ -36,9 +47,10 @@ def _ms(x: float) -> str:
 
 def run(args) -> int:
     from hetero.predictor import predict
+    from hetero.specs.units import plural
 
     from ._common import (check_output, console, host_memory_note, load_calibration_arg, load_inputs, print_json,
-                          write_output)
+                          warn_cross_node_tp, warn_if_cpu_unprofiled, write_output)
 
     cluster, model, plan = load_inputs(args)
     if args.timeline is not None:   # "" too: an error, not a timeline silently skipped
@@ -51,6 +63,8 @@ def run(args) -> int:
     calibration = load_calibration_arg(args.calibration, cluster)
     pred = predict(cluster, model, plan, calibration=calibration, timeline=bool(args.timeline or args.plot),
                    allocator=args.allocator)
+    warn_if_cpu_unprofiled(cluster, pred.provenance)
+    warn_cross_node_tp(cluster, plan, args.plan)
     if args.timeline:
         write_output(args.timeline, "--timeline", json.dumps(pred.timeline()))
     if args.plot:
@@ -65,24 +79,24 @@ def run(args) -> int:
     obj = objectives(cluster, plan, pred)
     if args.json:
         print_json({**pred.to_dict(), "objectives": obj})   # the Prediction JSON plus the objectives
-        return 0
+        return 0 if pred.fits_memory else DOES_NOT_FIT
 
     from rich.table import Table
 
     out = console()
     bp, bs = pred.bottleneck
     for pi, (p, pp) in enumerate(zip(plan.pipelines, pred.pipelines)):
-        t = Table(title=f"pipeline {pi}: {pp.replicas} replica(s) x {pp.micro_batches} micro-batches of "
-                        f"{pp.micro_batch_size}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
+        t = Table(title=f"pipeline {pi}: {plural(pp.replicas, 'replica')}, each {plural(pp.micro_batches, 'micro-batch', 'micro-batches')} "
+                        f"of {plural(pp.micro_batch_size, 'sample')}, schedule {plan.schedule}: {_ms(pp.pipeline_time_s)}",
                   title_justify="left")
         numeric = ("tp", "forward", "backward", "to next", "DP sync")
         memcol = f"memory ({args.allocator} reserves) / capacity" if args.allocator else "memory / capacity"
         for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", memcol, "DP sync", ""):
             t.add_column(col, justify="right" if col in numeric else "left")
         for si, s in enumerate(pp.stages):
-            memtxt = f"{_gib(s.peak_memory_bytes)} / {_gib(s.memory_capacity_bytes)}"
+            memtxt = f"{_bytes(s.peak_memory_bytes)} / {_bytes(s.memory_capacity_bytes)}"
             if s.allocator:
-                memtxt = f"{_gib(s.peak_memory_bytes)} live, {_gib(s.needed_bytes)} / {_gib(s.memory_capacity_bytes)}"
+                memtxt = f"{_bytes(s.peak_memory_bytes)} live, {_bytes(s.needed_bytes)} / {_bytes(s.memory_capacity_bytes)}"
             if not s.fits:
                 memtxt = f"[red]{memtxt}[/red]"
             mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
@@ -108,8 +122,8 @@ def run(args) -> int:
         out.print("[bold]memory[/bold] [red]does not fit[/red]:")
         for pi, si, s in pred.memory_shortfalls():
             out.print(f"  pipeline {pi} stage {si} ({s.group}, tp {s.tp}, layers [{s.layers[0]}, {s.layers[1]})) "
-                      f"needs {_gib(s.needed_bytes)} of {_gib(s.memory_capacity_bytes)}: "
-                      f"{s.memory_shortfall_bytes:,} bytes ({_gib(s.memory_shortfall_bytes)}) more")
+                      f"needs {_bytes(s.needed_bytes)} of {_bytes(s.memory_capacity_bytes)}: "
+                      f"{_bytes(s.memory_shortfall_bytes)} ({s.memory_shortfall_bytes:,} bytes) more")
     shown = pred.launch_bound_stages()
     for s, mbs in shown:
         out.print(f"[bold]launch-bound[/bold] {s.group} (tp {s.tp}, micro-batch {mbs}): the host issues a layer's "
@@ -136,6 +150,12 @@ def run(args) -> int:
         out.print(f"timeline written to {args.timeline}")
     if args.plot:
         out.print(f"plot written to {args.plot}")
+    if not pred.fits_memory:   # said last, where it is read, and in the exit status
+        n = len(pred.memory_shortfalls())
+        out.print(f"[bold red]does not fit[/bold red]: {plural(n, 'stage')} {'needs' if n == 1 else 'need'} more "
+                  f"memory than {'its' if n == 1 else 'their'} devices hold "
+                  f"(see 'memory' above; `hetero launch` refuses this plan); exit status {DOES_NOT_FIT}")
+        return DOES_NOT_FIT
     return 0
 
 

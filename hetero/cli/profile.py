@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
                         "torch's default on accelerators)")
     p.add_argument("--no-blocks", action="store_true",
                    help="skip the block probes (the runtime's transformer block and AdamW step; CPU only)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run,  # the files read and written: check_outputs_apart
+                   inputs={"--cluster": "cluster"}, outputs={"-o": "output"})
 
 
 def run(args) -> int:

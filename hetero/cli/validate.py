@@ -3,7 +3,6 @@ problem at once."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(sub) -> None:
@@ -13,7 +12,9 @@ def add_parser(sub) -> None:
                                    "given (as files in the list or with --cluster/--model). An examples index "
                                    "(configs/examples.yaml: a list of {cluster, model, plan} names, files in the "
                                    "clusters/, models/ and plans/ folders beside it) gets one verdict per entry: "
-                                   "its files exist and its plan fits its cluster and model.")
+                                   "its files exist and its plan fits its cluster and model. A plan checked against "
+                                   "a cluster and a model also fits: every stage's predicted peak memory within its "
+                                   "devices' capacity (else an error naming the stage, its need and the capacity).")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--cluster", help="cluster file to check plans against")
     p.add_argument("--model", help="model file to check plans against")
@@ -32,7 +33,7 @@ def run(args) -> int:
     from hetero.specs.model import load_model
     from hetero.specs.plan import load_plan
 
-    from ._common import console, load_inputs
+    from ._common import console, load_inputs, memory_problems, print_problems, warn_cross_node_tp
 
     for name in (args.cluster, args.model):
         if name and name not in args.files:
@@ -72,7 +73,10 @@ def run(args) -> int:
         for example in r["examples"]:   # each entry as `predict --cluster C --model M --plan P` reads it
             if example.complete:
                 inputs = argparse.Namespace(**{kind: str(path) for kind, path in example.paths.items()})
-                attempt(example.problems, lambda inputs=inputs: load_inputs(inputs))
+
+                def check(inputs=inputs, example=example):
+                    example.problems.extend(memory_problems(*load_inputs(inputs), source=inputs.plan))
+                attempt(example.problems, check)
     # Plans are checked against a cluster and a model when exactly one of each is at hand.
     clusters = [r for r in results if r["kind"] == "cluster" and r["spec"] is not None
                 and (not args.cluster or r["path"] == args.cluster)]
@@ -92,7 +96,9 @@ def run(args) -> int:
             continue
         r["against"] = f"{c['spec'].name} / {m['spec'].name}"
         try:
-            load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
+            plan = load_plan(r["data"], c["spec"], m["spec"], source=r["source"])
+            r["problems"].extend(memory_problems(c["spec"], m["spec"], plan, r["source"]))
+            warn_cross_node_tp(c["spec"], plan, r["source"])
         except SpecError as e:
             for problem in e.problems:   # each problem goes with the file that holds its fix
                 owner = c if problem.source == c["spec"].source else r
@@ -107,10 +113,9 @@ def run(args) -> int:
     def verdict(ok: bool, subject: str, detail: str, problems) -> None:
         status = "[green]ok[/green]   " if ok else "[red]error[/red]"
         out.print(f"{status} {escape(subject)}{escape(detail)}")
-        for problem in problems:
-            if str(problem) not in told:
-                told.add(str(problem))
-                print(f"error: {problem}", file=sys.stderr)
+        new = [p for p in dict.fromkeys(map(str, problems)) if p not in told]
+        told.update(new)
+        print_problems(new)   # at most MAX_PROBLEMS, then how many more
 
     failed = 0
     for r in results:

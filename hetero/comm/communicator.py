@@ -37,6 +37,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from hetero.errors import lost_connection
+
 from . import hierarchical
 from .bridge import Bridge, StagingPool, make_bridge
 from .errors import HeteroCommError, HeteroCommTimeout, ReduceOp, divide_
@@ -47,9 +49,6 @@ from .vendors import backend_for, check_vendor_list, device_type_for, ensure_bac
 from .work import Work
 
 DEFAULT_TIMEOUT = 300.0
-
-_CLOSED_CONNECTION = ("connection closed", "connection reset", "broken pipe")
-"""Phrases of a transport error that says a peer's connection went away (the peer died or left)."""
 
 
 class Communicator:
@@ -195,7 +194,7 @@ class Communicator:
     def _failure(self, op: str, g: Group, seq: int, exc: BaseException, peer: Optional[int]) -> Exception:
         msg = str(exc)
         low = msg.lower()
-        closed = any(s in low for s in _CLOSED_CONNECTION)
+        closed = lost_connection(msg)
         timeoutish = isinstance(exc, TimeoutError) or closed or "timed out" in low or "timeout" in low
         if not timeoutish:
             return exc if isinstance(exc, Exception) else RuntimeError(msg)
@@ -215,8 +214,12 @@ class Communicator:
             who = f"ranks that did not arrive: {missing}"
         else:
             who = "every rank arrived; a peer failed or is too slow"
-        text = (f"hetero.comm: {what} did not complete on rank {self.rank} within its timeout of {self.timeout:g} s; "
-                f"{who}. Cause: {msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__}")
+        cause = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+        if closed:   # at once, not after the timeout: a peer's process ended or left
+            text = f"hetero.comm: {what} on rank {self.rank}: a peer closed its connection (its process ended); {who}"
+        else:
+            text = (f"hetero.comm: {what} did not complete on rank {self.rank} within its timeout of "
+                    f"{self.timeout:g} s; {who}. Cause: {cause}")
         self._broken = text
         return HeteroCommTimeout(text, op=op, group=g.name, ranks=g.ranks, missing=missing)
 

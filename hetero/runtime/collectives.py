@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from hetero.errors import HeteroError
+from hetero.errors import HeteroError, clip, lost_connection
 
 
 class CommError(HeteroError):
@@ -221,9 +221,12 @@ class Collectives:
         except Exception as e:  # noqa: BLE001 - re-raised with the peers named
             others = [p for p in peers if p != self.rank]
             who = "; ".join(self.describe(p) for p in others[:8]) + (" ..." if len(others) > 8 else "")
+            text = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+            if lost_connection(str(e)):   # at once: no timeout was waited for
+                raise CommError(f"{what}: lost the connection to {who or 'a peer'} (its process ended)") from e
             kind = "timed out" if "timeout" in str(e).lower() or "timed out" in str(e).lower() else "failed"
             raise CommError(f"{what} {kind} after waiting on {who or 'peers'} "
-                            f"(timeout {self.timeout_s:g} s): {str(e).splitlines()[0][:300]}") from e
+                            f"(timeout {self.timeout_s:g} s): {clip(text, 300)}") from e
 
     def shutdown(self) -> None:
         try:

@@ -159,6 +159,7 @@ class NativeEngine:
             else:
                 buffers.update(bind_gradient_buffers(self.module, self.buckets))
 
+        wall_offset = time.time() - time.perf_counter()   # trace events are wall-clock, as the schedule's
         t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
                                  self.mbs / B * S, timings, bind if self.gradient_buffers else None)
@@ -183,8 +184,12 @@ class NativeEngine:
             scaled_step(self.optimizer, params, clip_coefficient(norm, self.ctx.options.clip) / S)
 
         gather_s = 0.0
+        # the trace's measured step holds what the predicted one does: the gradient sync (with the
+        # norm's all-reduce) and the optimizer after the schedule
+        timings.events.append(("S", -1, wall_offset + t_sched, t_sync - t_sched))
         if finite:
-            _, _, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown, waiter(self.device))
+            _, t_opt, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown, waiter(self.device))
+            timings.events.append(("O", -1, t_opt, timings.optimizer_s))
             if self.sharded:   # communication: counted with the gradient sync
                 t_gather = time.perf_counter()
                 self.sharded.gather_parameters()

@@ -37,10 +37,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from hetero.errors import HeteroError, Problem
+from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import LOOPBACK
+from hetero.runtime.torchrun_loopback import LOOPBACK, is_loopback
+from hetero.specs.units import plural
 
 LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
@@ -51,6 +52,11 @@ DEFAULT_PORT = 29500
 """Rendezvous port of a launch whose node slots start in calls of their own (torchrun's default)."""
 THIS_MACHINE = "localhost"
 """The machine key of node slots that run on the launching machine."""
+
+
+ADDRESS_PLACEHOLDER = "<address of node slot 0>"
+"""A dry run's rendezvous address when the cluster names no host for node slot 0 and no
+``--master-addr`` is given: the commands are shown, the address left for the user to fill in."""
 
 
 STARTUP_GRACE_S = 30.0
@@ -88,14 +94,15 @@ class NodeCommand:
     machine: str | None = THIS_MACHINE
     """Where it runs: its host, ``localhost`` (this machine), or None (a node the cluster names no host for)."""
 
-    def argv(self, local: bool) -> list[str]:
+    def argv(self) -> list[str]:
         """torchrun through :mod:`hetero.runtime.torchrun_loopback` (slot 0 hosts the rendezvous store:
-        on a loopback address it listens there only, where torchrun's own would bind every interface)."""
-        return [sys.executable if local else "python", "-m", NODE_LAUNCHER_MODULE] + self.torchrun_args
+        on a loopback address it listens there only, where torchrun's own would bind every interface),
+        run by this interpreter (on another machine: the same path, with hetero and torch installed)."""
+        return [sys.executable, "-m", NODE_LAUNCHER_MODULE] + self.torchrun_args
 
     def shell(self) -> str:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} {shlex.join(self.argv(local=False))}".strip()
+        return f"{env} {shlex.join(self.argv())}".strip()
 
 
 @dataclass
@@ -121,8 +128,10 @@ class Launch:
 
 
 def is_this_machine(host: str | None) -> bool:
-    """Whether a node's ``host`` (None: not named) is the machine running this process."""
-    return host in LOCAL_HOSTS or host == socket.gethostname() or host == socket.getfqdn()
+    """Whether a node's ``host`` (None: not named) is the machine running this process: any loopback
+    name or address (``localhost``, 127.0.0.2: node slots on them are started here, one call each
+    with ``--node-rank`` or all in one call), or this machine's own name."""
+    return host in LOCAL_HOSTS or is_loopback(host) or host == socket.gethostname() or host == socket.getfqdn()
 
 
 def machine_keys(nodes, families: list[str]) -> list:
@@ -151,10 +160,11 @@ def _machine_text(key) -> str:
 
 
 def _rendezvous(cluster, layout: RankLayout, machines: list, master_addr: str | None, master_port: int | None,
-                separate: bool) -> tuple[str, int]:
+                separate: bool, dry_run: bool = False) -> tuple[str, int]:
     """(address, port) of the static rendezvous. One machine: 127.0.0.1 and a free port unless given
     (:data:`DEFAULT_PORT` when the slots start in calls of their own, which must agree on it). Several:
-    ``--master-addr`` or the host of node slot 0, never a loopback address, port :data:`DEFAULT_PORT`."""
+    ``--master-addr`` or the host of node slot 0, never a loopback address, port :data:`DEFAULT_PORT`;
+    a dry run without either shows :data:`ADDRESS_PLACEHOLDER` where a launch would refuse."""
     distinct = list(dict.fromkeys(machines))
     if len(distinct) == 1:
         return master_addr or "127.0.0.1", master_port or (DEFAULT_PORT if separate else free_port())
@@ -164,18 +174,20 @@ def _rendezvous(cluster, layout: RankLayout, machines: list, master_addr: str | 
     first = layout.nodes[0]
     where = f"node slot 0 ({first.group}/{first.node})"
     if master_addr:
-        if master_addr in LOOPBACK:
+        if is_loopback(master_addr):
             raise HeteroError(f"--master-addr {master_addr}: {spans}, which cannot reach a loopback address "
                               f"(fix: give the address of {where}'s machine that the others reach)")
         return master_addr, port
     index = cluster.group_names.index(first.group)
+    if first.host is None and dry_run:
+        return ADDRESS_PLACEHOLDER, port
     if first.host is None:
         raise HeteroError(str(Problem(
             f"groups[{index}].hosts",
             f"{spans} and the cluster names no host for {where}, where the rendezvous listens",
             f"list each group's machines under 'hosts:', one per node, or give --master-addr with the address "
             f"of {where}'s machine (port {DEFAULT_PORT} unless --master-port)", cluster.source)))
-    if first.host in LOOPBACK:
+    if is_loopback(first.host):
         raise HeteroError(str(Problem(
             f"groups[{index}].hosts[{first.node}]", f"{first.host!r} holds the rendezvous ({where}), but {spans}, "
             f"which cannot reach a loopback address", "name that machine by an address the others reach, "
@@ -191,12 +203,20 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 
 def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | None = None,
-            master_port: int | None = None, run_dir: str | None = None, separate: bool = False) -> Launch:
+            master_port: int | None = None, run_dir: str | None = None, separate: bool = False,
+            dry_run: bool = False) -> Launch:
     """Check the plan (and the ``--data`` file), lay out ranks, write the run file and build every
-    node's command. ``separate``: each node slot is started by a call of its own (``--node-rank``)."""
-    from hetero.specs.plan import check_plan
+    node's command. ``separate``: each node slot is started by a call of its own (``--node-rank``);
+    ``dry_run``: the commands are only shown (an address no file names becomes a placeholder)."""
+    from hetero.specs.plan import check_plan, cross_node_tp
 
     check_plan(plan, cluster, model)
+    spanning = cross_node_tp(plan, cluster)
+    if spanning:   # predicted and validated (Megatron runs it); this runtime keeps tp inside a node
+        pi, si, tp, nodes = spanning[0]
+        raise HeteroError(f"pipelines[{pi}].stages[{si}]: tp={tp} spans {nodes} nodes, which hetero predict and "
+                          f"validate model but this runtime does not run: its tensor parallelism stays inside a "
+                          f"node (fix: tp of at most devices_per_node, with more pipeline stages)")
     if options.engine == "deepspeed":
         from hetero.runtime.ds_engine import check_deepspeed_plan
 
@@ -209,7 +229,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     families = [cluster.device_type(n.group).family for n in layout.nodes]
     machines = machine_keys(layout.nodes, families)
     local = len(set(machines)) == 1
-    addr, port = _rendezvous(cluster, layout, machines, master_addr, master_port, separate)
+    addr, port = _rendezvous(cluster, layout, machines, master_addr, master_port, separate, dry_run)
     owns_run_dir = not run_dir
     run_dir = run_dir or tempfile.mkdtemp(prefix="hetero-run-")
     os.makedirs(run_dir, exist_ok=True)
@@ -281,25 +301,38 @@ def _loopback_ifname() -> str:
     return "lo" if "lo" in names or not names else ("lo0" if "lo0" in names else names[0])
 
 
-def dry_run_text(launch: Launch) -> str:
-    """``--dry-run``: the rank map and every node's environment and torchrun command, as shell text."""
-    lines = [f"# {len(launch.nodes)} node slot(s), world size {launch.layout.world_size}, "
+def dry_run_text(launch: Launch, relaunch: list[str] | None = None) -> str:
+    """``--dry-run``: the rank map and every node's environment and torchrun command, as shell text.
+    Over several machines it says what each needs, and with ``relaunch`` (this ``hetero launch``
+    call's own argument list, without ``--dry-run``) the call to run on each instead."""
+    lines = [f"# {plural(len(launch.nodes), 'node slot')}, world size {launch.layout.world_size}, "
              f"rendezvous static at {launch.master_addr}:{launch.master_port}"
-             + ("" if launch.master_addr in LOOPBACK else " (non-loopback: reachable from the network)"),
+             + ("" if is_loopback(launch.master_addr) else " (non-loopback: reachable from the network)"),
              f"# run file (rank -> group / pipeline / stage map): {launch.spec_path}"]
+    if launch.master_addr == ADDRESS_PLACEHOLDER:
+        lines.append(f"# the cluster file names no host for node slot 0: put its machine's address where "
+                     f"{ADDRESS_PLACEHOLDER} stands (or list the groups' machines under 'hosts:', or give "
+                     f"--master-addr); a launch without one is refused")
+    if not launch.local:
+        lines.append(f"# each machine needs: hetero and torch installed for {sys.executable} (the interpreter "
+                     f"named below; edit it where another path holds them), and either the run file at "
+                     f"{launch.spec_path} (copy it there) for the torchrun commands, or, simpler, the cluster, "
+                     f"model and plan files for the `hetero launch --node-rank R` call shown for its slot "
+                     f"(which writes its own run file)")
     for r in launch.layout.ranks:
         lines.append(f"#   {describe_rank(r)}  node {r.group}/{r.node} local_rank {r.local_rank}")
     for cmd in launch.nodes:
         last = cmd.first_rank + cmd.num_ranks - 1
         host = cmd.machine or "not named in the cluster file"
         lines.append(f"\n# node slot {cmd.slot}: group {cmd.group} node {cmd.node} host {host}, "
-                     f"ranks {cmd.first_rank}-{last} ({cmd.num_ranks} processes)")
+                     f"ranks {cmd.first_rank}-{last} ({plural(cmd.num_ranks, 'process', 'processes')})")
         for k, v in cmd.env.items():
             lines.append(f"export {k}={shlex.quote(v)}")
-        lines.append(shlex.join(cmd.argv(local=False)))
+        lines.append(shlex.join(cmd.argv()))
         if not launch.local:
-            lines.append(f"# or, on that machine: hetero launch ... --master-addr {launch.master_addr} "
-                         f"--master-port {launch.master_port} --node-rank {cmd.slot}")
+            call = shlex.join([*(relaunch or ["hetero", "launch", "..."]), "--master-addr", launch.master_addr,
+                               "--master-port", str(launch.master_port), "--node-rank", str(cmd.slot)])
+            lines.append(f"# or, on that machine: {call}")
     return "\n".join(lines)
 
 
@@ -320,7 +353,7 @@ class _Job:
         for s in self.slots:
             cmd = self.launch.nodes[s]
             env = {**os.environ, **cmd.env}
-            self.procs[s] = subprocess.Popen(cmd.argv(local=True), env=env, start_new_session=True)
+            self.procs[s] = subprocess.Popen(cmd.argv(), env=env, start_new_session=True)
 
     def _file(self, rank: int, suffix: str) -> str:
         return os.path.join(self.run_dir, f"rank{rank}.{suffix}")
@@ -426,7 +459,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
         raise HeteroError(f"this run spans machines {', '.join(machines)}: run `hetero launch ... --node-rank R` "
                           f"on each, node slot R's machine (see --dry-run for every node's command)")
     check_devices_here(launch, slots)
-    if launch.master_addr not in LOOPBACK:
+    if not is_loopback(launch.master_addr):
         where = ("node slot 0's store runs here and listens on every interface" if 0 in slots
                  else "node slot 0's machine")
         print_fn(f"rendezvous on {launch.master_addr}:{launch.master_port} (non-loopback: {where})")
@@ -590,5 +623,5 @@ def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: 
                          f"exited with status {code}")
     others = [e for e in errors[1:]]
     if others:
-        lines.append("then: " + "; ".join(f"rank {e['rank']}: {e['message'][:160]}" for e in others[:4]))
+        lines.append("then: " + "; ".join(f"rank {e['rank']}: {clip(e['message'], 160)}" for e in others[:4]))
     return "training failed: " + "\n  ".join(lines)

@@ -36,6 +36,21 @@ CHECKOUT_KEY = "hetero/checkout/{slot}"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 """Master addresses whose rendezvous store is bound to the loopback interface only (the launcher's too)."""
 
+
+def is_loopback(addr: str | None) -> bool:
+    """Whether ``addr`` names this machine's loopback interface: ``localhost`` or any address of
+    127.0.0.0/8 or ::1 (127.0.0.2 is this machine too)."""
+    import ipaddress
+
+    if addr is None:
+        return False
+    if addr in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
 _NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
           "Error waiting on exit barrier", "Got termination signal")
 """torchelastic log lines this wrapper replaces: the agent being stopped, the failure summary that
@@ -87,7 +102,7 @@ def bind_store(addr: str, port: int):
 def host_store(addr: str, port: int):
     """Node slot 0's store server: on ``addr`` only when it is a loopback address, else on every
     interface as torchrun's own (the caller printed that address)."""
-    if addr in LOOPBACK:
+    if is_loopback(addr):
         return bind_store(addr, port)
     from torch.distributed import TCPStore
 
@@ -138,6 +153,18 @@ def _check_out(store, slot: int, nnodes: int, addr: str, port: int) -> None:
     client.set(CHECKOUT_KEY.format(slot=slot), "1")
 
 
+def _quiet_exit() -> None:
+    """torchelastic's handlers raise SignalException on SIGTERM even after torchrun returned: the
+    launcher's teardown then printed a traceback from the interpreter's exit. Once torchrun is done
+    a stop signal just ends this process."""
+    import signal
+
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     addr, port = master_endpoint(argv)
@@ -167,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a rendezvous that failed, a store that went away
         _say(slot_text, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         return 1
+    finally:
+        _quiet_exit()
     try:
         _check_out(store, slot, nnodes, addr, port)
     except Exception:  # noqa: BLE001 - the run succeeded; a check-out nobody waits for any more is moot

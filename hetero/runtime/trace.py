@@ -1,7 +1,7 @@
 """Chrome / Perfetto traces of training runs (``hetero launch --trace``).
 
 A run's trace has one process per rank and one complete event per forward (F) or backward (B)
-of a micro-batch. Event times are wall-clock (``time.time()``) on the ranks, so the traces of an
+of a micro-batch, then per step the gradient sync and the optimizer. Event times are wall-clock (``time.time()``) on the ranks, so the traces of an
 elastic run's attempts line up on one time axis: :func:`merge_traces` puts them in one file, each
 attempt's ranks as processes of their own, with a marker at each reconfiguration.
 """
@@ -13,8 +13,14 @@ ORIGIN_KEY = "clock_origin_unix_s"
 """``otherData`` entry: the wall-clock time (s) that a trace's ``ts`` 0 stands for."""
 
 
+_KINDS = {"F": (None, "forward"), "B": (None, "backward"), "S": ("gradient sync", "dp"),
+          "O": ("optimizer", "optimizer")}
+"""Event kind -> (name, or None for kind + micro-batch; category, as the predicted step's)."""
+
+
 def trace_dict(layout, events_by_rank: list) -> dict:
-    """A Chrome / Perfetto trace: one process per rank, one complete event per F / B.
+    """A Chrome / Perfetto trace: one process per rank, one complete event per F / B, and per step
+    the gradient sync (S) and the optimizer (O).
     ``events_by_rank[r]``: rank r's ``(kind, micro_batch, step, start_unix_s, duration_s)``."""
     all_t = [e[3] for evs in events_by_rank for e in evs]
     t0 = min(all_t) if all_t else 0.0
@@ -26,7 +32,8 @@ def trace_dict(layout, events_by_rank: list) -> dict:
         out.append({"name": "process_sort_index", "ph": "M", "pid": info.rank, "tid": 0,
                     "args": {"sort_index": info.rank}})
         for kind, mb, step, t, d in events_by_rank[info.rank]:
-            out.append({"name": f"{kind}{mb}", "cat": "forward" if kind == "F" else "backward", "ph": "X",
+            name, cat = _KINDS.get(kind, (None, "other"))
+            out.append({"name": name or f"{kind}{mb}", "cat": cat, "ph": "X",
                         "pid": info.rank, "tid": 0, "ts": (t - t0) * 1e6, "dur": d * 1e6,
                         "args": {"step": step, "micro_batch": mb, "stage": info.stage, "pipeline": info.pipeline}})
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {ORIGIN_KEY: t0}}

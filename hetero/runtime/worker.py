@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
+        from hetero.errors import lost_connection
         from hetero.runtime.trainer import InjectedFailure
 
         injected = isinstance(e, InjectedFailure)
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                 "rank": rank, "time": time.time(), "step": step_box["step"] + 1, "phase": step_box["phase"],
                 "kind": "injected" if injected else "exception", "where": describe_rank(info),
                 "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
+        if spec.options.elastic and not injected and lost_connection(msg):
+            # a survivor of a lost device: the launcher's 'elastic:' lines tell the story once
+            msg = f"lost a peer at step {step_box['step'] + 1} (its process ended); state handed off"
         print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
         if injected:
             os._exit(17)  # die like a crashed process: no clean shutdown of the process group

@@ -162,11 +162,12 @@ class Plan:
         write_yaml_atomic(path, self.to_dict(), header)
 
     def one_line(self) -> str:
-        """``2x[A100x4 tp4 L0-19 | MI250x8 tp8 L20-31] + ...``: a compact description."""
+        """``2x(a100[tp4,L0:20] | mi250[tp8,L20:32]) 8 mb + ...``: a compact description (layers
+        half-open, as in the file; micro-batches per replica)."""
         parts = []
         for p in self.pipelines:
-            stages = " | ".join(f"{s.group}[tp{s.tp},L{s.layers[0]}-{s.layers[1] - 1}]" for s in p.stages)
-            parts.append(f"{p.replicas}x({stages}) mb{p.micro_batches}")
+            stages = " | ".join(f"{s.group}[tp{s.tp},L{s.layers[0]}:{s.layers[1]}]" for s in p.stages)
+            parts.append(f"{p.replicas}x({stages}) {p.micro_batches} mb")
         return " + ".join(parts)
 
 
@@ -220,10 +221,12 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
                              did_you_mean(s.group, cluster.group_names))
                 continue
             g = cluster.group(s.group)
-            if s.tp > g.devices_per_node:
+            if s.tp > g.devices_per_node and not spans_whole_nodes(s.tp, g):
                 problems.add(_stage_path(pi, si, "tp"),
-                             f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}'",
-                             "tensor parallelism stays inside a node: lower tp or use pipeline stages")
+                             f"tp={s.tp} exceeds the {g.devices_per_node} devices of one node of group '{g.name}' "
+                             f"and is not a whole number of its {g.nodes} node(s)",
+                             "tensor parallelism stays inside a node or spans whole nodes: lower tp, use "
+                             "pipeline stages, or a multiple of devices_per_node")
         if plan.schedule == "interleaved":
             _check_interleave(plan, p, join_path("pipelines", pi), problems, cluster)
     _check_capacity(plan, cluster, problems)
@@ -233,6 +236,24 @@ def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<p
     # the model's dtype on the devices the plan uses (named in the cluster file, where the fix goes)
     problems.items.extend(model_problems(cluster, model, {s.group for p in plan.pipelines for s in p.stages}))
     problems.raise_if_any()
+
+
+def spans_whole_nodes(tp: int, group) -> bool:
+    """A tp group larger than a node that takes whole nodes of ``group`` (Megatron runs tp 16 over
+    two 8-device nodes): predicted and validated, its collectives over the inter-node links; the
+    runtime and the planner keep tp inside a node."""
+    per = group.devices_per_node
+    return tp > per and tp % per == 0 and tp // per <= group.nodes
+
+
+def cross_node_tp(plan: Plan, cluster: Cluster) -> list[tuple[int, int, int, int]]:
+    """``(pipeline, stage, tp, nodes)`` of every stage whose tp group spans several whole nodes."""
+    out = []
+    for pi, p in enumerate(plan.pipelines):
+        for si, s in enumerate(p.stages):
+            if s.group in cluster.group_names and spans_whole_nodes(s.tp, cluster.group(s.group)):
+                out.append((pi, si, s.tp, s.tp // cluster.group(s.group).devices_per_node))
+    return out
 
 
 def _stage_path(pipeline: int, stage: int, field: str) -> str:
@@ -291,7 +312,8 @@ def _check_coverage(stages, num_layers: int, path: str, problems: Problems) -> N
 
 def _check_interleave(plan: Plan, p: Pipeline, path: str, problems: Problems, cluster: Cluster) -> None:
     """Virtual stages map onto physical ones; interleaving needs two physical stages, and over
-    exactly two of one vendor a library that keeps message tags (see below)."""
+    exactly two that share one vendor, a library that keeps message tags (Gloo; not NCCL/RCCL or
+    HCCL): three or more physical stages, or two of different vendors, interleave on any library."""
     v, n = plan.interleave, len(p.stages)
     spath = join_path(path, "stages")
     if n % v:
@@ -336,12 +358,14 @@ def _check_capacity(plan: Plan, cluster: Cluster, problems: Problems) -> None:
     for name, tps in blocks.items():
         g = cluster.group(name)
         used = sum(tps)
+        whole = sum(t // g.devices_per_node for t in tps if spans_whole_nodes(t, g))   # nodes they take
+        tps = [t for t in tps if not spans_whole_nodes(t, g)]
         if used > g.num_devices:
             problems.add("pipelines", f"group '{name}' has {g.num_devices} devices "
                                       f"({g.nodes} nodes x {g.devices_per_node}) but the plan uses {used} "
                                       f"(sum over pipelines of replicas x tp per stage)",
                          "use fewer replicas or smaller tp in that group, or add nodes")
-        elif pack_blocks(tps, g.nodes, g.devices_per_node) is None:
+        elif whole > g.nodes or pack_blocks(tps, g.nodes - whole, g.devices_per_node) is None:
             problems.add("pipelines", f"the tp blocks {sorted(tps, reverse=True)} of group '{name}' do not fit "
                                       f"into {g.nodes} nodes of {g.devices_per_node} devices (a tp group stays inside one node)",
                          "use tp degrees that divide devices_per_node")

@@ -131,3 +131,8 @@ def format_quantity(value: float, kind: str, digits: int = 3) -> str:
         if value >= _DECIMAL[p]:
             return f"{value / _DECIMAL[p]:.{digits}g} {p}{suffix}"
     return f"{value:.{digits}g} {suffix}"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 replica``, ``2 replicas`` (``many``: the plural where it is not ``word + "s"``)."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
