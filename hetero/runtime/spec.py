@@ -51,6 +51,12 @@ class RunOptions:
     """On a peer's failure, survivors hand off their live state (:mod:`hetero.runtime.handoff`) and the
     launcher replans on the remaining devices (:mod:`hetero.runtime.elastic`)."""
     extra: list[str] = field(default_factory=list)
+    overlap: bool = True
+    bucket_mb: float = 25.0
+    """Native engine: the largest bucket of gradients one collective sums (MB of fp32), DDP's default."""
+    """Native engine: each bucket's gradient reduction starts as soon as the step's last backward has
+    finished it, under the rest of the backward (:mod:`hetero.runtime.overlap`); False: every bucket
+    after the schedule (``--no-overlap``)."""
 
 
 @dataclass
