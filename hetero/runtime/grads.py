@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.runtime.model import stage_param_shapes, tp_shard_dim
-from hetero.syncorder import in_sync_order
+from hetero.syncorder import BUCKET_CAP_BYTES, in_sync_order
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,6 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
         for name in shapes(r.chunk_layers(plan), *r.holds_ends(plan)):
             holders.setdefault(name, []).append(r.rank)
     return {k: tuple(sorted(v)) for k, v in holders.items()}
-
-
-BUCKET_CAP_BYTES = 25 * 2**20
-"""The largest bucket of gradients summed by one collective (fp32 bytes), DDP's default: small
-enough that the first buckets of a backward are finished, and on their way, while the rest of the
-backward runs; large enough that each collective moves megabytes, not a tensor at a time."""
 
 
 def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int,
