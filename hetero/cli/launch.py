@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="native engine: reduce the gradients after the schedule, not bucket by bucket under the "
                         "backward (for comparison)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="native engine: torch.compile each transformer block (default: on for CUDA / ROCm / Ascend "
+                        "ranks, off for CPU ranks, where compiling takes minutes on few cores)")
     p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="native engine: the largest bucket of gradients one collective sums (default 25, as DDP)")
     p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
@@ -171,7 +174,7 @@ def run(args) -> int:
                          save=os.path.abspath(args.save) if args.save else None,
                          load=os.path.abspath(args.load) if args.load else None,
                          threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
-                         overlap=args.overlap, bucket_mb=args.bucket_mb)
+                         overlap=args.overlap, bucket_mb=args.bucket_mb, compile=args.compile)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)

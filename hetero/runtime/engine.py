@@ -13,7 +13,7 @@ from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_
                                   clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
                                   weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
-from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
+from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,6 +93,7 @@ class NativeEngine:
         self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
                                   me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
+        compile_on = opts.compile if getattr(opts, "compile", None) is not None else self.device.type != "cpu"
         self.mesh = None
         if me.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -100,6 +101,8 @@ class NativeEngine:
             tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
             self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
             apply_tensor_parallel(self.module, self.mesh)
+        self.compiled = compile_blocks(self.module) if compile_on else 0
+        """How many transformer blocks run under torch.compile (0: eager)."""
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
         # a bucket whose holders share one tp degree sums (ZeRO: shards) over tp-rank peers
         # ... cut to about 25 MB each in reverse module order (the order the backward finishes them)

@@ -52,6 +52,9 @@ class RunOptions:
     launcher replans on the remaining devices (:mod:`hetero.runtime.elastic`)."""
     extra: list[str] = field(default_factory=list)
     overlap: bool = True
+    compile: bool | None = None
+    """Native engine: ``torch.compile`` every transformer block (:func:`hetero.runtime.model.compile_blocks`);
+    None: on where the rank computes on an accelerator, off on the CPU (compile time)."""
     bucket_mb: float = 25.0
     """Native engine: the largest bucket of gradients one collective sums (MB of fp32), DDP's default."""
     """Native engine: each bucket's gradient reduction starts as soon as the step's last backward has
