@@ -241,12 +241,6 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
     return by_holders
 
 
-def needs_tp_collective(bucket: Bucket, tp_size: int) -> bool:
-    """Whether summing ``bucket`` gathers full tensors inside the tp group (holders of several tp
-    degrees): a collective of its own, which must not run inside one rank's backward."""
-    return tp_size > 1 and bucket.peers is None and len(bucket.ranks) > 1
-
-
 def begin_bucket(bucket: Bucket, params: dict, holders: dict[str, tuple[int, ...]], comm, tp_size: int,
                  buffers: dict | None = None, label: str = ""):
     """Start summing one bucket's gradients: their collective is launched (asynchronously where it
