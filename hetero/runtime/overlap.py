@@ -23,7 +23,7 @@ gradients, and runs while the backward goes on through the earlier layers:
   collective of its own) and starts after the schedule, in order.
 
 What the overlap hides and what stays exposed is what the predictor models
-(:mod:`hetero.predictor.schedule`).
+(:meth:`hetero.predictor.placement.SyncPlan.spans`).
 """
 from __future__ import annotations
 
@@ -49,15 +49,11 @@ class OverlappedReduction:
         self._gate_open = False
         self._next = 0
         self._finishes: list = []
-        self.started_in_backward = 0
-        """How many buckets of the last step started before the schedule was done."""
         self._in_schedule = False
-        self._handles = []
         params = dict(module.named_parameters())
         for bucket in self.buckets:
             for name in bucket.names:
-                self._handles.append(params[name].register_post_accumulate_grad_hook(
-                    lambda p, name=name: self._accumulated(name)))
+                params[name].register_post_accumulate_grad_hook(lambda p, name=name: self._accumulated(name))
 
     # ------------------------------------------------------------------ the schedule's calls
     def start_step(self, p2p: bool) -> None:
@@ -68,7 +64,6 @@ class OverlappedReduction:
         self._finishes = []
         self._gate_open = not p2p
         self._in_schedule = True
-        self.started_in_backward = 0
 
     def arm(self, chunk: int) -> None:
         """The next backward pass of ``chunk`` is its last of the step: the gradients it accumulates are final."""
@@ -92,7 +87,6 @@ class OverlappedReduction:
             if any(n not in self._ready for n in bucket.names):
                 return
             self._start(i)
-            self.started_in_backward += 1
 
     def _start(self, i: int) -> None:
         self._next = i + 1
@@ -108,11 +102,6 @@ class OverlappedReduction:
             fin(out)
         self._finishes = []
         return out
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def chunk_of_params(module) -> dict[str, int]:
