@@ -93,7 +93,7 @@ class NativeEngine:
         self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
                                   me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
-        compile_on = opts.compile if getattr(opts, "compile", None) is not None else self.device.type != "cpu"
+        compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"
         self.mesh = None
         if me.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -108,7 +108,7 @@ class NativeEngine:
         # ... cut to about 25 MB each in reverse module order (the order the backward finishes them)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
                                      ctx.layout, sizes={n: p.numel() for n, p in self.module.named_parameters()},
-                                     cap_bytes=int(getattr(opts, "bucket_mb", 25.0) * 2**20))
+                                     cap_bytes=int(opts.bucket_mb * 2**20))
         self.sharded = None
         """ZeRO (``zero_stage >= 1``): AdamW state sharded over each holder set (:mod:`hetero.runtime.zero`)."""
         if ctx.plan.zero_stage >= 1:
@@ -134,7 +134,7 @@ class NativeEngine:
                                       slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype],
                                       device=self.device)
         self._buffers: dict = {}
-        self.reducer = self._overlapped_reduction() if getattr(opts, "overlap", True) else None
+        self.reducer = self._overlapped_reduction() if opts.overlap else None
         """Buckets reduced under the backward (:mod:`hetero.runtime.overlap`); None: after the schedule."""
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
