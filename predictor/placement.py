@@ -251,9 +251,10 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         firsts.append((pi, 0, f.group, f.tp, p.replicas))
         lasts.append((pi, (V - 1) % phys, la.group, la.tp, p.replicas))
     cuts = sorted(cuts)
-    # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
-    # layer range, embedding and head with the same holders are summed before the ring is costed,
-    # so a set's latency terms count once.
+    # One all-reduce per holder set: bytes of every layer range, embedding and head with the same
+    # holders are summed before the ring is costed, so a set's latency terms count once. (The
+    # runtime, hetero.runtime.grads, cuts a set into buckets of 25 MB that run back to back, each
+    # with its own latency; those latencies are left out.)
     bucket_bytes: dict[tuple, tuple[dict, float]] = {}   # holders -> ({split dim size: bytes}, whole)
     layered: dict[tuple, float] = {}   # holders -> bytes of layers and head (finished bucket by bucket)
     at_end: dict[tuple, float] = {}    # holders -> bytes finished when the backward ends (embeddings)
@@ -301,8 +302,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
 
 def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) -> list[tuple[frozenset, float]]:
     """The gradient all-reduces of a step in the order every rank runs them, as (holder stages,
-    seconds), from ``held`` (holder stages -> seconds; the runtime puts all parameters with one
-    holder set in one bucket, :mod:`hetero.runtime.grads`).
+    seconds), from ``held`` (holder stages -> seconds; all parameters with one holder set, which the
+    runtime sums in buckets of 25 MB back to back, :mod:`hetero.runtime.grads`).
 
     ``packed`` (the hetero runtime): the ranks agree on the order of the holder sets as sorted
     tuples of rank numbers (:func:`hetero.layout.build_layout` numbers ranks group by group in

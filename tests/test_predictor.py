@@ -478,9 +478,9 @@ def test_cross_vendor_dp_sync_stages_through_the_host_once():
 
 
 def test_dp_sync_is_one_all_reduce_per_holder_set():
-    """The runtime sums all parameters with one holder set in one bucket (hetero.runtime.grads), so a
-    one-stage plan's sync is one all-reduce of every gradient: the latency counts once, not once per
-    layer."""
+    """The predictor costs all parameters with one holder set as one all-reduce (the runtime sums
+    them in 25 MB buckets back to back, hetero.runtime.grads), so a one-stage plan's sync is one
+    all-reduce of every gradient: the latency counts once, not once per layer."""
     cluster = hetero.load_cluster({**CLUSTER, "groups": [
         {**g, "intra_node": {"bandwidth": "100 GB/s", "latency": "10 us"}} for g in CLUSTER["groups"]]})
     model = hetero.load_model(GPT)
