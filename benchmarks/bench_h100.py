@@ -106,6 +106,24 @@ def step_inputs(run: dict, attention: str) -> tuple[dict, dict, dict]:
     return CLUSTER, spec, plan
 
 
+def launch_summary(run: dict, steps: int, attention: str = "fused") -> tuple[dict | None, str]:
+    """`hetero launch` of the measured step ``run`` (:func:`step_inputs`) for ``steps`` steps on this
+    machine's GPU: (the run summary, "") or (None, the end of its stderr) when it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        for name, body in zip(("cluster", "model", "plan"), step_inputs(run, attention)):
+            files[name] = Path(tmp) / f"{name}.yaml"
+            files[name].write_text(yaml.safe_dump(body))
+        summary_path = Path(tmp) / "summary.json"
+        res = subprocess.run([sys.executable, "-m", "hetero", "launch", "--cluster", str(files["cluster"]),
+                              "--model", str(files["model"]), "--plan", str(files["plan"]), "--steps", str(steps),
+                              "--summary", str(summary_path), "--quiet", "--timeout", "600"],
+                             capture_output=True, text=True, cwd=REPO, timeout=900)
+        if res.returncode:
+            return None, res.stderr[-2000:]
+        return json.loads(summary_path.read_text()), ""
+
+
 def _predict(tmp: Path, run: dict, cache: Path) -> dict:
     """`hetero predict --json` of the run's step, with ``cache`` as the profile cache."""
     files = dict(zip(("cluster.yaml", "model.yaml", "plan.yaml"), step_inputs(run, ATTENTION)))

@@ -20,6 +20,13 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable, Sequence
 
+BUCKET_CAP_BYTES = 25 * 2**20
+"""The largest bucket of gradients one collective sums (fp32 bytes), DDP's default: small enough
+that the first buckets of a backward are finished, and on their way, while the rest of the backward
+runs (:mod:`hetero.runtime.overlap`); large enough that each collective moves megabytes, not a
+tensor at a time. The runtime cuts each holder set's parameters so, and the predictor counts the
+last bucket as what the backward cannot hide."""
+
 
 def sync_rounds(holder_sets: Sequence[Iterable[Hashable]]) -> list[int]:
     """Round of each holder set, walking them in the given (agreed) order; -1 for a set of one
@@ -48,4 +55,4 @@ def in_sync_order(holder_sets: Sequence[Iterable[Hashable]]) -> list[int]:
     return sorted(range(len(rounds)), key=lambda i: (rounds[i], i))
 
 
-__all__ = ["in_sync_order", "sync_rounds"]
+__all__ = ["BUCKET_CAP_BYTES", "in_sync_order", "sync_rounds"]

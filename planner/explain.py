@@ -114,10 +114,16 @@ def _step_split(plan, pred) -> str:
     busy = max(slowest.micro_batches * sum(s.forward_time_s + s.backward_time_s for s in slowest.stages[j::phys])
                for j in range(phys))
     t = pred.iteration_time_s or 1.0
+    stages = [s for p in pred.pipelines for s in p.stages]
+    longest = max(stages, key=lambda s: s.dp_sync_time_s)
+    under = max(0.0, getattr(longest, "schedule_end_s", 0.0) - getattr(longest, "dp_sync_start_s", 0.0))
+    hidden = (f"; the longest, {longest.group}'s {longest.dp_sync_time_s:.3g} s, runs {under:.3g} s of it under "
+              f"its last backward" if under > 0 else "")
     return (f"the step's {pred.iteration_time_s:.3g} s are the slowest pipeline's schedule "
             f"{slowest.pipeline_time_s:.3g} s (its busiest device computes {busy:.3g} s of it; the rest is "
-            f"bubble and transfers), then the gradient sync over every replica of every group {pred.dp_sync_time_s:.3g} s "
-            f"({pred.dp_sync_time_s / t * 100:.0f}%) and the optimizer {pred.optimizer_time_s:.3g} s")
+            f"bubble and transfers), then what the backward did not hide of the gradient sync over every replica "
+            f"of every group {pred.dp_sync_time_s:.3g} s ({pred.dp_sync_time_s / t * 100:.0f}%{hidden}) and the "
+            f"optimizer {pred.optimizer_time_s:.3g} s")
 
 
 def _schedule_reason(best, scorer) -> str | None:

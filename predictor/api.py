@@ -5,10 +5,13 @@ a pipeline; the replicas of a pipeline run alike):
 1. the simulated pipeline schedule of one replica (:mod:`.schedule`); the device is done when its
    own last op has ended and its last sends have arrived (it waits for them), not when its
    pipeline is;
-2. the data-parallel gradient sync, not overlapped with backward: the device's buckets (parameters
-   with one holder set, in an order all ranks share) one after another, each an all-reduce that
-   starts when the last of its holders -- replicas, and stages of other pipelines holding the same
-   layers -- gets to it (:meth:`.placement.SyncPlan.spans`; costs and NIC sharing per the placement);
+2. the data-parallel gradient sync: the device's buckets (parameters with one holder set, in an
+   order all ranks share) one after another, each an all-reduce that starts when the last of its
+   holders -- replicas, and stages of other pipelines holding the same layers -- gets to it
+   (:meth:`.placement.SyncPlan.spans`; costs and NIC sharing per the placement). Overlapped with
+   the backward as the runtime runs it: a bucket may start as early as its holders' last backward
+   pass does, and only its tail (the last 25 MB bucket, the embeddings, ZeRO's all-gather) waits
+   for the end of the backward; ``dp_sync_exposed_s`` is what remains after the schedule;
 3. the all-reduce of the squared gradient norm over every rank: no optimizer starts before the
    last device has synced;
 4. the optimizer step (memory-bound Adam), all devices from that moment, the slowest last;
@@ -68,6 +71,9 @@ class StagePrediction:
     """When its first gradient all-reduce starts (no earlier than that bucket's last holder)."""
     dp_sync_end_s: float = 0.0
     """When its gradient sync ends; then it waits for the gradient-norm all-reduce over every rank."""
+    dp_sync_exposed_s: float = 0.0
+    """Of its gradient sync, the seconds after its schedule is done (what the backward did not hide,
+    waits for peers included)."""
 
     @property
     def launch_bound(self) -> bool:
@@ -102,7 +108,7 @@ class StagePrediction:
                        p2p_time_s=self.p2p_time_s, layer_dispatch_s=self.layer_dispatch_s,
                        layer_device_s=self.layer_device_s, launch_bound=self.launch_bound,
                        schedule_end_s=self.schedule_end_s, dp_sync_start_s=self.dp_sync_start_s,
-                       dp_sync_end_s=self.dp_sync_end_s)
+                       dp_sync_end_s=self.dp_sync_end_s, dp_sync_exposed_s=self.dp_sync_exposed_s)
         return out
 
 
@@ -213,7 +219,7 @@ def cost_model_for(cluster, model, calibration=None, allocator: str | None = Non
 
 def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
             timeline: bool = False, check: bool = True, placement: str = "packed",
-            allocator: str | None = None) -> Prediction:
+            allocator: str | None = None, overlap: bool = True) -> Prediction:
     """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule.
 
     ``placement``: how ranks map to nodes (:mod:`hetero.predictor.placement`): ``packed``, the
@@ -223,7 +229,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
 
     ``allocator`` (``caching`` | ``planned``; default: ``cost_model``'s): fit is judged by the bytes
     that allocator reserves for each stage's peak (:mod:`hetero.predictor.allocator`) rather than
-    the peak itself."""
+    the peak itself. ``overlap``: the runtime reduces gradient
+    buckets under the backward (its default); False: after the schedule (``hetero launch --no-overlap``)."""
     if check:
         check_plan(plan, cluster, model)
     cm = cost_model or cost_model_for(cluster, model, calibration, allocator)
@@ -235,6 +242,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     sync = cm.dp_sync_plan(plan, placement)
     links = cm.p2p_links(plan, placement)
     ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
+    hide: list[float] = []   # ... the backward under which its first finished buckets are reduced
+    sends_after: list[bool] = []   # ... it sends a gradient after its last backward (not a first stage)
     owners: list[tuple[StagePrediction, int]] = []  # each stage and the number of its device in ready
     events: list | None = [] if timeline else None
     pipes: list[PipelinePrediction] = []
@@ -265,6 +274,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             dev_ready = [max(dev_ready[i::phys]) for i in range(phys)]
         base = len(ready)
         ready.extend(dev_ready)
+        # a device's last backward pass (its chunk 0's, interleaved): the gradients of its later
+        # layers are final from its start, and reduced under the rest of it (hetero.runtime.overlap)
+        hide.extend(bwd[i] if overlap else 0.0 for i in range(phys))
+        sends_after.extend(i > 0 for i in range(phys))
         # memory and optimizer per physical stage (a device holds all its chunks)
         dev_layers = [0] * phys
         for k, s in enumerate(stages):
@@ -301,10 +314,11 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                                         micro_batch_size=mbs, pipeline_time_s=ptime))
         if ptime > slowest_t:
             slowest, slowest_t = pi, ptime
-    starts, ends = sync.spans(ready)
+    starts, ends = sync.spans(ready, hide, sends_after)
     synced = max(ends)
     for sp, i in owners:
         sp.schedule_end_s, sp.dp_sync_start_s, sp.dp_sync_end_s = ready[i], starts[i], ends[i]
+        sp.dp_sync_exposed_s = ends[i] - ready[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
     it = synced + opt_max + overhead

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 
-from hetero.syncorder import in_sync_order
+from hetero.syncorder import BUCKET_CAP_BYTES, in_sync_order
 
 PLACEMENTS = ("packed", "megatron")
 
@@ -131,6 +131,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     own: dict[tuple[int, int], float] = {}
     crossed: dict[tuple[int, int], set] = {}
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
+    tail: dict[frozenset, float] = {}   # holder stages -> of those, seconds the backward cannot hide
+    bridged: dict[frozenset, bool] = {}   # holder stages -> their sum crosses vendors (host bridge)
 
     def ring(holders, nbytes):
         """holders: list of (pi, k, group, tp, replicas); nbytes: ({size of the split dim: bytes of
@@ -166,6 +168,12 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
                 t += rings(holders, nb, full, touched, calls)
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
         held[stages_held] = held.get(stages_held, 0.0) + t
+        # the part of the sum that waits for the end of the backward: the last bucket (the first
+        # layer's, the embedding); under ZeRO also the all-gather after the optimizer (half of t)
+        late, total = last_bytes.get(tuple(holders), (0.0, 0.0))
+        phi = min(1.0, late / total) if total > 0 else 1.0
+        tail[stages_held] = tail.get(stages_held, 0.0) + (t * (1 + phi) / 2 if zs >= 1 else t * phi)
+        bridged[stages_held] = bridged.get(stages_held, False) or len({cm._dev[h[2]].vendor for h in holders}) > 1
         for sk in stages_held:
             own[sk] = own.get(sk, 0.0) + t
             crossed.setdefault(sk, set()).update(touched)
@@ -243,17 +251,22 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         firsts.append((pi, 0, f.group, f.tp, p.replicas))
         lasts.append((pi, (V - 1) % phys, la.group, la.tp, p.replicas))
     cuts = sorted(cuts)
-    # One all-reduce per holder set, as the runtime buckets (hetero.runtime.grads): bytes of every
-    # layer range, embedding and head with the same holders are summed before the ring is costed,
-    # so a set's latency terms count once.
+    # One all-reduce per holder set: bytes of every layer range, embedding and head with the same
+    # holders are summed before the ring is costed, so a set's latency terms count once. (The
+    # runtime, hetero.runtime.grads, cuts a set into buckets of 25 MB that run back to back, each
+    # with its own latency; those latencies are left out.)
     bucket_bytes: dict[tuple, tuple[dict, float]] = {}   # holders -> ({split dim size: bytes}, whole)
+    layered: dict[tuple, float] = {}   # holders -> bytes of layers and head (finished bucket by bucket)
+    at_end: dict[tuple, float] = {}    # holders -> bytes finished when the backward ends (embeddings)
 
-    def add(holders, split=(), whole=0.0):
+    def add(holders, split=(), whole=0.0, last=False):
         key = tuple(sorted(set(holders)))
         by_size, w0 = bucket_bytes.get(key, ({}, 0.0))
         for size, nb in split:
             by_size[size] = by_size.get(size, 0.0) + nb
         bucket_bytes[key] = (by_size, w0 + whole)
+        into = at_end if last else layered
+        into[key] = into.get(key, 0.0) + sum(nb for _, nb in split) + whole
 
     model, e = cm.model, cm.grad_bytes(placement)
     W = model.tp_replicated_per_layer() * e
@@ -265,11 +278,16 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
     words = V * model.hidden_size * e
     copies = [h for h, f in zip(lasts, firsts) if h[1] != f[1]] if model.tie_embeddings else []
     # the last stages' copy of the word embedding joins its sum; learned positions do not
-    add(firsts + copies, [(V, words)])
+    add(firsts + copies, [(V, words)], last=True)
     if model.position_params():
-        add(firsts, whole=model.position_params() * e)
+        add(firsts, whole=model.position_params() * e, last=True)
     norm = model.final_norm_params() * e
     add(lasts, [(V, model.head_params() * e - norm)], whole=norm)
+    # per holder set: (bytes the backward finishes last, all its bytes): the embeddings, and of the
+    # layers the last bucket the runtime cuts (hetero.runtime.grads.BUCKET_CAP_BYTES of fp32)
+    cap = BUCKET_CAP_BYTES * e / 4
+    last_bytes = {key: (at_end.get(key, 0.0) + min(cap, layered.get(key, 0.0)),
+                        at_end.get(key, 0.0) + layered.get(key, 0.0)) for key in bucket_bytes}
     for holders, nbytes in bucket_bytes.items():
         ring(list(holders), nbytes)
     out = {}
@@ -279,13 +297,13 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             for gn in crossed.get((pi, k), ()):
                 t = max(t, node_load[gn])
             out[(pi, k)] = t
-    return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held))
+    return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held), tail, bridged)
 
 
 def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) -> list[tuple[frozenset, float]]:
     """The gradient all-reduces of a step in the order every rank runs them, as (holder stages,
-    seconds), from ``held`` (holder stages -> seconds; the runtime puts all parameters with one
-    holder set in one bucket, :mod:`hetero.runtime.grads`).
+    seconds), from ``held`` (holder stages -> seconds; all parameters with one holder set, which the
+    runtime sums in buckets of 25 MB back to back, :mod:`hetero.runtime.grads`).
 
     ``packed`` (the hetero runtime): the ranks agree on the order of the holder sets as sorted
     tuples of rank numbers (:func:`hetero.layout.build_layout` numbers ranks group by group in
@@ -353,14 +371,20 @@ class SyncPlan:
     """The data-parallel gradient sync of a plan's structure; stages are numbered in (pipeline,
     physical stage) order, the order of :attr:`stages`."""
 
-    __slots__ = ("stages", "buckets", "first", "totals")
+    __slots__ = ("stages", "buckets", "first", "totals", "tails", "bridged")
 
-    def __init__(self, totals: dict, buckets: list[tuple[frozenset, float]]):
+    def __init__(self, totals: dict, buckets: list[tuple[frozenset, float]], tails: dict | None = None,
+                 bridged: dict | None = None):
         self.stages = tuple(totals)
         """(pipeline, physical stage) of each stage number."""
         index = {sk: i for i, sk in enumerate(self.stages)}
         self.buckets = tuple((tuple(sorted(index[sk] for sk in hs)), t) for hs, t in buckets)
         """(holder stage numbers, seconds) of each all-reduce, in the order the ranks run them."""
+        self.tails = tuple(min(t, (tails or {}).get(hs, t)) for hs, t in buckets)
+        """Per bucket: seconds of it that wait for the end of its holders' backward (the last
+        bucket the runtime cuts, the embeddings; ZeRO's all-gather): the rest can run under it."""
+        self.bridged = tuple(bool((bridged or {}).get(hs, False)) for hs, _ in buckets)
+        """Per bucket: whether its sum crosses vendors through the host bridge."""
         first = [-1] * len(self.stages)
         for j, (hs, _) in enumerate(self.buckets):
             for h in hs:
@@ -371,24 +395,40 @@ class SyncPlan:
         self.totals = tuple(totals.values())
         """Per stage: seconds of its own sync (NIC sharing included)."""
 
-    def spans(self, ready) -> tuple[list[float], list[float]]:
+    def spans(self, ready, hide=None, sends_after=None) -> tuple[list[float], list[float]]:
         """(start, end) of every stage's gradient sync (lists by stage number), the stages done
         with their schedules at ``ready``. Every rank runs its buckets in order, each an all-reduce
         among the bucket's holders that starts when the last of them gets to it; a stage's sync
-        also lasts at least its own time (``totals``: NIC sharing) from its first bucket."""
-        cur = list(ready)
+        also lasts at least its own time (``totals``: NIC sharing) from its first bucket.
+
+        ``hide`` (per stage, seconds; None: no overlap): the backward that runs after the stage's
+        first gradients are final (its last backward pass), under which the runtime
+        (:mod:`hetero.runtime.overlap`) reduces the buckets it has finished. A bucket may then start
+        that long before its holders are done, but its :attr:`tails` part waits for the last of
+        them to be done. A bucket across vendors waits for the end of the schedule on a stage that
+        still sends a gradient after its last backward (``sends_after``, per stage: not a first
+        stage), since the runtime starts it after the rank's last point-to-point operation."""
+        early = list(ready) if hide is None else [r - h for r, h in zip(ready, hide)]
+        cur = list(early)
         began = []
-        for hs, t in self.buckets:
+        for (hs, t), tail, bridged in zip(self.buckets, self.tails, self.bridged):
             s = cur[hs[0]]
+            done = ready[hs[0]]
             for h in hs:
-                if cur[h] > s:
-                    s = cur[h]
+                at = ready[h] if bridged and sends_after is not None and sends_after[h] and ready[h] > cur[h] \
+                    else cur[h]
+                if at > s:
+                    s = at
+                if ready[h] > done:
+                    done = ready[h]
             began.append(s)
-            s += t
+            mid = s + t - tail
+            s = (mid if mid > done else done) + tail
             for h in hs:
                 cur[h] = s
         starts = [ready[i] if j < 0 else began[j] for i, j in enumerate(self.first)]
         ends = [e if e > s + t else s + t for e, s, t in zip(cur, starts, self.totals)]
+        ends = [e if e > r else r for e, r in zip(ends, ready)]
         return starts, ends
 
 

@@ -1,9 +1,10 @@
 """The predicted iteration and its Chrome trace (``hetero predict --timeline``) are one computation.
 
-The runtime (hetero/runtime/engine.py) starts a rank's gradient sync when its own schedule is done
-(its last op and its pending sends), sums each bucket of gradients with one all-reduce over every
-rank holding them (which cannot start before the last holder arrives), then all-reduces the
-squared gradient norm over the world before any rank's optimizer step. So: the trace obeys the
+The runtime (hetero/runtime/engine.py, hetero/runtime/overlap.py) starts a rank's gradient sync
+under its last backward pass (with --no-overlap: when its own schedule is done, its last op and its
+pending sends), sums each bucket of gradients with one all-reduce over every rank holding them
+(which cannot start before the last holder arrives), then all-reduces the squared gradient norm over
+the world before any rank's optimizer step. So: the trace obeys the
 schedule's rules (each op after its input, one op at a time per device, the optimizers after every
 sync); the iteration is no shorter than any stage's own schedule end + its sync + its optimizer; a
 stage's sync cannot end before any stage it shares gradients with is ready. A two-stage step with
@@ -65,8 +66,9 @@ def check_trace_follows_the_rules(pred):
     """What any correct step obeys, whatever its numbers (:mod:`hetero.predictor.schedule`): every
     micro-batch goes forward and backward once through every (virtual) stage; a device runs one op
     at a time; an op starts once its input is there (the previous stage's op plus the p2p transfer;
-    the last stage's backward after its own forward); a stage's sync starts when it is done and lasts
-    at least its own transfer time; the optimizers start together, after every op and every sync;
+    the last stage's backward after its own forward); a stage's sync starts no earlier than its last
+    backward pass (when it is done, without overlap), ends no earlier than its schedule and lasts at
+    least its own transfer time; the optimizers start together, after every op and every sync;
     the iteration holds each stage's schedule, sync and optimizer. The exact numbers are checked by
     hand in :func:`test_a_two_stage_step_is_the_schedule_worked_by_hand`."""
     it = pred.iteration_time_s
@@ -95,9 +97,9 @@ def check_trace_follows_the_rules(pred):
             done = max(_end(e) for e in ops if e["tid"] == 2 * i)
             s = pp.stages[i]
             assert s.schedule_end_s >= done - eps
-            assert s.dp_sync_start_s >= s.schedule_end_s - eps
-            assert s.dp_sync_end_s >= s.dp_sync_start_s + s.dp_sync_time_s - eps
-            assert it + eps >= done + s.dp_sync_time_s + s.optimizer_time_s + pred.overhead_time_s
+            assert s.dp_sync_start_s >= s.schedule_end_s - s.backward_time_s - eps
+            assert s.dp_sync_end_s >= max(s.schedule_end_s, s.dp_sync_start_s + s.dp_sync_time_s) - eps
+            assert it + eps >= s.dp_sync_end_s + s.optimizer_time_s + pred.overhead_time_s
     opt = [e for e in xs if e["cat"] == "optimizer"]
     assert len(opt) == sum(len({e["tid"] for e in xs if e["pid"] == pi and e["cat"] == "forward"})
                            for pi in range(len(pred.pipelines)))
@@ -180,11 +182,12 @@ def test_a_two_stage_step_is_the_schedule_worked_by_hand():
     The pipeline takes 19 s. Stage 1 is done at 17 (its last op ends at 16.5, its gradient for B2
     arrives at 17), stage 0 at 19. The shared all-reduce waits for stage 0: 19-19.5; then stage 0's
     own 19.5-19.75 and stage 1's 19.5-20.25, but stage 1's sync lasts 1.5 s from 19: 20.5. The
-    optimizers start at 20.5 (0.125 and 0.375 s), the overhead runs 20.875-20.9375: the step."""
+    optimizers start at 20.5 (0.125 and 0.375 s), the overhead runs 20.875-20.9375: the step. Without
+    overlap (``--no-overlap``), the rule these hand times follow."""
     c, m = hetero.load_cluster(CLUSTER), hetero.load_model(GPT)
     plan = hetero.load_plan({"global_batch_size": 6, "micro_batch_size": 1, "pipelines": [
         {"replicas": 2, "micro_batches": 3, "stages": [_st("a100", 1, 0, 18), _st("a100", 1, 18, 36)]}]})
-    pred = predict(c, m, plan, cost_model=_HandCosts(c, m), timeline=True)
+    pred = predict(c, m, plan, cost_model=_HandCosts(c, m), timeline=True, overlap=False)
 
     assert pred.iteration_time_s == pytest.approx(20.9375, rel=1e-12)
     assert pred.pipelines[0].pipeline_time_s == pytest.approx(19.0, rel=1e-12)
@@ -219,7 +222,7 @@ def test_a_fast_pipeline_waits_for_the_slow_one_it_shares_layers_with():
     plan = hetero.load_plan({"global_batch_size": 40, "micro_batch_size": 1, "pipelines": [
         {"replicas": 1, "micro_batches": 32, "stages": [_st("a100", 4, 0, 36)]},
         {"replicas": 1, "micro_batches": 8, "stages": [_st("mi250", 1, 0, 36)]}]})
-    pred = predict(c, m, plan, timeline=True)
+    pred = predict(c, m, plan, timeline=True, overlap=False)   # with overlap: one backward pass earlier
     fast, slow = pred.pipelines[0].stages[0], pred.pipelines[1].stages[0]
     assert fast.schedule_end_s != slow.schedule_end_s
     late = max(fast.schedule_end_s, slow.schedule_end_s)

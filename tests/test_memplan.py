@@ -486,8 +486,8 @@ def test_the_runtime_sums_gradients_through_one_buffer_and_back_in_place():
     from hetero.runtime.model import StageModel
 
     class NoComm:
-        def all_reduce(self, t, ranks):
-            pass
+        def all_reduce_async(self, t, ranks, label=""):
+            return _Done()
 
     model = hetero.load_model({**TINY, "num_layers": 2})
     rec = AllocationRecorder()
@@ -516,11 +516,13 @@ def test_gradients_bound_to_their_buffer_are_summed_and_reduce_scattered_without
     from hetero.runtime.zero import ShardedAdamW
 
     class Doubling:   # two identical replicas: every sum is twice the gradient
-        def all_reduce(self, t, ranks):
+        def all_reduce_async(self, t, ranks, label=""):
             t.mul_(2)
+            return _Done()
 
-        def reduce_scatter(self, out, flat, ranks):   # in place, as the libraries' own
+        def reduce_scatter_async(self, out, flat, ranks, label=""):   # in place, as the libraries' own
             out.copy_(flat.view(len(ranks), -1)[ranks.index(0)]).mul_(2)
+            return _Done()
 
     model = hetero.load_model({**TINY, "num_layers": 2})
     torch.manual_seed(0)
@@ -563,3 +565,10 @@ def test_gradients_bound_to_their_buffer_are_summed_and_reduce_scattered_without
     P = sum(p.numel() for p in stage.parameters())
     assert peak(False) == 2 * 4 * P                               # W + G: no copy of the gradients
     assert peak(True) == pytest.approx(2 * 4 * P + 4 * P / 2, rel=1e-3)   # + the reduce-scatter's slice
+
+
+class _Done:
+    """A collective already completed (the fakes above sum at once)."""
+
+    def wait(self) -> None:
+        pass

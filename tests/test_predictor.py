@@ -478,9 +478,9 @@ def test_cross_vendor_dp_sync_stages_through_the_host_once():
 
 
 def test_dp_sync_is_one_all_reduce_per_holder_set():
-    """The runtime sums all parameters with one holder set in one bucket (hetero.runtime.grads), so a
-    one-stage plan's sync is one all-reduce of every gradient: the latency counts once, not once per
-    layer."""
+    """The predictor costs all parameters with one holder set as one all-reduce (the runtime sums
+    them in 25 MB buckets back to back, hetero.runtime.grads), so a one-stage plan's sync is one
+    all-reduce of every gradient: the latency counts once, not once per layer."""
     cluster = hetero.load_cluster({**CLUSTER, "groups": [
         {**g, "intra_node": {"bandwidth": "100 GB/s", "latency": "10 us"}} for g in CLUSTER["groups"]]})
     model = hetero.load_model(GPT)
@@ -1068,3 +1068,43 @@ def test_fused_attention_keeps_no_scores_and_runs_no_separate_softmax():
     assert diff == pytest.approx(kept_scores - 4 * a * s * b / t)
     assert M.activation_bytes_per_layer(fused, b, s, t, "selective") == M.activation_bytes_per_layer(fused, b, s, t)
     assert M.backward_transient_bytes(fused, b, s, t, "none") < M.backward_transient_bytes(base, b, s, t, "none")
+
+
+A100_MI250X = {"name": "a100-mi250x", "groups": [
+    {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
+     "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
+    {"name": "mi250x", "device": "MI250X", "nodes": 2, "devices_per_node": 8,
+     "intra_node": {"bandwidth": "100 GB/s", "latency": "5 us"}}],
+    "network": {"inter_node": {"bandwidth": "25 GB/s", "latency": "10 us"},
+                "cross_group": {"bandwidth": "25 GB/s", "latency": "20 us"}}}
+LLAMA_7B = {"name": "llama-7b", "architecture": "llama", "num_layers": 32, "hidden_size": 4096,
+            "num_attention_heads": 32, "vocab_size": 32000, "seq_length": 4096, "dtype": "bf16"}
+
+
+def test_the_gradient_sync_runs_under_the_last_backward_and_the_planner_counts_it():
+    """The runtime reduces each finished bucket under the rest of the last backward: a stage's sync
+    starts one backward pass before its schedule ends, only what that backward cannot carry stays
+    exposed, and the timeline draws it under the backward. The planner scores plans so: on 2 x 8
+    A100 + 2 x 8 MI250X (25 GB/s between nodes), llama-7B, its best plan predicts more tokens/s than
+    the best without overlap, and its reasons say how much of the sync ran under the backward."""
+    import functools
+
+    cluster, model = hetero.load_cluster(A100_MI250X), hetero.load_model(LLAMA_7B)
+    plan = hetero.load_plan({"global_batch_size": 256, "micro_batch_size": 1, "zero_stage": 1, "pipelines": [
+        {"replicas": 16, "micro_batches": 16, "stages": [{"group": "mi250x", "layers": [0, 20]},
+                                                          {"group": "a100", "layers": [20, 32]}]}]})
+    on, off = predict(cluster, model, plan, timeline=True), predict(cluster, model, plan, overlap=False)
+    assert on.iteration_time_s < off.iteration_time_s
+    for s, t in zip(on.pipelines[0].stages, off.pipelines[0].stages):
+        assert s.dp_sync_time_s == t.dp_sync_time_s > 0     # the same bytes to sum
+        assert s.dp_sync_start_s == pytest.approx(s.schedule_end_s - s.backward_time_s)
+        assert 0 < s.dp_sync_exposed_s < t.dp_sync_exposed_s == pytest.approx(t.dp_sync_time_s)
+    syncs = [e for e in on.timeline()["traceEvents"] if e.get("name") == "dp grad sync"]
+    backwards = [e for e in on.timeline()["traceEvents"] if e.get("cat") == "backward"]
+    assert syncs and all(any(b["ts"] < e["ts"] + 1 < b["ts"] + b["dur"] for b in backwards) for e in syncs)
+
+    best = {ov: hetero.search(cluster, model, 256, top_k=1,
+                              predict_fn=None if ov else functools.partial(predict, overlap=False))
+            for ov in (True, False)}
+    assert best[True][0].tokens_per_s > best[False][0].tokens_per_s
+    assert any("under its last backward" in r for r in best[True].reasons)

@@ -8,17 +8,14 @@ Writes JSON (argv[1]); benchmarks/bench_h100.py compares it with hetero predict.
 repository root on a machine with a CUDA GPU:
     python benchmarks/gpu/launch_cuda.py benchmarks/data/h100/launch.json"""
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_h100 import step_inputs  # noqa: E402  (one builder of the H100 inputs)
+from bench_h100 import launch_summary  # noqa: E402  (one builder of the H100 runs)
 
 STEPS = 8
 CONFIGS = (  # (model, dtype, micro-batch size, micro-batches, layers kept: None = all)
@@ -27,27 +24,16 @@ CONFIGS = (  # (model, dtype, micro-batch size, micro-batches, layers kept: None
 out = []
 for model, dtype, batch, m, layers in CONFIGS:
     run = {"model": model, "dtype": dtype, "batch": batch, "micro_batches": m, "num_layers": layers}
-    cluster, spec, plan = step_inputs(run, "fused")
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        for name, body in (("cluster", cluster), ("model", spec), ("plan", plan)):
-            files[name] = Path(tmp) / f"{name}.yaml"
-            files[name].write_text(yaml.safe_dump(body))
-        summary_path = Path(tmp) / "summary.json"
-        res = subprocess.run([sys.executable, "-m", "hetero", "launch", "--cluster", str(files["cluster"]),
-                              "--model", str(files["model"]), "--plan", str(files["plan"]), "--steps", str(STEPS),
-                              "--summary", str(summary_path), "--quiet", "--timeout", "300"],
-                             capture_output=True, text=True, cwd=REPO, timeout=900)
-        if res.returncode:
-            row = {**run, "error": res.stderr[-2000:]}
-        else:
-            s = json.loads(summary_path.read_text())
-            r = s["ranks"][0]
-            row = {**run, "device": r["device"], "steps": s["steps"], "losses": s["losses"],
-                   "iteration_times_s": s["iteration_times_s"], "median_iteration_time_s": s["median_iteration_time_s"],
-                   "forward_time_s": r["forward_time_s"], "backward_time_s": r["backward_time_s"],
-                   "optimizer_time_s": r["optimizer_time_s"], "grad_sync_time_s": r["grad_sync_time_s"],
-                   "predicted_iteration_time_s": s["predicted_iteration_time_s"]}
+    s, error = launch_summary(run, STEPS)
+    if s is None:
+        row = {**run, "error": error}
+    else:
+        r = s["ranks"][0]
+        row = {**run, "device": r["device"], "steps": s["steps"], "losses": s["losses"],
+               "iteration_times_s": s["iteration_times_s"], "median_iteration_time_s": s["median_iteration_time_s"],
+               "forward_time_s": r["forward_time_s"], "backward_time_s": r["backward_time_s"],
+               "optimizer_time_s": r["optimizer_time_s"], "grad_sync_time_s": r["grad_sync_time_s"],
+               "predicted_iteration_time_s": s["predicted_iteration_time_s"]}
     print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "iteration_times_s")}), flush=True)
     out.append(row)
     with open(sys.argv[1], "w") as f:  # after every run, so a later failure keeps what was measured

@@ -56,6 +56,14 @@ def add_parser(sub) -> None:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="native engine: reduce the gradients after the schedule, not bucket by bucket under the "
+                        "backward (for comparison)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="native engine: torch.compile each transformer block (default: on for CUDA / ROCm / Ascend "
+                        "ranks, off for CPU ranks, where compiling takes minutes on few cores)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="native engine: the largest bucket of gradients one collective sums (default 25, as DDP)")
     p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
                                      "directory, removed when the run ends; a dry run keeps it for its commands)")
     p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
@@ -104,6 +112,8 @@ def _check_numbers(args) -> None:
          "give a number >= 0")
     need(math.isfinite(args.clip) and args.clip >= 0, "--clip", args.clip, "give a norm >= 0 (0: no clipping)")
     need(args.threads >= 1, "--threads", args.threads, "give at least 1 thread per worker")
+    need(math.isfinite(args.bucket_mb) and args.bucket_mb > 0, "--bucket-mb", args.bucket_mb,
+         "give megabytes > 0, e.g. 25")
     if args.master_port is not None:
         need(1 <= args.master_port <= 65535, "--master-port", args.master_port, "give a TCP port in 1..65535")
     # --data's contents (dtype, ids, length) are checked by the launcher's prepare, against the model
@@ -174,7 +184,8 @@ def run(args) -> int:
                          save=os.path.abspath(args.save) if args.save else None,
                          load=os.path.abspath(args.load) if args.load else None,
                          threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
-                         allocator=args.allocator)
+                         allocator=args.allocator, overlap=args.overlap, bucket_mb=args.bucket_mb,
+                         compile=args.compile)
     if args.allocator == "planned" and not args.dry_run:
         _build_planned_allocator(options)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):

@@ -1,6 +1,7 @@
 """The handle of an asynchronous communicator operation (``async_op=True``)."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -27,6 +28,32 @@ class Work:
         if self._future is not None and not self._future.done():
             return False
         return all(w.is_completed() for w in self._works)
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn()`` once the operation's library work has completed, on whichever thread sees it
+        complete (a library thread, the worker thread, or this one when it already has): for a
+        timeline of when each operation finished, not for results (``wait`` gives those)."""
+        def after_works(works):
+            works = [w for w in works if w is not None]
+            left = [len(works)]
+            lock = threading.Lock()
+
+            def one(_=None):
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    fn()
+
+            if not works:
+                fn()
+            for w in works:
+                w.get_future().add_done_callback(one)
+
+        if self._future is not None:
+            self._future.add_done_callback(lambda f: None if f.exception() else after_works(f.result()[0]))
+        else:
+            after_works(self._works)
 
     def wait(self, timeout: Optional[float] = None):
         if self._done:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Callable, Iterable
 
 import torch
@@ -35,6 +36,39 @@ from hetero.errors import HeteroError, clip, lost_connection
 
 class CommError(HeteroError):
     """A collective or p2p operation failed or timed out; the message names the peers."""
+
+
+class Pending:
+    """A collective in flight (:meth:`Collectives.all_reduce_async`): :meth:`wait` completes it,
+    with the peers named on failure. ``started`` and ``finished`` (wall-clock seconds; ``finished``
+    None until the library reports completion) place it on a step's timeline."""
+
+    def __init__(self, comms: "Collectives", what: str, ranks: tuple[int, ...], work, label: str = "",
+                 after: Callable[[], object] | None = None):
+        self.comms, self.what, self.ranks, self.work, self.label, self.after = comms, what, ranks, work, label, after
+        self.started = time.time()
+        self.finished: float | None = None if work is not None else self.started
+        if comms.async_log is not None:
+            comms.async_log.append(self)
+        if work is not None:
+            try:
+                work.add_done_callback(self._done) if hasattr(work, "add_done_callback") else \
+                    work.get_future().add_done_callback(self._done)
+            except (RuntimeError, AttributeError):   # a library without futures: the wait stamps it
+                pass
+
+    def _done(self, _=None) -> None:
+        self.finished = time.time()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.comms._run(self.work.wait, self.what, self.ranks)
+            self.work = None
+            if self.finished is None:
+                self.finished = time.time()
+        if self.after is not None:
+            self.after()
+            self.after = None
 
 
 class Collectives:
@@ -51,6 +85,9 @@ class Collectives:
         self._hgroups: dict[tuple[int, ...], object] = {}
         self._pending: list = []
         self.hc = None  # the hetero.comm Communicator, when used
+        self.async_log: list | None = None
+        """When a list, every asynchronous collective started (:class:`Pending`) is appended to it
+        (a step's gradient reductions, for the trace)."""
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -128,6 +165,40 @@ class Collectives:
         if t is not tensor:
             tensor.copy_(t)
         return tensor
+
+    # ------------------------------------------------------------------ asynchronous collectives
+    def crosses_vendors(self, ranks: Iterable[int]) -> bool:
+        """Whether a collective over ``ranks`` runs hierarchically through the host bridge (the
+        unified communicator's worker thread, which later point-to-point operations queue behind)."""
+        key = tuple(sorted(ranks))
+        return self.hc is not None and len(key) > 1 and self._hgroups[key].hierarchical
+
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: Iterable[int], label: str = "") -> "Pending":
+        """Start summing ``tensor`` in place over ``ranks``; the returned :class:`Pending` completes it."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            return Pending(self, "all_reduce", ranks, None, label)
+        t = self._there(tensor)
+        if self.hc is not None:
+            work = self.hc.all_reduce(t, group=self._hgroups[ranks], async_op=True)
+        else:
+            work = dist.all_reduce(t, group=self.group(ranks), async_op=True)
+        return Pending(self, "all_reduce", ranks, work, label, (lambda: tensor.copy_(t)) if t is not tensor else None)
+
+    def reduce_scatter_async(self, output: torch.Tensor, flat: torch.Tensor, ranks: Iterable[int],
+                             label: str = "") -> "Pending":
+        """:meth:`reduce_scatter` started; the returned :class:`Pending` completes it."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            output.copy_(flat)
+            return Pending(self, "reduce_scatter", ranks, None, label)
+        out, inp = self._there(output), self._there(flat)
+        if self.hc is not None:
+            work = self.hc.reduce_scatter(out, inp, group=self._hgroups[ranks], async_op=True)
+        else:
+            work = dist.reduce_scatter_tensor(out, inp, group=self.group(ranks), async_op=True)
+        return Pending(self, "reduce_scatter", ranks, work, label,
+                       (lambda: output.copy_(out)) if out is not output else None)
 
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor, ranks: Iterable[int]) -> list[torch.Tensor]:
         """``parts[i]`` gets the ``tensor`` of the i-th of ``ranks`` in ascending order (all the same

@@ -14,7 +14,7 @@ from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_
                                   clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
                                   weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
-from hetero.runtime.model import apply_tensor_parallel, build_stage, loss_fn
+from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -94,6 +94,7 @@ class NativeEngine:
         self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
                                   me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
+        compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"
         self.mesh = None
         if me.tp_size > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -101,10 +102,14 @@ class NativeEngine:
             tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
             self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
             apply_tensor_parallel(self.module, self.mesh)
+        self.compiled = compile_blocks(self.module) if compile_on else 0
+        """How many transformer blocks run under torch.compile (0: eager)."""
         self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
         # a bucket whose holders share one tp degree sums (ZeRO: shards) over tp-rank peers
+        # ... cut to about 25 MB each in reverse module order (the order the backward finishes them)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
-                                     ctx.layout)
+                                     ctx.layout, sizes={n: p.numel() for n, p in self.module.named_parameters()},
+                                     cap_bytes=int(opts.bucket_mb * 2**20))
         self.sharded = None
         """ZeRO (``zero_stage >= 1``): AdamW state sharded over each holder set (:mod:`hetero.runtime.zero`)."""
         if ctx.plan.zero_stage >= 1:
@@ -129,6 +134,9 @@ class NativeEngine:
                                       act_shape=(self.mbs, model.seq_length, model.hidden_size),
                                       slowdown=ctx.slowdown, autocast_dtype=AUTOCAST[model.dtype],
                                       device=self.device)
+        self._buffers: dict = {}
+        self.reducer = self._overlapped_reduction() if opts.overlap else None
+        """Buckets reduced under the backward (:mod:`hetero.runtime.overlap`); None: after the schedule."""
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None
@@ -151,7 +159,7 @@ class NativeEngine:
             return cache[mb]
 
         self.zero_grad()
-        buffers: dict = {}
+        buffers = self._buffers
 
         def bind() -> None:
             if self.sharded:
@@ -160,16 +168,26 @@ class NativeEngine:
                 buffers.update(bind_gradient_buffers(self.module, self.buckets))
 
         wall_offset = time.time() - time.perf_counter()   # trace events are wall-clock, as the schedule's
+        self.comm.async_log = []
         t_start = time.perf_counter()
         loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
-                                 self.mbs / B * S, timings, bind if self.gradient_buffers else None)
+                                 self.mbs / B * S, timings, bind if self.gradient_buffers else None,
+                                 reducer=self.reducer)
         t_sched = time.perf_counter()
         mark_phase(1)   # the planned allocator resynchronises at the gradient sync
-        if self.sharded:
+        if self.reducer is not None:   # wait for the buckets started under the backward, start the rest
+            grads = self.reducer.finish({})
+            if self.sharded:
+                grads = self.sharded.owned_locals(grads)
+            grads = {k: v for k, v in grads.items() if v}
+        elif self.sharded:
             grads = self.sharded.reduce_gradients()
         else:
             grads = sync_gradients(self.module, self.buckets, self.holders, self.comm, self.ctx.me.tp_size, buffers)
         buffers.clear()   # the gradients keep their buffer alive until zero_grad sets them to None
+        timings.events.extend(("R", i, p.started, max(0.0, (p.finished or time.time()) - p.started))
+                              for i, p in enumerate(self.comm.async_log))
+        self.comm.async_log = None
         # The norm pass reads every gradient: device compute, slowed like the rest, and counted with
         # the optimizer step (clipping needs it), where the predictor charges it.
         sq, _, norm_s = timed(lambda: weighted_squares(grads), self.ctx.slowdown, waiter(self.device))
@@ -203,6 +221,24 @@ class NativeEngine:
         timings.optimizer_s += norm_s
         reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
         return reported, norm
+
+    def _overlapped_reduction(self):
+        """The :class:`~hetero.runtime.overlap.OverlappedReduction` of this rank's buckets: the plain
+        sum's all-reduces, or ZeRO's reduce-scatters."""
+        from hetero.runtime.grads import begin_bucket
+        from hetero.runtime.overlap import OverlappedReduction, chunk_of_params
+
+        params = dict(self.module.named_parameters())
+        tp = self.ctx.me.tp_size
+        if self.sharded:
+            def begin(bucket, label):
+                shard = self.sharded.shard_of(bucket)
+                return self.sharded.begin_reduce(shard, label) if shard is not None else (lambda out: None)
+        else:
+            def begin(bucket, label):
+                return begin_bucket(bucket, params, self.holders, self.comm, tp, self._buffers, label)
+        return OverlappedReduction(self.module, self.buckets, begin, chunk_of_params(self.module),
+                                   lambda b: self.comm.crosses_vendors(b.peers or b.ranks))
 
     def zero_grad(self) -> None:
         if self.sharded:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero.runtime.model import stage_param_shapes, tp_shard_dim
-from hetero.syncorder import in_sync_order
+from hetero.syncorder import BUCKET_CAP_BYTES, in_sync_order
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,18 @@ def param_holders(model_spec, plan, layout) -> dict[str, tuple[int, ...]]:
 
 
 def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank: int,
-                  layout=None) -> list[Bucket]:
+                  layout=None, sizes: dict[str, int] | None = None,
+                  cap_bytes: int = BUCKET_CAP_BYTES) -> list[Bucket]:
     """This rank's buckets (parameters grouped by holder set), in the order every rank runs them:
     the sorted holder sets of the whole model in rounds of disjoint ranks (:mod:`hetero.syncorder`),
     so pipelines with staggered stage boundaries sum their gradients at the same time. With the
     ``layout``, a bucket whose holders share one tp degree gets its tp-rank ``peers``, and one whose
-    holders do not, its ``chunks``."""
+    holders do not, its ``chunks``.
+
+    With ``sizes`` (global parameter name -> elements of the full tensor) a holder set's parameters
+    are cut into buckets of at most ``cap_bytes`` of fp32 (a larger tensor alone), walking them in
+    reverse module order, the order in which the backward finishes them (DDP's bucketing): every
+    holder cuts alike, since names and full shapes are the same on all of them."""
     by_set: dict[tuple[int, ...], list[str]] = {}
     for name in my_names:
         by_set.setdefault(holders[name], []).append(name)
@@ -125,8 +131,26 @@ def build_buckets(holders: dict[str, tuple[int, ...]], my_names: list[str], rank
         peers = tp_peer_sets(ranks, layout) if layout is not None else None
         sets = tp_chunk_sets(ranks, layout) if layout is not None else None
         chunks = tuple((c, s) for c, s in enumerate(sets) if rank in s) if sets else None
-        out.append(Bucket(ranks, tuple(by_set[ranks]), peers[rank] if peers else None, chunks,
-                          len(sets) if sets else 1))
+        for names in _cut(by_set[ranks], sizes, cap_bytes):
+            out.append(Bucket(ranks, names, peers[rank] if peers else None, chunks, len(sets) if sets else 1))
+    return out
+
+
+def _cut(names: list[str], sizes: dict[str, int] | None, cap_bytes: int) -> list[tuple[str, ...]]:
+    """``names`` as one bucket (no ``sizes``, or a set held by one rank: nothing to sum), or cut in
+    reverse order into runs of at most ``cap_bytes`` fp32 bytes."""
+    if not sizes:
+        return [tuple(names)]
+    out, run, run_bytes = [], [], 0
+    for name in reversed(names):
+        nbytes = 4 * sizes[name]
+        if run and run_bytes + nbytes > cap_bytes:
+            out.append(tuple(run))
+            run, run_bytes = [], 0
+        run.append(name)
+        run_bytes += nbytes
+    if run:
+        out.append(tuple(run))
     return out
 
 
@@ -205,41 +229,61 @@ def bind_gradient_buffers(module, buckets: list[Bucket]) -> dict[tuple[str, ...]
 
 def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, ...]], comm,
                    tp_size: int, buffers: dict | None = None) -> dict[int, list[torch.Tensor]]:
-    """Sum gradients over holder sets (see module docstring); returns this rank's summed gradients
-    (full tensors, or its local shards where the bucket has tp-rank peers) by the number of ranks
-    holding each, whose :func:`weighted_squares` is its share of the squared global norm (to be
-    summed over the world). ``buffers``: :func:`bind_gradient_buffers`'s, summed in place."""
-    from torch.distributed.tensor import DTensor
-
+    """Sum gradients over holder sets (see module docstring), one bucket after the other; returns
+    this rank's summed gradients (full tensors, or its local shards where the bucket has tp-rank
+    peers) by the number of ranks holding each, whose :func:`weighted_squares` is its share of the
+    squared global norm (to be summed over the world). ``buffers``: :func:`bind_gradient_buffers`'s,
+    summed in place."""
     params = dict(module.named_parameters())
     by_holders: dict[int, list[torch.Tensor]] = {}   # ranks holding it -> gradients (each counts 1/ranks)
     for bucket in buckets:
-        if len(bucket.ranks) == 1 and tp_size == 1:
-            # Held by this rank alone: nothing to sum, no copies; only its share of the norm.
-            for name in bucket.names:
-                g = params[name].grad
-                if g is not None:
-                    by_holders.setdefault(1, []).append(g.detach())
-            continue
-        if bucket.peers is not None:
-            _sync_shards(bucket, params, holders, comm, by_holders)
-            continue
-        flat = (buffers or {}).get(bucket.names)
-        if flat is not None and all(params[n].grad is not None and params[n].grad._base is flat
-                                    for n in bucket.names):
-            comm.all_reduce(flat, bucket.ranks)   # the gradients are views of it: summed in place
-            for name in bucket.names:
-                by_holders.setdefault(len(holders[name]), []).append(params[name].grad.detach())
-            continue
-        names = bucket.names if bucket.chunks is None else _sync_chunks(bucket, params, comm, by_holders)
-        if not names:
-            continue
-        fulls = []
-        for name in names:
-            p = params[name]
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            fulls.append(full_tensor(g))
-        for name, part in zip(names, _summed(fulls, bucket.ranks, comm, tp_size)):
+        begin_bucket(bucket, params, holders, comm, tp_size, buffers)(by_holders)
+    return by_holders
+
+
+def begin_bucket(bucket: Bucket, params: dict, holders: dict[str, tuple[int, ...]], comm, tp_size: int,
+                 buffers: dict | None = None, label: str = ""):
+    """Start summing one bucket's gradients: their collective is launched (asynchronously where it
+    can be) and ``finish(by_holders)`` is returned, which waits for it, writes the sums back into
+    the gradients and records them as :func:`sync_gradients` does. Gradients must not change
+    between the two calls."""
+    from torch.distributed.tensor import DTensor
+
+    def record(pairs):
+        def finish(by_holders):
+            for count, t in pairs():
+                by_holders.setdefault(count, []).append(t)
+        return finish
+
+    if len(bucket.ranks) == 1 and tp_size == 1:
+        # Held by this rank alone: nothing to sum, no copies; only its share of the norm.
+        return record(lambda: [(1, params[n].grad.detach()) for n in bucket.names if params[n].grad is not None])
+    if bucket.peers is not None:
+        return _begin_shards(bucket, params, holders, comm, label)
+    flat = (buffers or {}).get(bucket.names)
+    if flat is not None and all(params[n].grad is not None and params[n].grad._base is flat
+                                for n in bucket.names):
+        pending = comm.all_reduce_async(flat, bucket.ranks, label)   # the gradients are views of it: in place
+
+        def in_place():
+            pending.wait()
+            return [(len(holders[n]), params[n].grad.detach()) for n in bucket.names]
+        return record(in_place)
+    early: dict[int, list[torch.Tensor]] = {}
+    names = bucket.names if bucket.chunks is None else _sync_chunks(bucket, params, comm, early)
+    if not names:
+        return record(lambda: [(k, t) for k, ts in early.items() for t in ts])
+    fulls = []
+    for name in names:
+        p = params[name]
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        fulls.append(full_tensor(g))
+    pending, parts = _summed_async(fulls, bucket.ranks, comm, tp_size, label)
+
+    def write_back():
+        pending.wait()
+        out = [(k, t) for k, ts in early.items() for t in ts]
+        for name, part in zip(names, parts):
             p = params[name]
             if p.grad is not None and not isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32:
                 # the sum goes back into the gradient itself: a clone per tensor made the sync hold
@@ -248,21 +292,29 @@ def sync_gradients(module, buckets: list[Bucket], holders: dict[str, tuple[int, 
             else:   # a tp shard (its full tensor was gathered), a missing or a half-precision gradient
                 full = part.clone()
                 p.grad = shard_like(p, full)
-            by_holders.setdefault(len(holders[name]), []).append(full)
-    return by_holders
+            out.append((len(holders[name]), full))
+        return out
+    return record(write_back)
 
 
 def _summed(tensors: list[torch.Tensor], ranks: tuple[int, ...], comm, divide: int = 1) -> list[torch.Tensor]:
     """``tensors`` in fp32 laid end to end in one buffer, divided by ``divide``, summed over
     ``ranks`` in one all-reduce; returns views of the sum shaped like each tensor."""
+    pending, parts = _summed_async(tensors, ranks, comm, divide)
+    pending.wait()
+    return parts
+
+
+def _summed_async(tensors: list[torch.Tensor], ranks: tuple[int, ...], comm, divide: int = 1, label: str = ""):
+    """:func:`_summed` started: (the collective in flight, views of the sum-to-be)."""
     flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
     if divide > 1:
         flat.div_(divide)
-    comm.all_reduce(flat, ranks)   # nothing to sum over one rank: a no-op there
-    return [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]))]
+    pending = comm.all_reduce_async(flat, ranks, label)   # nothing to sum over one rank: a no-op there
+    return pending, [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
 
-def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: dict) -> None:
+def _begin_shards(bucket: Bucket, params: dict, holders: dict, comm, label: str = ""):
     """A bucket whose holders share one tp degree: this rank's local shards (and the full
     gradients of its replicated tensors) summed over its tp-rank peers, in place."""
     locals_, counts = [], []
@@ -273,9 +325,14 @@ def _sync_shards(bucket: Bucket, params: dict, holders: dict, comm, by_holders: 
         # a shard is held by the peers; a replicated tensor (plain, or a DTensor such as a
         # row-parallel bias) by every holder at every tp rank
         counts.append(len(bucket.peers) if sharded else len(holders[name]))
-    for t, count, part in zip(locals_, counts, _summed(locals_, bucket.peers, comm)):
-        t.detach().copy_(part)
-        by_holders.setdefault(count, []).append(t.detach())
+    pending, parts = _summed_async(locals_, bucket.peers, comm, label=label)
+
+    def finish(by_holders):
+        pending.wait()
+        for t, count, part in zip(locals_, counts, parts):
+            t.detach().copy_(part)
+            by_holders.setdefault(count, []).append(t.detach())
+    return finish
 
 
 def _sync_chunks(bucket: Bucket, params: dict, comm, by_holders: dict) -> list[str]:

@@ -219,6 +219,20 @@ class StageModel(nn.Module):
         return x
 
 
+def compile_blocks(module: StageModel, **options) -> int:
+    """Compile every transformer block of ``module`` with ``torch.compile`` in place (regional
+    compilation, as torchtitan does): the blocks share one code object, so one compiled graph serves
+    every block of every stage whatever their number, and compile time stays that of one block. The
+    embedding, head and loss stay eager; so do the collectives between blocks and stages. Parameter
+    names, the fp32 parameters and the optimizer are untouched (the module's ``compile`` keeps the
+    module; autocast casts inside the graph). Inside a tensor-parallel block dynamo traces the
+    DTensor operations and breaks the graph where it cannot (``fullgraph=False``), running those
+    parts eagerly. Returns the number of blocks compiled."""
+    for block in module.layers.values():
+        block.compile(**options)
+    return len(module.layers)
+
+
 def stage_param_shapes(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
                        chunks: tuple[tuple[int, int], ...] | None = None) -> dict[str, tuple]:
     """Global parameter names and full shapes of a stage, without building it (meta device)."""

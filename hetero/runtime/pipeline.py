@@ -171,17 +171,25 @@ class StageExecutor:
 
     def run(self, actions, get_inputs: Callable[[int], torch.Tensor], get_targets: Callable[[int], torch.Tensor],
             loss_fn: Callable, loss_scale: float, timings: Timings,
-            before_backward: Callable[[], None] | None = None) -> float:
+            before_backward: Callable[[], None] | None = None, reducer=None) -> float:
         """Execute ``actions`` ((kind, micro-batch, chunk) triples); returns the sum of scaled
         micro-batch losses (last stage, else 0). ``before_backward`` runs once, before the first
-        backward (gradient buffers are bound there)."""
+        backward (gradient buffers are bound there). ``reducer``
+        (:class:`~hetero.runtime.overlap.OverlappedReduction`) is told before each chunk's last
+        backward and after this rank's last point-to-point operation."""
         saved: dict[tuple[int, int], tuple] = {}
         total = 0.0
         last_chunk = len(self.peers) - 1
-        for kind, mb, chunk in actions:
+        last_backward = {chunk: i for i, (kind, _, chunk) in enumerate(actions) if kind == "B"}
+        last_p2p = max((i for i, a in enumerate(actions) if self._p2p(a, last_chunk)), default=-1)
+        if reducer is not None:
+            reducer.start_step(p2p=last_p2p >= 0)
+        for i, (kind, mb, chunk) in enumerate(actions):
             peers = self.peers[chunk]
             first = self.first and chunk == 0
             last = self.last and chunk == last_chunk
+            if reducer is not None and i == last_backward.get(chunk):
+                reducer.arm(chunk)
             if kind == "F":
                 if first:
                     x = get_inputs(mb)
@@ -205,13 +213,26 @@ class StageExecutor:
                     before_backward = None
                 x, out = saved.pop((chunk, mb))
                 if last:
-                    _, t0, dt = self._compute(lambda: backward_loss(out))
+                    grad = None
                 else:
                     grad = self._recv(peers.recv_grad_from, peers, GRADIENT_TAG)
+                if reducer is not None and i == last_p2p and first:   # a first stage sends nothing back
+                    reducer.p2p_done()
+                if last:
+                    _, t0, dt = self._compute(lambda: backward_loss(out))
+                else:
                     _, t0, dt = self._compute(lambda: out.backward(grad))
                 if not first:
                     self._send(x.grad, peers.send_grad_to, GRADIENT_TAG)
                 timings.backward_s.append(dt)
                 timings.events.append(("B", mb, t0, dt))
+            if reducer is not None and i == last_p2p and not (kind == "B" and first):
+                reducer.p2p_done()
         self.comm.wait_sends()
         return total
+
+    def _p2p(self, action: tuple[str, int, int], last_chunk: int) -> bool:
+        """Whether ``action`` receives or sends an activation or a gradient."""
+        kind, _, chunk = action
+        first, last = self.first and chunk == 0, self.last and chunk == last_chunk
+        return not (first and last)

@@ -54,6 +54,15 @@ class RunOptions:
     allocator: str = "caching"
     """caching (PyTorch's default allocator) | planned (the step's memory plan served from one arena,
     :mod:`hetero.memplan.serve`)."""
+    overlap: bool = True
+    """Native engine: each bucket's gradient reduction starts as soon as the step's last backward has
+    finished it, under the rest of the backward (:mod:`hetero.runtime.overlap`); False: every bucket
+    after the schedule (``--no-overlap``)."""
+    compile: bool | None = None
+    """Native engine: ``torch.compile`` every transformer block (:func:`hetero.runtime.model.compile_blocks`);
+    None: on where the rank computes on an accelerator, off on the CPU (compile time)."""
+    bucket_mb: float = 25.0
+    """Native engine: the largest bucket of gradients one collective sums (MB of fp32), DDP's default."""
 
 
 @dataclass

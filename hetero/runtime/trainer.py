@@ -233,6 +233,8 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
             # a skipped fp16 step has no finite norm: null, since JSON has no NaN / Infinity
             "grad_norms": [r.grad_norm if math.isfinite(r.grad_norm) else None for r in res],
             "engine": ctx.options.engine,
+            "overlap": bool(getattr(trainer.engine, "reducer", None)),
+            "compiled_blocks": int(getattr(trainer.engine, "compiled", 0)),
             "schedule": ctx.plan.schedule,
             "communicator": "hetero.comm" if trainer.comm.hc is not None else "torch.distributed", "global_batch_size": ctx.plan.global_batch_size,
             "seq_length": ctx.model.seq_length, "world_size": trainer.world, "pid": os.getpid()}

@@ -36,7 +36,8 @@ whole vector, so there the all-gather comes on top of the unsharded step's volum
 per rank drops from 8 to 8 / k bytes per parameter held, the saving the predictor charges.
 
 Gradients (ZeRO-2's saving) are freed right after the reduce-scatter, but they are held whole
-through the backward passes of the step, since the reduction runs once the schedule is done. At
+through the backward passes of the step: a holder set's reduce-scatter starts once the step's last
+backward has finished its gradients (:mod:`hetero.runtime.overlap`), or once the schedule is done. At
 tp 1 they are views of one buffer per holder set, bound before the first backward (as the plain
 sum's, :func:`hetero.runtime.grads.bind_gradient_buffers`), and that buffer is the reduce-scatter's
 input: no end-to-end copy of them.
@@ -180,35 +181,53 @@ class ShardedAdamW:
         form :func:`hetero.runtime.grads.weighted_squares` takes."""
         owned: dict[int, list[torch.Tensor]] = {}
         for shard in self.shards:
-            flat, shard.grad_flat = shard.grad_flat, None
-            if flat is not None and all(p.grad is not None and p.grad._base is flat for p in shard.params):
-                for p in shard.params:
-                    p.grad = None
-                self._reduce_scatter(shard, flat, owned)   # the gradients' own buffer: no copy
-                continue
-            del flat
-            grads = []
-            for p in shard.params:
-                if shard.own:
-                    grads.append(local_gradient(p)[0].detach())
-                else:
-                    grads.append(full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach())
-                p.grad = None
-            flat = shard.end_to_end(grads)
-            del grads
-            if not shard.own and self.tp_size > 1:
-                flat.div_(self.tp_size)   # the tp copies of one replica add up to one full gradient
-            self._reduce_scatter(shard, flat, owned)
+            self.begin_reduce(shard)(owned)
+        return self.owned_locals(owned)
+
+    def owned_locals(self, owned: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """``owned`` with the gradients of the parameters this rank holds alone added (after every
+        shard's reduction has finished)."""
         owned.setdefault(1, []).extend(p.grad.detach() for p in self.local if p.grad is not None)
         return {k: v for k, v in owned.items() if v}
 
-    def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, owned: dict) -> None:
+    def shard_of(self, bucket: Bucket) -> _Shard | None:
+        """The shard of ``bucket`` (None for a bucket of parameters this rank holds alone)."""
+        return next((s for s in self.shards if s.bucket is bucket), None)
+
+    def begin_reduce(self, shard: _Shard, label: str = ""):
+        """Start reduce-scattering one holder set's gradients into this rank's slice (asynchronously)
+        and free the full gradients; returns ``finish(owned)``, which waits for it and records the
+        slice in ``owned`` (see :meth:`reduce_gradients`)."""
+        flat, shard.grad_flat = shard.grad_flat, None
+        if flat is not None and all(p.grad is not None and p.grad._base is flat for p in shard.params):
+            for p in shard.params:
+                p.grad = None
+            return self._reduce_scatter(shard, flat, label)   # the gradients' own buffer: no copy
+        del flat
+        grads = []
+        for p in shard.params:
+            if shard.own:
+                grads.append(local_gradient(p)[0].detach())
+            else:
+                grads.append(full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach())
+            p.grad = None
+        flat = shard.end_to_end(grads)
+        del grads
+        if not shard.own and self.tp_size > 1:
+            flat.div_(self.tp_size)   # the tp copies of one replica add up to one full gradient
+        return self._reduce_scatter(shard, flat, label)
+
+    def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, label: str = ""):
         """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice."""
         out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
-        self.comm.reduce_scatter(out, flat, shard.ranks)
-        shard.master.grad = out
-        for copies, parts in shard.weighed(out).items():
-            owned.setdefault(copies, []).extend(parts)
+        pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
+
+        def finish(owned: dict) -> None:
+            pending.wait()
+            shard.master.grad = out
+            for copies, parts in shard.weighed(out).items():
+                owned.setdefault(copies, []).extend(parts)
+        return finish
 
     def params(self) -> list:
         """What the AdamW step updates (for scaling their gradients)."""
