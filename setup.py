@@ -60,7 +60,8 @@ setup(
         "deepspeed": ["deepspeed>=0.14"],
         "ascend": ["torch_npu>=2.5"],
         "plot": ["matplotlib>=3.7"],
-        "dev": ["pytest>=7", "pytest-timeout>=2"],
+        "hf": ["safetensors>=0.4", "tokenizers>=0.15"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},
 )
