@@ -52,12 +52,28 @@ def _save_gpt2(path: Path) -> None:
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
 
 
+def _save_qwen2(path: Path) -> None:
+    """Llama blocks with q/k/v biases (random, so a wrong row order shows), tied head."""
+    transformers = _transformers()
+    torch.manual_seed(2)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_()
+    model.save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    out = {"llama": root / "llama", "gpt2": root / "gpt2"}
+    out = {"llama": root / "llama", "gpt2": root / "gpt2", "qwen2": root / "qwen2"}
     _save_llama(out["llama"])
     _save_gpt2(out["gpt2"])
+    _save_qwen2(out["qwen2"])
     assert (out["llama"] / "model.safetensors.index.json").exists() and (out["gpt2"] / "model.safetensors").exists()
     return out
 
@@ -75,21 +91,26 @@ def _hf_model(path):
 # ---------------------------------------------------------------------------- in and out
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
 def test_import_then_export_gives_back_every_tensor(models, tmp_path, kind):
+    """With --base (import-hf's hf folder) and, for qwen2, without: its q/k/v biases alone make the
+    written config a Qwen2 one."""
     out, back = tmp_path / "imported", tmp_path / "exported"
     assert _cli("import-hf", str(models[kind]), "-o", str(out)) == 0
     assert sorted(os.listdir(out)) == ["checkpoint", "hf", "model.yaml"]
+    base = [] if kind == "qwen2" else ["--base", str(out / "hf")]
     assert _cli("export-hf", "--model", str(out / "model.yaml"), "--checkpoint", str(out / "checkpoint"),
-                "-o", str(back), "--base", str(out / "hf"), "--max-shard-size", "100KB") == 0
+                "-o", str(back), "--max-shard-size", "100KB", *base) == 0
     assert (back / "model.safetensors.index.json").exists()   # sharded: the index transformers follows
-    original, exported = _hf_model(models[kind]).state_dict(), _hf_model(back).state_dict()
+    exported_model = _hf_model(back)
+    assert type(exported_model).__name__ == type(_hf_model(models[kind])).__name__
+    original, exported = _hf_model(models[kind]).state_dict(), exported_model.state_dict()
     assert sorted(original) == sorted(exported)
     for name, t in original.items():
         assert torch.equal(t, exported[name]), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
 def test_runtime_logits_equal_transformers(models, kind):
     """Rotary rows, Conv1D transposes and fused q/k/v converted exactly: same logits."""
     from hetero.hf.config import read_hf_config
@@ -245,13 +266,15 @@ def test_a_folder_without_config_json(models, tmp_path, capsys):
     _nothing_written(tmp_path / "out")
 
 
-@pytest.mark.parametrize("model_type, says", [("bert", "model_type 'bert' is not supported"),
-                                              ("qwen2", "q/k/v projections with biases")])
-def test_an_unsupported_model_type(models, tmp_path, capsys, model_type, says):
-    folder = tmp_path / model_type
+@pytest.mark.parametrize("change, says", [({"model_type": "bert"}, "model_type 'bert' is not supported"),
+                                          ({"attention_bias": True}, "attention_bias is true: biases on the output"),
+                                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' rotary")])
+def test_an_unsupported_model(models, tmp_path, capsys, change, says):
+    folder = tmp_path / "changed"
     shutil.copytree(models["llama"], folder)
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+    cfg.pop("rope_parameters", None) if "rope_scaling" in change else None
+    (folder / "config.json").write_text(json.dumps({**cfg, **change}))
     err = _fails(capsys, "import-hf", str(folder), "-o", str(tmp_path / "out"))
     assert str(folder / "config.json") in err and says in err and "llama, mistral" in err
     _nothing_written(tmp_path / "out")

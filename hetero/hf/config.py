@@ -1,9 +1,9 @@
 """A Hugging Face ``config.json`` <-> a hetero model file.
 
-Llama, Mistral and Qwen2 (rotary positions, RMSNorm, SwiGLU, grouped-query attention) map onto
-``architecture: llama``; GPT-2 (learned positions, LayerNorm, tanh-GELU MLP, biases) onto ``gpt``.
+Llama, Mistral and Qwen2 (rotary positions, RMSNorm, SwiGLU, grouped-query attention; Qwen2 with
+q/k/v biases: ``qkv_bias``) map onto ``architecture: llama``; GPT-2 (learned positions, LayerNorm, tanh-GELU MLP, biases) onto ``gpt``.
 What the runtime cannot compute the same way (scaled rotary tables, sliding windows shorter than the
-sequence, attention biases without the rest of GPT-2's, other activations) is refused with the
+sequence, an output-projection bias in llama blocks, other activations) is refused with the
 config key that says so, never approximated.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hetero.errors import HeteroError
 from hetero.specs.model import ModelSpec
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED = "llama, mistral, qwen2 (without q/k/v biases) and gpt2"
+SUPPORTED = "llama, mistral, qwen2 and gpt2"
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DEFAULT_SEQ = 4096
 """Training sequence length of a rotary model when --seq-length is not given: its
@@ -138,10 +138,9 @@ def _llama_spec(cfg: dict, where: str, name: str, seq_length: int | None) -> Mod
         theta = rope.get("rope_theta")
     theta = c.float("rope_theta", 10000.0) if theta is None else _Config({"rope_theta": theta}, where).float(
         "rope_theta", 10000.0)
-    biases = kind == "qwen2" or cfg.get("attention_bias")
-    c.refuse_if(bool(biases), "attention_bias" if kind != "qwen2" else "model_type",
-                "means q/k/v projections with biases" + (" (every qwen2 model has them)" if kind == "qwen2" else "")
-                + ", which the runtime's llama blocks do not have")
+    c.refuse_if(kind != "qwen2" and bool(cfg.get("attention_bias")), "attention_bias",
+                "is true: biases on the output projection too, which the runtime's llama blocks do not have "
+                "(they take q/k/v biases alone, as Qwen2 has them)")
     c.refuse_if(bool(cfg.get("mlp_bias")), "mlp_bias", "is true; the runtime's SwiGLU has no biases")
     positions = c.int("max_position_embeddings", 2048)
     seq = _seq(c, seq_length, positions, fixed=False)
@@ -155,7 +154,7 @@ def _llama_spec(cfg: dict, where: str, name: str, seq_length: int | None) -> Mod
                      num_attention_heads=heads, num_kv_heads=kv, ffn_hidden_size=c.int("intermediate_size"),
                      vocab_size=c.int("vocab_size"), seq_length=seq, dtype=c.dtype(),
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta)
+                     norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta, qkv_bias=kind == "qwen2")
 
 
 GPT2_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -191,8 +190,12 @@ def hf_config(spec: ModelSpec, base: dict | None = None) -> dict:
     whose shape fields are overwritten with the spec's."""
     dtype = TORCH_DTYPES[spec.dtype]
     if spec.architecture == "llama":
-        keep = base if base and base.get("model_type") in LLAMA_TYPES else {}
-        out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **keep,
+        # q/k/v biases without an output bias: Qwen2's layout (Llama's attention_bias adds all four)
+        base_kind = (base or {}).get("model_type")
+        kind = "qwen2" if spec.qkv_bias else base_kind if base_kind in ("llama", "mistral") else "llama"
+        keep = base if base and base.get("model_type") == kind else {}
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind]
+        out = {"architectures": [arch], "model_type": kind, **keep,
                "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
                "num_attention_heads": spec.num_attention_heads, "num_hidden_layers": spec.num_layers,
                "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
@@ -216,7 +219,7 @@ def hf_config(spec: ModelSpec, base: dict | None = None) -> dict:
 def check_matches(hf: HFModel, spec: ModelSpec, flag: str) -> None:
     """``--load hf:DIR`` with ``--model``: fail unless the folder's config is the model file's shape."""
     fields = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-              "ffn_hidden_size", "vocab_size", "tie_embeddings", "activation", "norm_eps", "rope_theta")
+              "ffn_hidden_size", "vocab_size", "tie_embeddings", "activation", "norm_eps", "rope_theta", "qkv_bias")
     if spec.architecture == "gpt":
         fields += ("seq_length",)   # the learned position table
     diff = [f"{f} {getattr(hf.spec, f)} there, {getattr(spec, f)} in the model file" for f in fields

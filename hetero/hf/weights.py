@@ -79,6 +79,10 @@ def sources(spec: ModelSpec, family: str, prefix: str = "") -> dict[str, Source]
             out[rt + "attn.wq.weight"] = Source(hf + "self_attn.q_proj.weight", (h, h), rope_head_dim=d)
             out[rt + "attn.wk.weight"] = Source(hf + "self_attn.k_proj.weight", (kv, h), rope_head_dim=d)
             out[rt + "attn.wv.weight"] = Source(hf + "self_attn.v_proj.weight", (kv, h))
+            if spec.qkv_bias:   # Qwen2: added before the rotation, so q and k biases take the same row order
+                out[rt + "attn.wq.bias"] = Source(hf + "self_attn.q_proj.bias", (h,), rope_head_dim=d)
+                out[rt + "attn.wk.bias"] = Source(hf + "self_attn.k_proj.bias", (kv,), rope_head_dim=d)
+                out[rt + "attn.wv.bias"] = Source(hf + "self_attn.v_proj.bias", (kv,))
             out[rt + "attn.wo.weight"] = Source(hf + "self_attn.o_proj.weight", (h, h))
             out[rt + "mlp.w1.weight"] = Source(hf + "mlp.gate_proj.weight", (f, h))
             out[rt + "mlp.w3.weight"] = Source(hf + "mlp.up_proj.weight", (f, h))
