@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,28 @@ def test_import_then_export_gives_back_every_tensor(models, tmp_path, kind):
     assert sorted(original) == sorted(exported)
     for name, t in original.items():
         assert torch.equal(t, exported[name]), name
+
+
+def test_the_imported_checkpoint_loads_like_a_saved_one(models, tmp_path):
+    """import-hf's checkpoint is a plan-independent one: a stage loads it with load_checkpoint (what
+    launch --load DIR runs) and holds the folder's own weights, at step 0."""
+    import hetero
+    from hetero.hf.weights import load_stage_weights
+    from hetero.runtime.checkpoint import load_checkpoint
+    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.model import build_stage
+
+    assert _cli("import-hf", str(models["gpt2"]), "-o", str(tmp_path / "gpt2")) == 0
+    spec = hetero.load_model(str(tmp_path / "gpt2" / "model.yaml"))
+    loaded, direct = build_stage(spec, (1, 2), False, True, 0), build_stage(spec, (1, 2), False, True, 1)
+    with warnings.catch_warnings():   # no process group: torch says it loads as a single process
+        warnings.simplefilter("ignore")
+        step = load_checkpoint(str(tmp_path / "gpt2" / "checkpoint"), loaded,
+                               make_optimizer(loaded.parameters(), 1e-3, 0.0), spec.num_layers)
+    load_stage_weights(str(models["gpt2"]), direct, spec)
+    assert step == 0
+    for (name, p), q in zip(loaded.named_parameters(), direct.parameters()):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
