@@ -313,6 +313,18 @@ def test_tensor_shapes_that_contradict_the_config(models, tmp_path, capsys):
     _nothing_written(tmp_path / "out")
 
 
+def test_export_of_a_checkpoint_of_another_model(models, tmp_path, capsys):
+    import yaml
+
+    assert _cli("import-hf", str(models["llama"]), "-o", str(tmp_path / "llama")) == 0
+    other = yaml.safe_load((tmp_path / "llama" / "model.yaml").read_text())
+    model = _write_yaml(tmp_path / "other.yaml", {**other, "num_layers": 3})
+    checkpoint = str(tmp_path / "llama" / "checkpoint")
+    err = _fails(capsys, "export-hf", "--model", model, "--checkpoint", checkpoint, "-o", str(tmp_path / "out"))
+    assert err.startswith(f"error: --checkpoint {checkpoint}: the checkpoint was written for another model")
+    _nothing_written(tmp_path / "out")
+
+
 def test_launch_load_hf_of_another_model(models, tmp_path, capsys):
     from hetero.hf.config import read_hf_config
 

@@ -150,7 +150,9 @@ def run(args) -> int:
     cluster, model, plan = load_inputs(args)
     if args.steps < 1:
         raise HeteroError(f"--steps must be >= 1, got {args.steps}")
-    if args.load and args.engine == "deepspeed" and not args.trust_checkpoint:
+    from hetero.hf import hf_dir_of
+
+    if args.load and args.engine == "deepspeed" and not args.trust_checkpoint and hf_dir_of(args.load) is None:
         # DeepSpeed's loader calls torch.load(weights_only=False): unpickling runs code from the files.
         raise HeteroError(f"--load {args.load} with --engine deepspeed: DeepSpeed's checkpoint loader unpickles the "
                           f"files, which runs any code they carry; load only checkpoints you wrote and pass "
@@ -160,7 +162,6 @@ def run(args) -> int:
         extra = extra[1:]
     import os
 
-    from hetero.hf import hf_dir_of
     from hetero.hf.launch import absolute_load
 
     options = RunOptions(steps=args.steps, seed=args.seed, data=os.path.abspath(args.data) if args.data else None,

@@ -115,9 +115,12 @@ def export_hf(spec: ModelSpec, checkpoint: str, out: str, max_shard_bytes: int =
 
     save_file = require("safetensors.torch", "export-hf").save_file
     base_config = _read_base(base)
-    saved = _SafeReader(checkpoint).read_metadata().state_dict_metadata
     shapes = stage_param_shapes(spec, (0, spec.num_layers), True, True)
-    _check_same_model(checkpoint, saved, shapes, spec.num_layers)
+    try:
+        saved = _SafeReader(checkpoint).read_metadata().state_dict_metadata
+        _check_same_model(checkpoint, saved, shapes, spec.num_layers)
+    except HeteroError as e:   # the checkpoint module speaks of --load; here the flag is --checkpoint
+        raise HeteroError(str(e).replace(f"--load {checkpoint}", f"--checkpoint {checkpoint}", 1)) from None
     family = "llama" if spec.architecture == "llama" else "gpt2"
     by_key: dict[str, list[tuple[str, Source]]] = {}
     for rt_name, src in sources(spec, family, "transformer." if family == "gpt2" else "").items():
