@@ -133,11 +133,10 @@ def _llama_spec(cfg: dict, where: str, name: str, seq_length: int | None) -> Mod
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
     c.refuse_if(rope_type not in (None, "default"), "rope_scaling",
                 f"asks for {rope_type!r} rotary scaling; the runtime computes plain rotary tables")
-    theta = cfg.get("rope_theta")
+    theta = cfg.get("rope_theta")   # transformers 5 keeps it in rope_parameters
     if theta is None and isinstance(rope, dict):
         theta = rope.get("rope_theta")
-    theta = c.float("rope_theta", 10000.0) if theta is None else _Config({"rope_theta": theta}, where).float(
-        "rope_theta", 10000.0)
+    theta = _Config({"rope_theta": theta}, where).float("rope_theta", 10000.0)
     c.refuse_if(kind != "qwen2" and bool(cfg.get("attention_bias")), "attention_bias",
                 "is true: biases on the output projection too, which the runtime's llama blocks do not have "
                 "(they take q/k/v biases alone, as Qwen2 has them)")
