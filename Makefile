@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # A CPU build of torch is used when available; any torch >= 2.5 works.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,mpi,deepspeed,plot,moo
+EXTRAS ?= dev,mpi,deepspeed,plot,moo,hf
 
 .PHONY: setup demo test clean
 

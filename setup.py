@@ -62,7 +62,8 @@ setup(
         "ascend": ["torch_npu>=2.5"],
         "plot": ["matplotlib>=3.7"],
         "moo": ["pymoo>=0.6", "numba"],
-        "dev": ["pytest>=7", "pytest-timeout>=2"],
+        "hf": ["safetensors>=0.4", "tokenizers>=0.15"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},
 )

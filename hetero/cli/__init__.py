@@ -10,7 +10,8 @@ import importlib
 import sys
 
 # Order is the order of ``hetero --help``.
-COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan")
+COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan",
+            "import_hf", "export_hf")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,10 @@ def add_parser(sub) -> None:
                    help="fp16 models: initial dynamic loss scale (default 65536; halved and the step skipped "
                         "on a gradient overflow, doubled after 2000 clean steps)")
     p.add_argument("--save", metavar="DIR", help="save a torch.distributed.checkpoint here at the end")
-    p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model)")
+    p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model), or from "
+                                                 "the Hugging Face model folder of hf:DIR (each rank reads its shards)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenize the text --data with this Hugging Face tokenizer "
+                                                       "(a model folder or its tokenizer.json; cached beside the text)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
@@ -121,7 +124,9 @@ def _check_numbers(args) -> None:
         what = "not found" if not os.path.exists(args.data) else "not a file"
         raise HeteroError(f"--data {args.data}: {what} (fix: give the path of a token file (.npy, .bin, "
                           f".int32.bin) or a text file)")
-    if args.load and not os.path.isdir(args.load):
+    from hetero.hf import hf_dir_of
+
+    if args.load and not os.path.isdir(hf_dir_of(args.load) or args.load):
         what = "not found" if not os.path.exists(args.load) else "a file, not a checkpoint directory"
         raise HeteroError(f"--load {args.load}: {what} (fix: give a checkpoint directory written by --save)")
     for flag, value, fix in (("--save", args.save, "give a directory for the checkpoint's files"),
@@ -165,7 +170,9 @@ def run(args) -> int:
     cluster, model, plan = load_inputs(args)
     if args.steps < 1:
         raise HeteroError(f"--steps must be >= 1, got {args.steps}")
-    if args.load and args.engine == "deepspeed" and not args.trust_checkpoint:
+    from hetero.hf import hf_dir_of
+
+    if args.load and args.engine == "deepspeed" and not args.trust_checkpoint and hf_dir_of(args.load) is None:
         # DeepSpeed's loader calls torch.load(weights_only=False): unpickling runs code from the files.
         raise HeteroError(f"--load {args.load} with --engine deepspeed: DeepSpeed's checkpoint loader unpickles the "
                           f"files, which runs any code they carry; load only checkpoints you wrote and pass "
@@ -175,6 +182,8 @@ def run(args) -> int:
         extra = extra[1:]
     import os
 
+    from hetero.hf.launch import absolute_load
+
     options = RunOptions(steps=args.steps, seed=args.seed, data=os.path.abspath(args.data) if args.data else None,
                          engine=args.engine, timeout_s=args.timeout,
                          summary=os.path.abspath(args.summary) if args.summary else None,
@@ -182,7 +191,7 @@ def run(args) -> int:
                          inject_failure=parse_failure(args.inject_failure), lr=args.lr,
                          weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
                          save=os.path.abspath(args.save) if args.save else None,
-                         load=os.path.abspath(args.load) if args.load else None,
+                         load=absolute_load(args.load),
                          threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
                          allocator=args.allocator, overlap=args.overlap, bucket_mb=args.bucket_mb,
                          compile=args.compile)
@@ -201,6 +210,10 @@ def run(args) -> int:
             raise SpecError([*problems, Problem("", "the plan does not fit memory: nothing was started",
                                                 "a plan that fits, or --skip-memory-check to launch this one "
                                                 "anyway on emulated devices", args.plan)])
+    if args.tokenizer or hf_dir_of(args.load):
+        from hetero.hf.launch import prepare_launch
+
+        prepare_launch(args, model, options, None if args.quiet else console().print)
     if options.inject_failure:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:

@@ -260,8 +260,14 @@ class NativeEngine:
                         loss_scale=self.scaler.scale if self.scaler else None)
 
     def load(self, path: str) -> int:
+        from hetero.hf import hf_dir_of
         from hetero.runtime.checkpoint import load_checkpoint
 
+        if hf_dir_of(path) is not None:   # a Hugging Face folder: this rank's slices of its weights, step 0
+            from hetero.hf.weights import load_stage_weights
+
+            load_stage_weights(hf_dir_of(path), self.module, self.ctx.model)
+            return 0
         step = load_checkpoint(path, self.module, self.sharded or self.optimizer,
                                num_layers=self.ctx.model.num_layers)
         if self.scaler:

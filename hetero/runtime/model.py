@@ -63,9 +63,9 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.rope = rope
         self.recompute_core = False
-        self.wq = nn.Linear(h, h, bias=bias)
-        self.wk = nn.Linear(h, kv, bias=bias)
-        self.wv = nn.Linear(h, kv, bias=bias)
+        self.wq = nn.Linear(h, h, bias=spec.has_qkv_bias)
+        self.wk = nn.Linear(h, kv, bias=spec.has_qkv_bias)
+        self.wv = nn.Linear(h, kv, bias=spec.has_qkv_bias)
         self.wo = nn.Linear(h, h, bias=bias)
         if rope:
             cos, sin = rope_tables(spec.seq_length, spec.head_dim, spec.rope_theta)

@@ -53,6 +53,8 @@ class ModelSpec:
     memory, and backward recomputes the scores blockwise."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections alone (Qwen2's llama blocks); gpt has every bias anyway."""
 
     def _check(self, path: str, problems: Problems) -> None:
         for name, what in (("num_layers", "the number of transformer blocks, e.g. 24"),
@@ -122,6 +124,10 @@ class ModelSpec:
     def has_bias(self) -> bool:
         return self.architecture == "gpt"
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.has_bias or self.qkv_bias
+
     def params_per_layer(self) -> int:
         """Parameters of one transformer block."""
         h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_dim
@@ -132,6 +138,7 @@ class ModelSpec:
             mlp += (2 * f if self.gated_mlp else f) + h
             norms = 4 * h                           # two LayerNorms, weight and bias
         else:
+            attn += (h + 2 * kv) if self.qkv_bias else 0
             norms = 2 * h                           # two RMSNorms, weight only
         return attn + mlp + norms
 
@@ -149,10 +156,11 @@ class ModelSpec:
         tp_replicated_per_layer()``; ``biases=False``: the weight matrices alone."""
         h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_dim
         b = 1 if self.has_bias and biases else 0
+        qb = 1 if self.has_qkv_bias and biases else 0
         up = 2 if self.gated_mlp else 1
         out: dict[int, int] = {}
-        for size, n in ((h, h * h + b * h), (kv, 2 * (h * kv + b * kv)), (h, h * h),   # q; k, v; out
-                        (f, up * (h * f + b * f)), (f, f * h)):                        # up (gate); down
+        for size, n in ((h, h * h + qb * h), (kv, 2 * (h * kv + qb * kv)), (h, h * h),   # q; k, v; out
+                        (f, up * (h * f + b * f)), (f, f * h)):                          # up (gate); down
             out[size] = out.get(size, 0) + n
         return out
 
