@@ -1,0 +1,211 @@
+"""The live exchange of a transition and the stage rebuilt around what arrived.
+
+:func:`live_state` reads what a rank holds now (its stage's parameters and AdamW state, tp shards as
+their local parts) as regions of the virtual parameter space. :func:`exchange` runs one rank's part
+of a :class:`~hetero.runtime.reshard.transition.Transition` over ``torch.distributed``
+point-to-point (Gloo here): local pieces are copied in memory, every other piece is packed (master
+values, both moments, the step counter: one fp32 buffer), cut into messages of at most
+``chunk_bytes`` and sent to its destination, which unpacks it into the new state's tensors.
+
+Order and memory. Every rank lists the messages of the whole transition in one global order
+(round-robin over the links, so early messages spread over them). Each rank walks that list,
+posting a non-blocking send or receive for each message it takes part in, and waits for its oldest
+outstanding one whenever the bytes in flight would pass ``max_bytes``. That cannot deadlock: a rank
+waits on its oldest message m; if m's peer has not posted it yet, the peer waits on an older message
+of its own, and following such waits walks down the global order, which ends at a message both ends
+have posted. The bytes a rank stages at once stay under ``max_bytes`` (plus the state it builds).
+
+:func:`rebuild_stage` then builds the rank's stage for its new layers and tp degree without
+initialising weights (meta device, then empty storage; tp slices taken locally, no scatter), fills
+the parameters and a fresh AdamW's state from the exchanged tensors, and returns both.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetero.runtime.reshard.space import STATE_KINDS, Box, relative
+from hetero.runtime.reshard.transition import Piece, Transition
+
+DEFAULT_MAX_BYTES = 256 << 20
+"""Bytes a rank stages for the exchange at once (send and receive buffers in flight)."""
+
+NO_STEP = -1.0
+
+
+@dataclass
+class TensorState:
+    """One tensor's region on one rank: the master values and both moments (local tensors of the
+    region's shape) and the AdamW step counter."""
+
+    box: Box
+    tensors: dict[str, torch.Tensor]
+    step: torch.Tensor | None
+
+
+def live_state(module, optimizer, regions: dict[str, Box]) -> dict[str, TensorState]:
+    """What this rank holds now, by tensor name (``regions``: its boxes in the plan it runs)."""
+    from hetero.runtime.grads import local_part
+
+    out = {}
+    for name, p in module.named_parameters():
+        box = regions[name]
+        local = local_part(p.detach())
+        shape = tuple(b - a for a, b in box)
+        if tuple(local.shape) != shape:   # the space's idea of a tp slice must be torch's
+            raise RuntimeError(f"{name}: this rank holds {tuple(local.shape)}, the parameter space says {shape}")
+        st = optimizer.state.get(p, {})
+        tensors = {"param": local}
+        for k in STATE_KINDS[1:]:
+            tensors[k] = local_part(st[k]) if k in st else torch.zeros_like(local)
+        step = st.get("step")
+        out[name] = TensorState(box, tensors, None if step is None else torch.as_tensor(step).detach().cpu())
+    return out
+
+
+@dataclass
+class ExchangeStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    messages: int = 0
+    peak_in_flight: int = 0
+
+
+def messages(transition: Transition, chunk_bytes: int) -> list[Piece]:
+    """Every moved piece cut into messages of at most ``chunk_bytes`` (at least one row each), in the
+    global order every rank walks: round-robin over the links."""
+    by_link: dict[tuple[int, int], list[Piece]] = {}
+    for p in transition.moved:
+        by_link.setdefault((p.src, p.dst), []).extend(_cut(p, chunk_bytes))
+    order = []
+    for link in sorted(by_link):
+        order += [(i, link, m) for i, m in enumerate(by_link[link])]
+    return [m for _, _, m in sorted(order, key=lambda x: (x[0], x[1]))]
+
+
+def _cut(p: Piece, chunk_bytes: int) -> list[Piece]:
+    if p.nbytes <= chunk_bytes or not p.box:
+        return [p]
+    lo, hi = p.box[0]
+    row = max(1, p.nbytes // max(1, hi - lo))
+    step = max(1, chunk_bytes // row)
+    return [Piece(p.src, p.dst, p.name, ((a, min(a + step, hi)),) + p.box[1:]) for a in range(lo, hi, step)]
+
+
+def exchange(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
+             *, group=None, max_bytes: int = DEFAULT_MAX_BYTES, chunk_bytes: int | None = None,
+             device: torch.device | str = "cpu") -> tuple[dict[str, TensorState], ExchangeStats]:
+    """This rank's part of ``transition`` (every rank of ``group`` calls it with the same transition):
+    returns its new state, by tensor name, for its ``targets`` regions, and what it moved."""
+    chunk_bytes = chunk_bytes or max(1 << 20, max_bytes // 4)
+    if chunk_bytes > max_bytes:
+        raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
+    stats = ExchangeStats()
+    new = {name: TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
+                                   for k in STATE_KINDS}, None)
+           for name, box in targets.items()}
+    for p in transition.pieces:   # what this rank keeps: a copy in memory
+        if p.src == rank and p.dst == rank:
+            src = live[p.name]
+            _put(new[p.name], p.box, lambda k, s=src, b=p.box: s.tensors[k][relative(b, s.box)], src.step)
+            stats.bytes_local += p.nbytes
+    in_flight: collections.deque = collections.deque()
+    held = 0
+
+    def finish_oldest():
+        nonlocal held
+        work, nbytes, done = in_flight.popleft()
+        work.wait()
+        if done:
+            done()
+        held -= nbytes
+
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    for tag, m in enumerate(messages(transition, chunk_bytes)):
+        if rank not in (m.src, m.dst):
+            continue
+        while in_flight and held + m.nbytes > max_bytes:
+            finish_oldest()
+        if m.src == rank:
+            buf = _pack(live[m.name], m.box)
+            work = dist.isend(buf, peer(m.dst), group=group, tag=tag)
+            in_flight.append((work, buf.numel() * 4, None))
+            stats.bytes_sent += buf.numel() * 4
+        else:
+            buf = torch.empty(len(STATE_KINDS) * m.numel + 1, dtype=torch.float32)
+            work = dist.irecv(buf, peer(m.src), group=group, tag=tag)
+            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m.box, b)))
+            stats.bytes_received += buf.numel() * 4
+        stats.messages += 1
+        held += buf.numel() * 4
+        stats.peak_in_flight = max(stats.peak_in_flight, held)
+    while in_flight:
+        finish_oldest()
+    return new, stats
+
+
+def _pack(state: TensorState, box: Box) -> torch.Tensor:
+    idx = relative(box, state.box)
+    parts = [state.tensors[k][idx].reshape(-1).to("cpu", torch.float32) for k in STATE_KINDS]
+    # the step counter rides along; NO_STEP: no update applied yet (AdamW has no state)
+    step = state.step.reshape(1).to(torch.float32) if state.step is not None else torch.tensor([NO_STEP])
+    return torch.cat(parts + [step])
+
+
+def _unpack(target: TensorState, box: Box, buf: torch.Tensor) -> None:
+    n = (buf.numel() - 1) // len(STATE_KINDS)
+    shape = tuple(b - a for a, b in box)
+    step = buf[-1:].reshape(())
+    _put(target, box, lambda k: buf[STATE_KINDS.index(k) * n:(STATE_KINDS.index(k) + 1) * n].view(shape),
+         None if float(step) == NO_STEP else step)
+
+
+def _put(target: TensorState, box: Box, values, step: torch.Tensor | None) -> None:
+    idx = relative(box, target.box)
+    for k in STATE_KINDS:
+        target.tensors[k][idx].copy_(values(k))
+    if target.step is None and step is not None:
+        target.step = step.clone()
+
+
+def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None, device="cpu",
+                  lr: float = 1e-3, weight_decay: float = 0.0):
+    """The stage ``info`` (a rank of ``plan``) runs, with its parameters and a fresh AdamW's state
+    taken from ``state`` (this rank's regions after :func:`exchange`); ``mesh``: its tp mesh (tp > 1).
+    Returns (module, optimizer)."""
+    from torch.distributed.tensor import DTensor
+
+    from hetero.runtime.grads import local_part, make_optimizer
+    from hetero.runtime.model import StageModel, apply_tensor_parallel
+
+    first, last = info.holds_ends(plan)
+    chunks = info.chunk_layers(plan)
+    with torch.device("meta"):
+        module = StageModel(model, chunks[0], first, last, chunks)
+    module = module.to_empty(device=device)
+    module.set_recompute(plan.recompute)
+    if info.tp_size > 1:
+        apply_tensor_parallel(module, mesh, src_data_rank=None)   # local slices of empty storage
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            local_part(p).copy_(state[name].tensors["param"])
+    optimizer = make_optimizer(module.parameters(), lr, weight_decay)
+    for name, p in params.items():
+        st = state[name]
+        if st.step is None:   # no update applied yet: AdamW creates its state at the first step
+            continue
+
+        def like(t, p=p):
+            t = t.to(p.device)
+            if isinstance(p, DTensor):
+                return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                          stride=p.stride())
+            return t
+        optimizer.state[p] = {"step": st.step.to(torch.float32).to(p.device, copy=True),
+                              "exp_avg": like(st.tensors["exp_avg"]), "exp_avg_sq": like(st.tensors["exp_avg_sq"])}
+    return module, optimizer

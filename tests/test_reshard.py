@@ -1,0 +1,285 @@
+"""Live resharding (hetero.runtime.reshard): the virtual parameter space, the transition between
+two plans, and the rank-to-rank exchange, checked bitwise against loading the same state from the
+plan-independent checkpoint into the target plan."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from _spawn import spawn
+
+# an odd vocabulary, so tp 2 splits the embedding unevenly (255 + 254 rows)
+MODEL = {"name": "reshard", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+         "vocab_size": 509, "seq_length": 16, "dtype": "fp32", "tie_embeddings": True}
+DEVICES = {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"}, "cpu-emu-b": {"base": "cpu", "vendor": "emu-b"}}
+
+
+def _cluster(fast: int, slow: int = 0) -> dict:
+    groups = [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": fast}]
+    if slow:
+        groups.append({"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": slow})
+    return {"name": "reshard-test", "devices": DEVICES, "groups": groups}
+
+
+def _plan(*pipelines, gbs=8, mbs=1) -> dict:
+    return {"global_batch_size": gbs, "micro_batch_size": mbs, "pipelines": list(pipelines)}
+
+
+def _stage(group, a, b, tp=1):
+    return {"group": group, "layers": [a, b], "tp": tp}
+
+
+# ---------------------------------------------------------------------------- the space, pure Python
+
+def test_shard_ranges_are_torch_chunks():
+    from hetero.runtime.reshard.space import shard_range
+
+    for n, parts in itertools.product((1, 5, 8, 509, 512), (1, 2, 3, 4, 7)):
+        chunks = torch.arange(n).chunk(parts)
+        for i in range(parts):
+            a, b = shard_range(n, parts, i)
+            want = chunks[i] if i < len(chunks) else torch.arange(0)
+            assert list(range(a, b)) == want.tolist(), (n, parts, i)
+
+
+@pytest.mark.parametrize("shape,start,stop", [((4, 5), 3, 17), ((4, 5), 5, 15), ((4, 5), 0, 20), ((4, 5), 6, 8),
+                                              ((3, 4, 5), 7, 53), ((9,), 2, 7)])
+def test_a_flat_range_is_a_few_boxes_with_exactly_its_elements(shape, start, stop):
+    from hetero.runtime.reshard.space import flat_range_boxes
+
+    flat = torch.zeros(shape, dtype=torch.int64)
+    boxes = flat_range_boxes(shape, start, stop)
+    for box in boxes:
+        flat[tuple(slice(a, b) for a, b in box)] += 1
+    want = torch.zeros(flat.numel(), dtype=torch.int64)
+    want[start:stop] = 1
+    assert flat.reshape(-1).tolist() == want.tolist()
+    if len(shape) == 2:
+        assert len(boxes) <= 3
+
+
+def _regions(cluster, plan):
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.reshard.space import ParameterSpace
+
+    c, p = hetero.load_cluster(cluster), hetero.load_plan(plan)
+    layout = build_layout(c, p)
+    return ParameterSpace(hetero.load_model(MODEL)).layout_regions(p, layout), layout
+
+
+def _covered_exactly(transition, targets):
+    """Every target element arrives exactly once."""
+    from hetero.runtime.reshard.space import ParameterSpace, relative
+    import hetero
+
+    shapes = ParameterSpace(hetero.load_model(MODEL)).shapes
+    for dst, regions in targets.items():
+        for name, box in regions.items():
+            count = torch.zeros(tuple(b - a for a, b in box), dtype=torch.int64)
+            for p in transition.pieces:
+                if p.dst == dst and p.name == name:
+                    count[relative(p.box, box)] += 1
+            assert bool((count == 1).all()), (dst, name, shapes[name])
+
+
+def test_pp2_dp2_to_tp2_moves_the_intersections_and_keeps_what_each_rank_has():
+    from hetero.runtime.reshard.transition import plan_transition
+
+    old, lo = _regions(_cluster(2, 2), _plan({"replicas": 2, "micro_batches": 4,
+                                              "stages": [_stage("fast", 0, 2), _stage("slow", 2, 4)]}))
+    new, ln = _regions(_cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4, tp=2)]}))
+    del old[3]   # rank 3 (slow) lost; fast ranks 0, 1 stay ranks 0, 1
+    t = plan_transition(old, new, {0: "a", 1: "a", 2: "b"})
+    _covered_exactly(t, new)
+    assert not t.missing
+    # layers 2-3 exist only on rank 2 now: it sends both tp halves, nobody else sends anything
+    assert {p.src for p in t.moved} == {2}
+    # ranks 0 and 1 keep their stage-0 slices: no piece of layers 0-1 moves
+    assert not [p for p in t.moved if p.name.startswith(("layers.0.", "layers.1.", "wpe"))]
+    assert t.intersection_bytes == sum(t.link_bytes().values())
+
+
+def test_sources_prefer_the_destinations_vendor_and_share_the_links():
+    from hetero.runtime.reshard.transition import plan_transition
+
+    # two replicas of the whole model on vendor a (ranks 0, 1) and one on vendor b (rank 2); a new rank
+    # 3 of vendor a holds everything: it pulls from 0 and 1 only, about half from each
+    full, _ = _regions(_cluster(1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4)]}))
+    sources = {r: full[0] for r in (0, 1, 2)}
+    t = plan_transition(sources, {3: full[0]}, {0: "a", 1: "a", 2: "b", 3: "a"})
+    _covered_exactly(t, {3: full[0]})
+    links = t.link_bytes()
+    assert set(links) == {(0, 3), (1, 3)}
+    assert abs(links[(0, 3)] - links[(1, 3)]) / max(links.values()) < 0.05
+    # without a same-vendor copy the other vendor serves
+    t = plan_transition({2: full[0]}, {3: full[0]}, {2: "b", 3: "a"})
+    assert set(t.link_bytes()) == {(2, 3)}
+
+
+def test_a_region_no_survivor_holds_is_reported_missing():
+    from hetero.runtime.reshard.transition import plan_transition
+
+    old, _ = _regions(_cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("fast", 2, 4)]}))
+    new, _ = _regions(_cluster(1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4)]}))
+    t = plan_transition({0: old[0]}, new)
+    missing = {region.name for _, region in t.missing}
+    assert "layers.3.attn.wq.weight" in missing and "layers.0.attn.wq.weight" not in missing
+
+
+# ---------------------------------------------------------------------------- the exchange, bitwise
+
+# name, cluster before, plan before, cluster after, plan after, process -> old rank, process -> new rank
+SCENARIOS = [
+    ("pp2->tp2", _cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("fast", 2, 4)]}),
+     _cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4, tp=2)]}), {0: 0, 1: 1}, {0: 0, 1: 1}),
+    ("dp2->pp2", _cluster(2), _plan({"replicas": 2, "micro_batches": 4, "stages": [_stage("fast", 0, 4)]}),
+     _cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("fast", 2, 4)]}),
+     {0: 0, 1: 1}, {0: 0, 1: 1}),
+    # rank 3 lost; the three devices left run three uneven stages
+    ("4->3 ranks", _cluster(2, 2), _plan({"replicas": 2, "micro_batches": 4,
+                                          "stages": [_stage("fast", 0, 2), _stage("slow", 2, 4)]}),
+     _cluster(2, 1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 1), _stage("fast", 1, 3),
+                                                           _stage("slow", 3, 4)]}),
+     {0: 0, 1: 1, 2: 2}, {0: 0, 1: 1, 2: 2}),
+    ("uneven->uneven", _cluster(2, 1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 3, tp=2),
+                                                                            _stage("slow", 3, 4)]}),
+     _cluster(2, 1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 1), _stage("fast", 1, 2),
+                                                           _stage("slow", 2, 4)]}),
+     {0: 0, 1: 1, 2: 2}, {0: 0, 1: 1, 2: 2}),
+    # two tp-2 replicas on two vendors; ranks 1 and 3 leave; what is left runs tp 1, one stage per vendor
+    ("tp2->tp1 across vendors", _cluster(2, 2),
+     _plan({"micro_batches": 4, "stages": [_stage("fast", 0, 4, tp=2)]},
+           {"micro_batches": 4, "stages": [_stage("slow", 0, 4, tp=2)]}),
+     _cluster(1, 1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("slow", 2, 4)]}),
+     {0: 0, 1: 1, 2: 2, 3: 3}, {0: 0, 2: 1}),
+]
+
+
+def _state_checkpoint(path: str) -> None:
+    """A plan-independent checkpoint of MODEL at step 3 with every value random (no two alike)."""
+    import hetero
+    from hetero.runtime.checkpoint import save_assembled_checkpoint
+    from hetero.runtime.reshard.space import ParameterSpace
+
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, shape in ParameterSpace(hetero.load_model(MODEL)).shapes.items():
+        state[f"model/{name}"] = torch.randn(shape, generator=g)
+        state[f"optim/{name}/exp_avg"] = torch.randn(shape, generator=g) * 1e-3
+        state[f"optim/{name}/exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-6
+        state[f"optim/{name}/step"] = torch.tensor(3.0)
+    save_assembled_checkpoint(path, state, 3, None)
+
+
+def _stage_from(model, plan, layout, rank, groups, ckpt):
+    """Rank ``rank`` of ``layout`` (None: a process without a place there) loaded from ``ckpt``; every
+    process calls it (the checkpoint's load is a collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hetero.runtime.checkpoint import load_checkpoint
+    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.model import apply_tensor_parallel, build_stage
+
+    if rank is None:
+        load_checkpoint(ckpt, torch.nn.Module(), None)
+        return None, None, None
+    info = layout.ranks[rank]
+    first, last = info.holds_ends(plan)
+    module = build_stage(model, info.layers, first, last, seed=1, chunks=info.chunk_layers(plan))
+    mesh = None
+    if info.tp_size > 1:
+        mesh = DeviceMesh.from_group(groups[tuple(layout.stage_ranks(info.pipeline, info.replica, info.stage))], "cpu")
+        apply_tensor_parallel(module, mesh)
+    optimizer = make_optimizer(module.parameters(), 1e-3, 0.0)
+    load_checkpoint(ckpt, module, optimizer)
+    return module, optimizer, mesh
+
+
+def _tp_groups(layout, proc_of_rank):
+    """A process group for every tp group of ``layout`` (new_group: every process, same order)."""
+    import torch.distributed as dist
+
+    out = {}
+    for info in layout.ranks:
+        key = tuple(layout.stage_ranks(info.pipeline, info.replica, info.stage))
+        if len(key) > 1 and key not in out and all(r in proc_of_rank for r in key):
+            out[key] = dist.new_group([proc_of_rank[r] for r in key])
+    return out
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _reshard_worker(rank, world, ckpt, max_bytes):
+    import torch.distributed as dist
+
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.grads import local_part
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import exchange, live_state, rebuild_stage
+    from hetero.runtime.reshard.transition import plan_transition
+
+    dist.init_process_group("gloo")
+    model = hetero.load_model(MODEL)
+    space = ParameterSpace(model)
+    out = {}
+    for name, c0, p0, c1, p1, old_of, new_of in SCENARIOS:
+        plans = [hetero.load_plan(p0), hetero.load_plan(p1)]
+        layouts = [build_layout(hetero.load_cluster(c0), plans[0]), build_layout(hetero.load_cluster(c1), plans[1])]
+        procs = [{r: p for p, r in old_of.items()}, {r: p for p, r in new_of.items()}]
+        for p in set(old_of) & set(new_of):   # a process keeps its device: the same vendor in both plans
+            assert layouts[0].ranks[old_of[p]].vendor == layouts[1].ranks[new_of[p]].vendor, name
+        groups = [_tp_groups(layouts[0], procs[0]), _tp_groups(layouts[1], procs[1])]
+        regions = [space.layout_regions(plans[i], layouts[i]) for i in (0, 1)]
+        sources = {p: regions[0][r] for p, r in old_of.items()}
+        targets = {p: regions[1][r] for p, r in new_of.items()}
+        vendors = {p: layouts[0].ranks[r].vendor for p, r in old_of.items()}
+        vendors.update({p: layouts[1].ranks[r].vendor for p, r in new_of.items()})
+        transition = plan_transition(sources, targets, vendors)
+        old_module, old_opt, _ = _stage_from(model, plans[0], layouts[0], old_of.get(rank), groups[0], ckpt)
+        live = live_state(old_module, old_opt, sources[rank]) if rank in old_of else {}
+        state, stats = exchange(rank, transition, live, targets.get(rank, {}), max_bytes=max_bytes,
+                                chunk_bytes=max_bytes // 2)
+        ref, ref_opt, mesh = _stage_from(model, plans[1], layouts[1], new_of.get(rank), groups[1], ckpt)
+        bad = []
+        if rank in new_of:
+            info = layouts[1].ranks[new_of[rank]]
+            module, optimizer = rebuild_stage(model, plans[1], info, state, mesh=mesh)
+            got, want = dict(module.named_parameters()), dict(ref.named_parameters())
+            assert sorted(got) == sorted(want)
+            for n in want:
+                if not _bitwise(local_part(got[n].detach()), local_part(want[n].detach())):
+                    bad.append(f"{n} param")
+                a, b = optimizer.state[got[n]], ref_opt.state[want[n]]
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    if not _bitwise(torch.as_tensor(local_part(a[k])), torch.as_tensor(local_part(b[k]))):
+                        bad.append(f"{n} {k}")
+        out[name] = {"bad": bad, "sent": stats.bytes_sent, "received": stats.bytes_received,
+                     "peak": stats.peak_in_flight, "intersection": transition.intersection_bytes,
+                     "cross_vendor": sum(p.nbytes for p in transition.moved if vendors[p.src] != vendors[p.dst])}
+        dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _state_checkpoint(ckpt)
+    max_bytes = 64 << 10   # small, so the bigger pieces travel as several messages
+    results = spawn(_reshard_worker, 4, args=(ckpt, max_bytes), timeout=240)
+    for name, *_ in SCENARIOS:
+        per_rank = [r[name] for r in results]
+        bad = {rank: r["bad"] for rank, r in enumerate(per_rank) if r["bad"]}
+        assert not bad, f"{name}: not bitwise equal: {bad}"
+        sent, received = sum(r["sent"] for r in per_rank), sum(r["received"] for r in per_rank)
+        assert sent == received == per_rank[0]["intersection"], name
+        # both data-parallel ranks hold the whole model: each keeps its stage, nothing moves
+        assert (sent == 0) == (name == "dp2->pp2"), name
+        assert max(r["peak"] for r in per_rank) <= max_bytes, name
+    # each tp-1 rank has a same-vendor tp peer that held the other half: nothing crosses the bridge
+    assert results[0]["tp2->tp1 across vendors"]["cross_vendor"] == 0
