@@ -93,7 +93,8 @@ def _cut(p: Piece, chunk_bytes: int) -> list[Piece]:
     lo, hi = p.box[0]
     row = max(1, p.nbytes // max(1, hi - lo))
     step = max(1, chunk_bytes // row)
-    return [Piece(p.src, p.dst, p.name, ((a, min(a + step, hi)),) + p.box[1:]) for a in range(lo, hi, step)]
+    return [Piece(p.src, p.dst, p.name, ((a, min(a + step, hi)),) + p.box[1:], with_step=a == lo)
+            for a in range(lo, hi, step)]
 
 
 def exchange(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
@@ -131,14 +132,14 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
         while in_flight and held + m.nbytes > max_bytes:
             finish_oldest()
         if m.src == rank:
-            buf = _pack(live[m.name], m.box)
+            buf = _pack(live[m.name], m.box, m.with_step)
             work = dist.isend(buf, peer(m.dst), group=group, tag=tag)
             in_flight.append((work, buf.numel() * 4, None))
             stats.bytes_sent += buf.numel() * 4
         else:
-            buf = torch.empty(len(STATE_KINDS) * m.numel + 1, dtype=torch.float32)
+            buf = torch.empty(len(STATE_KINDS) * m.numel + int(m.with_step), dtype=torch.float32)
             work = dist.irecv(buf, peer(m.src), group=group, tag=tag)
-            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m.box, b)))
+            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m, b)))
             stats.bytes_received += buf.numel() * 4
         stats.messages += 1
         held += buf.numel() * 4
@@ -148,20 +149,20 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     return new, stats
 
 
-def _pack(state: TensorState, box: Box) -> torch.Tensor:
+def _pack(state: TensorState, box: Box, with_step: bool) -> torch.Tensor:
     idx = relative(box, state.box)
     parts = [state.tensors[k][idx].reshape(-1).to("cpu", torch.float32) for k in STATE_KINDS]
-    # the step counter rides along; NO_STEP: no update applied yet (AdamW has no state)
-    step = state.step.reshape(1).to(torch.float32) if state.step is not None else torch.tensor([NO_STEP])
-    return torch.cat(parts + [step])
+    if with_step:   # the step counter rides along; NO_STEP: no update applied yet (AdamW has no state)
+        parts.append(state.step.reshape(1).to(torch.float32) if state.step is not None else torch.tensor([NO_STEP]))
+    return torch.cat(parts)
 
 
-def _unpack(target: TensorState, box: Box, buf: torch.Tensor) -> None:
-    n = (buf.numel() - 1) // len(STATE_KINDS)
-    shape = tuple(b - a for a, b in box)
-    step = buf[-1:].reshape(())
-    _put(target, box, lambda k: buf[STATE_KINDS.index(k) * n:(STATE_KINDS.index(k) + 1) * n].view(shape),
-         None if float(step) == NO_STEP else step)
+def _unpack(target: TensorState, m: Piece, buf: torch.Tensor) -> None:
+    n = m.numel
+    shape = tuple(b - a for a, b in m.box)
+    step = buf[-1:].reshape(()) if m.with_step else None
+    _put(target, m.box, lambda k: buf[STATE_KINDS.index(k) * n:(STATE_KINDS.index(k) + 1) * n].view(shape),
+         None if step is None or float(step) == NO_STEP else step)
 
 
 def _put(target: TensorState, box: Box, values, step: torch.Tensor | None) -> None:

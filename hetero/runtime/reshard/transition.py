@@ -35,6 +35,9 @@ class Piece:
     dst: int
     name: str
     box: Box
+    with_step: bool = True
+    """Whether it carries the tensor's AdamW step counter (a piece cut into several messages: the
+    first one only)."""
 
     @property
     def numel(self) -> int:
@@ -43,7 +46,7 @@ class Piece:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: master values, both moments, and the step counter."""
-        return self.numel * BYTES_PER_ELEMENT + STEP_BYTES
+        return self.numel * BYTES_PER_ELEMENT + (STEP_BYTES if self.with_step else 0)
 
 
 @dataclass
