@@ -283,3 +283,97 @@ def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_p
         assert max(r["peak"] for r in per_rank) <= max_bytes, name
     # each tp-1 rank has a same-vendor tp peer that held the other half: nothing crosses the bridge
     assert results[0]["tp2->tp1 across vendors"]["cross_vendor"] == 0
+
+
+# ---------------------------------------------------------------------------- in-process, after a failure
+
+LOST = SCENARIOS[2]   # 4 -> 3 ranks: rank 3 lost
+
+
+def _survivor_worker(rank, world, ckpt, port, second_failure):
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.grads import local_part
+    from hetero.runtime.reshard import live as L
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import live_state, rebuild_stage
+
+    _, c0, p0, c1, p1, _, _ = LOST
+    store = L.connect(port)
+    L.regroup(store, 0, rank, world, timeout_s=20)
+    model, plan = hetero.load_model(MODEL), hetero.load_plan(p0)
+    layout = build_layout(hetero.load_cluster(c0), plan)
+    module, optimizer, _ = _stage_from(model, plan, layout, rank, {}, ckpt)
+    pid = os.getpid()
+    if rank == 3:
+        os._exit(1)   # the lost device: gone without a word
+    t = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+        raise AssertionError("an all-reduce with a dead peer succeeded")
+    except RuntimeError:
+        detect_s = time.perf_counter() - t
+    live = live_state(module, optimizer, ParameterSpace(model).rank_regions(plan, layout.ranks[rank]))
+    if second_failure and rank == 1:   # lost again, after joining the new world, before the exchange
+        L.report_alive(store, 1, rank)
+        L.await_decision(store, 1, 30)
+        L.regroup(store, 1, 1, 3, 10)
+        os._exit(1)
+    try:
+        place = L.reconfigure(store, 1, rank, live, timeout_s=30, max_bytes=1 << 20)
+    except L.ReconfigurationError as e:
+        return {"error": str(e), "pid": os.getpid()}
+    if second_failure:   # the lost rank is the next generation's failure (the reference load needs it)
+        return {"pid": os.getpid()}
+    new_module, new_optimizer = rebuild_stage(model, place.plan, place.info, place.state, mesh=place.mesh)
+    ref, ref_opt, _ = _stage_from(model, place.plan, place.layout, place.rank, {}, ckpt)
+    bad = [n for n, p in new_module.named_parameters()
+           if not _bitwise(local_part(p.detach()), local_part(dict(ref.named_parameters())[n].detach()))]
+    bad += [n for n, p in new_module.named_parameters()
+            if not _bitwise(new_optimizer.state[p]["exp_avg_sq"], ref_opt.state[dict(ref.named_parameters())[n]]
+                            ["exp_avg_sq"])]
+    return {"pid_before": pid, "pid": os.getpid(), "rank": place.rank, "bad": bad, "detect_s": detect_s,
+            "sent": place.stats.bytes_sent, "intersection": place.transition.intersection_bytes, **place.timings}
+
+
+def _coordinate(coordinator, survivors):
+    from hetero.runtime.reshard.live import decision_for
+
+    got = coordinator.await_survivors(1, survivors, timeout_s=60)
+    members = {r: i for i, r in enumerate(sorted(got))}
+    _, c0, p0, c1, p1, _, _ = LOST
+    coordinator.publish(1, members, decision_for(MODEL, (c0, p0), (c1, p1), members, step=3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second_failure", [False, True], ids=["one failure", "a second failure in the reshard"])
+def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, second_failure):
+    import threading
+
+    from hetero.runtime.reshard.live import Coordinator
+
+    ckpt = str(tmp_path / "ckpt")
+    _state_checkpoint(ckpt)
+    coordinator = Coordinator()
+    # the coordinator knows rank 3's process exited (the launcher watches its workers' pids)
+    threading.Thread(target=_coordinate, args=(coordinator, [0, 1, 2]), daemon=True).start()
+    try:
+        results = spawn(_survivor_worker, 4, args=(ckpt, coordinator.port, second_failure), timeout=120,
+                        may_die=(1, 3) if second_failure else (3,))
+    finally:
+        coordinator.close()
+    if second_failure:
+        # rank 2 (slow) takes the tied embedding from ranks 0 and 1 and sends layer 2 to rank 1
+        assert "error" in results[2] and "rank 1 (rank 1 before) was lost during the exchange" in results[2]["error"]
+        return
+    assert results[3] is None
+    for r in (0, 1, 2):
+        got = results[r]
+        assert got.get("bad") == [], (r, got)
+        assert got["pid"] == got["pid_before"] and got["rank"] == r
+    assert sum(results[r]["sent"] for r in (0, 1, 2)) == results[0]["intersection"] > 0

@@ -99,9 +99,12 @@ def _cut(p: Piece, chunk_bytes: int) -> list[Piece]:
 
 def exchange(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
              *, group=None, max_bytes: int = DEFAULT_MAX_BYTES, chunk_bytes: int | None = None,
-             device: torch.device | str = "cpu") -> tuple[dict[str, TensorState], ExchangeStats]:
+             device: torch.device | str = "cpu", describe=lambda r: f"rank {r}"
+             ) -> tuple[dict[str, TensorState], ExchangeStats]:
     """This rank's part of ``transition`` (every rank of ``group`` calls it with the same transition):
-    returns its new state, by tensor name, for its ``targets`` regions, and what it moved."""
+    returns its new state, by tensor name, for its ``targets`` regions, and what it moved. A peer
+    lost during the exchange ends it with :class:`~hetero.runtime.reshard.live.ReconfigurationError`
+    naming that peer (``describe``: rank -> words), after at most the group's timeout."""
     chunk_bytes = chunk_bytes or max(1 << 20, max_bytes // 4)
     if chunk_bytes > max_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
@@ -119,8 +122,14 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
 
     def finish_oldest():
         nonlocal held
-        work, nbytes, done = in_flight.popleft()
-        work.wait()
+        work, nbytes, done, other = in_flight.popleft()
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - re-raised naming the peer
+            from hetero.runtime.reshard.live import ReconfigurationError
+
+            raise ReconfigurationError(f"reshard: {describe(other)} was lost during the exchange "
+                                       f"({str(e).splitlines()[0][:200]})") from None
         if done:
             done()
         held -= nbytes
@@ -134,12 +143,12 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
         if m.src == rank:
             buf = _pack(live[m.name], m.box, m.with_step)
             work = dist.isend(buf, peer(m.dst), group=group, tag=tag)
-            in_flight.append((work, buf.numel() * 4, None))
+            in_flight.append((work, buf.numel() * 4, None, m.dst))
             stats.bytes_sent += buf.numel() * 4
         else:
             buf = torch.empty(len(STATE_KINDS) * m.numel + int(m.with_step), dtype=torch.float32)
             work = dist.irecv(buf, peer(m.src), group=group, tag=tag)
-            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m, b)))
+            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m, b), m.src))
             stats.bytes_received += buf.numel() * 4
         stats.messages += 1
         held += buf.numel() * 4
