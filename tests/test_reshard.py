@@ -377,3 +377,28 @@ def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, se
         assert got.get("bad") == [], (r, got)
         assert got["pid"] == got["pid_before"] and got["rank"] == r
     assert sum(results[r]["sent"] for r in (0, 1, 2)) == results[0]["intersection"] > 0
+
+
+def test_the_predicted_transfer_is_the_busiest_ranks_bytes_over_its_links():
+    import hetero
+    from hetero.runtime.reshard.predict import predict_transfer_s
+    from hetero.runtime.reshard.transition import plan_transition
+
+    c0, p0, c1, p1 = LOST[1:5]
+    old, lo = _regions(c0, p0)
+    new, ln = _regions(c1, p1)
+    del old[3]
+    t = plan_transition(old, new, {0: "emu-a", 1: "emu-a", 2: "emu-b"})
+    cluster = hetero.load_cluster({**c1, "network": {"cross_group": {"bandwidth": "1 GB/s", "latency": "0 us"}},
+                                   "groups": [{**g, "intra_node": {"bandwidth": "4 GB/s", "latency": "0 us"}}
+                                              for g in c1["groups"]]})
+    got = predict_transfer_s(t, cluster, ln)
+    # rank 2 (the other group) talks over the 1 GB/s bridge, ranks 0 and 1 with each other at 4 GB/s
+    links = t.link_bytes()
+    assert any(2 in link for link in links)
+    bw = lambda s, d: 1e9 if 2 in (s, d) else 4e9   # noqa: E731
+    for r in (0, 1, 2):
+        out = sum(b / bw(s, d) for (s, d), b in links.items() if s == r)
+        into = sum(b / bw(s, d) for (s, d), b in links.items() if d == r)
+        assert got["per_rank_s"].get(r, 0.0) == pytest.approx(max(out, into))
+    assert got["transfer_s"] == max(got["per_rank_s"].values())
