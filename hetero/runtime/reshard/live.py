@@ -106,16 +106,18 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float) -> None:
                                    f"{str(e).splitlines()[0][:200]}") from None
 
 
-def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], members: dict[int, int],
+def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
                  step: int) -> dict:
-    """What the coordinator publishes: the model, the (cluster, plan) before and after as dicts, and
-    the step the state is at (``members``: old rank -> new rank, passed to :meth:`Coordinator.publish`)."""
+    """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
+    after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
+    in the exchange, then leaves) and the step the state is at."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
-            "step": step}
+            "survivors": sorted(survivors), "step": step}
 
 
 class NewPlace:
-    """A survivor's place in the new world after :func:`reconfigure`: its rank, its ``info``
+    """A survivor's place in the new world after :func:`reconfigure`: its rank, whether the new plan
+    has it (``member``; if not, it served its state and leaves), its ``info``
     (:class:`hetero.layout.RankInfo`), the plan and layout, its tp mesh, its state and the timings."""
 
     def __init__(self, **kw):
@@ -138,33 +140,37 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     report_alive(store, gen, me, applied_step=applied_step)
     d = await_decision(store, gen, timeout_s)
     members = d["members"]
-    if me not in members:
-        raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) has no place in the new plan")
+    # survivors the new plan leaves out take the ranks after its world for the exchange only
+    helpers = [r for r in d.get("survivors", sorted(members)) if r not in members]
+    world_rank = {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
+    if me not in world_rank:
+        raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
     model = hetero.load_model(d["model"])
     plans = [hetero.load_plan(d["old"]["plan"]), hetero.load_plan(d["new"]["plan"])]
     layouts = [build_layout(hetero.load_cluster(d["old"]["cluster"]), plans[0]),
                build_layout(hetero.load_cluster(d["new"]["cluster"]), plans[1])]
     t1 = time.perf_counter()
-    rank, world = members[me], len(members)
+    rank, world = world_rank[me], len(world_rank)
     regroup(store, gen, rank, world, timeout_s)
     mesh = _tp_meshes(layouts[1], rank)
     t2 = time.perf_counter()
     space = ParameterSpace(model)
-    old_regions = {r: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in members}
-    sources = {members[r]: old_regions[r] for r in members}
+    sources = {world_rank[r]: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in world_rank}
     targets = space.layout_regions(plans[1], layouts[1])
-    vendors = {members[r]: layouts[0].ranks[r].vendor for r in members}
+    vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}
     transition = plan_transition(sources, targets, vendors)
     if transition.missing:
         dst, region = transition.missing[0]
         raise ReconfigurationError(f"reconfiguration {gen}: no survivor holds {region.name} (and "
                                    f"{len(transition.missing) - 1} more regions): the live state cannot be rebuilt")
-    old_of = {v: k for k, v in members.items()}
+    old_of = {v: k for k, v in world_rank.items()}
     describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
-    state, stats = exchange(rank, transition, live, targets[rank], describe=describe,
+    state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
                             max_bytes=max_bytes or DEFAULT_MAX_BYTES)
     t3 = time.perf_counter()
-    return NewPlace(rank=rank, world=world, info=layouts[1].ranks[rank], plan=plans[1], layout=layouts[1],
+    member = me in members
+    return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,
+                    plan=plans[1], layout=layouts[1],
                     model=model, mesh=mesh, state=state, stats=stats, transition=transition, step=d["step"],
                     timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1, "transfer_s": t3 - t2})
 

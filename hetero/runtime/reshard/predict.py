@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 
 
-def predict_transfer_s(transition, cluster, layout, chunk_bytes: int | None = None) -> dict:
+def predict_transfer_s(transition, cluster, places: dict, chunk_bytes: int | None = None) -> dict:
     """``{"transfer_s": the estimate, "busiest_rank": r, "per_rank_s": {rank: seconds}}`` for
-    ``transition`` among the ranks of ``layout`` (the world the exchange runs in) on ``cluster``;
+    ``transition`` on ``cluster``; ``places``: each rank of the exchange -> its device (anything with
+    ``group`` and ``node``, e.g. a :class:`hetero.layout.RankInfo`);
     ``chunk_bytes``: the exchange's message size (None: one message per piece)."""
     from hetero.runtime.reshard.transfer import DEFAULT_MAX_BYTES
 
@@ -22,7 +23,7 @@ def predict_transfer_s(transition, cluster, layout, chunk_bytes: int | None = No
     send: dict[int, float] = {}
     recv: dict[int, float] = {}
     for (src, dst), nbytes in transition.link_bytes().items():
-        a, b = layout.ranks[src], layout.ranks[dst]
+        a, b = places[src], places[dst]
         link = cluster.link_between(a.group, b.group, same_node=(a.group, a.node) == (b.group, b.node))
         t = link.latency * max(1, math.ceil(nbytes / chunk)) + nbytes / link.bandwidth
         send[src] = send.get(src, 0.0) + t
