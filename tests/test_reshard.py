@@ -259,6 +259,13 @@ def _reshard_worker(rank, world, ckpt, max_bytes):
                 for k in ("exp_avg", "exp_avg_sq", "step"):
                     if not _bitwise(torch.as_tensor(local_part(a[k])), torch.as_tensor(local_part(b[k]))):
                         bad.append(f"{n} {k}")
+            # the rebuilt stage computes what the loaded one does (tp ranks: both run it, in step)
+            g = torch.Generator().manual_seed(7)
+            x = (torch.randint(0, model.vocab_size, (2, model.seq_length), generator=g) if info.layers[0] == 0
+                 else torch.randn(2, model.seq_length, model.hidden_size, generator=g))
+            with torch.no_grad():
+                if not _bitwise(local_part(module(x)), local_part(ref(x))):
+                    bad.append("forward")
         out[name] = {"bad": bad, "sent": stats.bytes_sent, "received": stats.bytes_received,
                      "peak": stats.peak_in_flight, "intersection": transition.intersection_bytes,
                      "cross_vendor": sum(p.nbytes for p in transition.moved if vendors[p.src] != vendors[p.dst])}

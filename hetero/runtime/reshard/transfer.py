@@ -186,36 +186,47 @@ def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None
                   lr: float = 1e-3, weight_decay: float = 0.0):
     """The stage ``info`` (a rank of ``plan``) runs, with its parameters and a fresh AdamW's state
     taken from ``state`` (this rank's regions after :func:`exchange`); ``mesh``: its tp mesh (tp > 1).
+    The exchanged tensors become the parameters' and moments' storage (no copy, no initialisation):
+    the stage is built on the meta device, sharded there, and its parameters replaced.
     Returns (module, optimizer)."""
+    from torch import nn
     from torch.distributed.tensor import DTensor
 
-    from hetero.runtime.grads import local_part, make_optimizer
-    from hetero.runtime.model import StageModel, apply_tensor_parallel
+    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.model import StageModel, apply_tensor_parallel, rope_tables
 
     first, last = info.holds_ends(plan)
     chunks = info.chunk_layers(plan)
     with torch.device("meta"):
         module = StageModel(model, chunks[0], first, last, chunks)
-    module = module.to_empty(device=device)
     module.set_recompute(plan.recompute)
     if info.tp_size > 1:
-        apply_tensor_parallel(module, mesh, src_data_rank=None)   # local slices of empty storage
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            local_part(p).copy_(state[name].tensors["param"])
+        apply_tensor_parallel(module, mesh, src_data_rank=None)   # placements only: nothing to move on meta
+
+    def like(p, t):
+        t = t.to(device)
+        if isinstance(p, DTensor):
+            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        return t
+
+    params = {}
+    for name, p in list(module.named_parameters()):
+        owner, leaf = name.rsplit(".", 1)
+        new = nn.Parameter(like(p, state[name].tensors["param"]))
+        setattr(module.get_submodule(owner), leaf, new)
+        params[name] = new
+    tables = None
+    for name, buf in list(module.named_buffers()):   # rope tables: computed, not exchanged
+        owner, leaf = name.rsplit(".", 1)
+        if leaf not in ("cos", "sin"):
+            raise RuntimeError(f"{name}: a buffer the reshard does not know how to rebuild")
+        tables = tables or rope_tables(model.seq_length, model.head_dim, model.rope_theta)
+        module.get_submodule(owner).register_buffer(leaf, tables[leaf == "sin"].to(device), persistent=False)
     optimizer = make_optimizer(module.parameters(), lr, weight_decay)
     for name, p in params.items():
         st = state[name]
         if st.step is None:   # no update applied yet: AdamW creates its state at the first step
             continue
-
-        def like(t, p=p):
-            t = t.to(p.device)
-            if isinstance(p, DTensor):
-                return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride())
-            return t
         optimizer.state[p] = {"step": st.step.to(torch.float32).to(p.device, copy=True),
-                              "exp_avg": like(st.tensors["exp_avg"]), "exp_avg_sq": like(st.tensors["exp_avg_sq"])}
+                              "exp_avg": like(p, st.tensors["exp_avg"]), "exp_avg_sq": like(p, st.tensors["exp_avg_sq"])}
     return module, optimizer
