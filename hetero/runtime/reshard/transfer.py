@@ -135,43 +135,58 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
         held -= nbytes
 
     peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    for tag, m in enumerate(messages(transition, chunk_bytes)):
+    for index, m in enumerate(messages(transition, chunk_bytes)):
         if rank not in (m.src, m.dst):
             continue
         while in_flight and held + m.nbytes > max_bytes:
             finish_oldest()
+        # one transfer per state kind (and the step): a contiguous slice goes out of, or lands in,
+        # the state tensor itself; only a strided one (a tp slice along dim 1) is staged
         if m.src == rank:
-            buf = _pack(live[m.name], m.box, m.with_step)
-            work = dist.isend(buf, peer(m.dst), group=group, tag=tag)
-            in_flight.append((work, buf.numel() * 4, None, m.dst))
-            stats.bytes_sent += buf.numel() * 4
+            src = live[m.name]
+            for k, part in enumerate(_parts(src, m.box, m.with_step)):
+                work = dist.isend(part.contiguous(), peer(m.dst), group=group, tag=index * _TAGS + k)
+                in_flight.append((work, 0, None, m.dst))
+            stats.bytes_sent += m.nbytes
         else:
-            buf = torch.empty(len(STATE_KINDS) * m.numel + int(m.with_step), dtype=torch.float32)
-            work = dist.irecv(buf, peer(m.src), group=group, tag=tag)
-            in_flight.append((work, buf.numel() * 4, lambda b=buf, m=m: _unpack(new[m.name], m, b), m.src))
-            stats.bytes_received += buf.numel() * 4
+            dst = new[m.name]
+            idx = relative(m.box, dst.box)
+            for k, kind in enumerate(STATE_KINDS):
+                view = dst.tensors[kind][idx]
+                buf = view if view.is_contiguous() else torch.empty(view.shape)
+                work = dist.irecv(buf, peer(m.src), group=group, tag=index * _TAGS + k)
+                in_flight.append((work, 0, None if buf is view else (lambda v=view, b=buf: v.copy_(b)), m.src))
+            if m.with_step:
+                step = torch.empty(())
+                work = dist.irecv(step, peer(m.src), group=group, tag=index * _TAGS + len(STATE_KINDS))
+                in_flight.append((work, 0, lambda t=dst, s=step: _set_step(t, s), m.src))
+            stats.bytes_received += m.nbytes
+        # counted once per message, released with its last transfer
+        in_flight[-1] = in_flight[-1][:1] + (m.nbytes,) + in_flight[-1][2:]
         stats.messages += 1
-        held += buf.numel() * 4
+        held += m.nbytes
         stats.peak_in_flight = max(stats.peak_in_flight, held)
     while in_flight:
         finish_oldest()
     return new, stats
 
 
-def _pack(state: TensorState, box: Box, with_step: bool) -> torch.Tensor:
+_TAGS = len(STATE_KINDS) + 1
+"""Tags per message: one per state kind and one for the step."""
+
+
+def _parts(state: TensorState, box: Box, with_step: bool) -> list[torch.Tensor]:
     idx = relative(box, state.box)
-    parts = [state.tensors[k][idx].reshape(-1).to("cpu", torch.float32) for k in STATE_KINDS]
-    if with_step:   # the step counter rides along; NO_STEP: no update applied yet (AdamW has no state)
-        parts.append(state.step.reshape(1).to(torch.float32) if state.step is not None else torch.tensor([NO_STEP]))
-    return torch.cat(parts)
+    parts = [state.tensors[k][idx] for k in STATE_KINDS]
+    if with_step:   # NO_STEP: no update applied yet (AdamW has no state)
+        parts.append(state.step.reshape(()).to(torch.float32) if state.step is not None
+                     else torch.tensor(NO_STEP))
+    return parts
 
 
-def _unpack(target: TensorState, m: Piece, buf: torch.Tensor) -> None:
-    n = m.numel
-    shape = tuple(b - a for a, b in m.box)
-    step = buf[-1:].reshape(()) if m.with_step else None
-    _put(target, m.box, lambda k: buf[STATE_KINDS.index(k) * n:(STATE_KINDS.index(k) + 1) * n].view(shape),
-         None if step is None or float(step) == NO_STEP else step)
+def _set_step(target: TensorState, step: torch.Tensor) -> None:
+    if target.step is None and float(step) != NO_STEP:
+        target.step = step
 
 
 def _put(target: TensorState, box: Box, values, step: torch.Tensor | None) -> None:
