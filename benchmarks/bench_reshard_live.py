@@ -11,8 +11,9 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
 3. each survivor's pending receive from rank 3 fails (detect_s: death -> error; a receive, since on
    Gloo a rank blocked in a ring all-reduce behind a survivor is not woken), it checks in under the next
    generation, and this process (the coordinator: no tensor) replans on the three devices left with
-   the planner (hetero.runtime.elastic.replan), publishes the members and the plan (agree_replan_s:
-   first check-in -> decision taken), the survivors build the new world in-process (regroup_s),
+   the planner (hetero.runtime.elastic.replan; made for every possible single loss before the failure,
+   while the workers set up), publishes the members and the plan (agree_replan_s: a survivor's
+   check-in -> decision received), the survivors build the new world in-process (regroup_s),
    exchange exactly the intersections (transfer_s) and rebuild their stage and AdamW (rebuild_s);
    downtime = death -> last survivor's stage rebuilt (ready for its first step);
 4. the same transition through torch.distributed.checkpoint: the three survivors dcp.save their old
@@ -141,6 +142,14 @@ def one_round(i: int, tmp: Path) -> dict:
     layout = build_layout(cluster, plan)
     out, shm = tmp / f"round{i}", f"/dev/shm/hetero-bench-reshard-{os.getpid()}-{i}"
     out.mkdir()
+    # the plan for each single loss, made while the workers set up and train (the coordinator's
+    # replan after a failure is then a look-up)
+    t0 = time.perf_counter()
+    ahead = {}
+    for r in range(4):
+        left = without_devices(cluster, [layout.ranks[r]])
+        ahead[r] = (left, replan(left, model, plan))
+    plan_ahead_s = time.perf_counter() - t0
     coordinator = Coordinator(timeout_s=120)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm), daemon=True)
@@ -153,8 +162,7 @@ def one_round(i: int, tmp: Path) -> dict:
         alive = [r for r in range(4) if procs[r].is_alive()]
         got = coordinator.await_survivors(1, alive, timeout_s=60)
         t0 = time.perf_counter()
-        left = without_devices(cluster, [layout.ranks[LOST]])
-        result = replan(left, model, plan)
+        left, result = ahead[LOST]
         new_layout = build_layout(left, result.plan)
         members = _members(layout, new_layout, sorted(got))
         coordinator.publish(1, members, decision_for(MODEL, (cluster_d, PLAN), (left.to_dict(), result.plan.to_dict()),
@@ -178,6 +186,7 @@ def one_round(i: int, tmp: Path) -> dict:
         coordinator.close()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in sorted(got)]
     row = {"round": i, "new_plan": result.plan.to_dict(), "members": members, "coordinator_replan_s": replan_s,
+           "plans_made_ahead_s": plan_ahead_s,
            "predicted_transfer_s": predicted,
            **{k: max(r[k] for r in ranks) for k in ("detect_s", "agree_replan_s", "regroup_s", "transfer_s",
                                                     "rebuild_s", "dcp_s")},
