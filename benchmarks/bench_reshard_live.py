@@ -132,7 +132,7 @@ def one_round(i: int, tmp: Path) -> dict:
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.elastic import replan, without_devices
-    from hetero.runtime.reshard.live import Coordinator, decision_for
+    from hetero.runtime.reshard.live import Coordinator, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transition import plan_transition
@@ -170,7 +170,7 @@ def one_round(i: int, tmp: Path) -> dict:
         replan_s = time.perf_counter() - t0
         # the same transition as the workers compute it, for the prediction (survivors the plan leaves
         # out take the ranks after its world)
-        world = {**members, **{r: len(members) + k for k, r in enumerate(r for r in sorted(got) if r not in members)}}
+        world = exchange_ranks(members, sorted(got))
         space = ParameterSpace(model)
         transition = plan_transition({world[r]: space.rank_regions(plan, layout.ranks[r]) for r in world},
                                      space.layout_regions(result.plan, new_layout),

@@ -115,6 +115,13 @@ def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], su
             "survivors": sorted(survivors), "step": step}
 
 
+def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, int]:
+    """Old rank -> rank in the exchange's world: a member's new rank; survivors the new plan leaves
+    out take the ranks after its world (they serve their state, then leave)."""
+    helpers = [r for r in sorted(survivors) if r not in members]
+    return {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
+
+
 class NewPlace:
     """A survivor's place in the new world after :func:`reconfigure`: its rank, whether the new plan
     has it (``member``; if not, it served its state and leaves), its ``info``
@@ -140,9 +147,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     report_alive(store, gen, me, applied_step=applied_step)
     d = await_decision(store, gen, timeout_s)
     members = d["members"]
-    # survivors the new plan leaves out take the ranks after its world for the exchange only
-    helpers = [r for r in d.get("survivors", sorted(members)) if r not in members]
-    world_rank = {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
+    world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
     if me not in world_rank:
         raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
     model = hetero.load_model(d["model"])
