@@ -225,7 +225,9 @@ def run(rounds: int, tmp: Path) -> dict:
     med["dcp_over_transfer"] = statistics.median(r["dcp_s"] / r["transfer_s"] for r in rows)
     med["dcp_over_downtime"] = statistics.median(r["dcp_s"] / r["downtime_s"] for r in rows)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\nlive reshard, medians over {rounds} rounds (109M GPT, rank {LOST} lost, 4 -> 3 ranks):")
+    sizes = sorted({len(r["members"]) for r in rows})
+    print(f"\nlive reshard, medians over {rounds} rounds (109M GPT, rank {LOST} lost, 4 -> "
+          f"{'/'.join(map(str, sizes))} ranks in the new plan):")
     for k, v in med.items():
         print(f"    {k:22s} {v:10.3f}")
     print(f"    coordinator peak RSS   {rss_mb:10.0f} MB")
