@@ -409,3 +409,47 @@ def test_the_predicted_transfer_is_the_busiest_ranks_bytes_over_its_links():
         into = sum(b / bw(s, d) for (s, d), b in links.items() if d == r)
         assert got["per_rank_s"].get(r, 0.0) == pytest.approx(max(out, into))
     assert got["transfer_s"] == max(got["per_rank_s"].values())
+
+
+@pytest.mark.parametrize("with_checkpoint", [True, False], ids=["--save checkpoint", "none"])
+def test_a_region_no_survivor_holds_comes_from_the_last_checkpoint_or_ends_the_run(tmp_path, capsys,
+                                                                                   with_checkpoint):
+    import torch.distributed as dist
+
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.grads import local_part
+    from hetero.runtime.reshard import live as L
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import live_state, rebuild_stage
+
+    ckpt = str(tmp_path / "ckpt")
+    _state_checkpoint(ckpt)
+    # two stages, no replica; rank 1 (layers 2-3) lost: this process is the one survivor
+    c0, p0 = _cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("fast", 2, 4)]})
+    c1, p1 = _cluster(1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4)]})
+    model, plan = hetero.load_model(MODEL), hetero.load_plan(p0)
+    layout = build_layout(hetero.load_cluster(c0), plan)
+    coordinator = L.Coordinator()
+    try:
+        store = L.connect(coordinator.port)
+        L.regroup(store, 0, 0, 1, 20)
+        module, optimizer, _ = _stage_from(model, plan, layout, 0, {}, ckpt)
+        live = live_state(module, optimizer, ParameterSpace(model).rank_regions(plan, layout.ranks[0]))
+        coordinator.publish(1, {0: 0}, L.decision_for(MODEL, (c0, p0), (c1, p1), [0], step=5,
+                                                      checkpoint=ckpt if with_checkpoint else None))
+        if not with_checkpoint:
+            with pytest.raises(L.ReconfigurationError, match="no survivor holds final_norm.bias .and 33 more regions.: the live state cannot be rebuilt"):
+                L.reconfigure(store, 1, 0, live, timeout_s=20)
+            return
+        place = L.reconfigure(store, 1, 0, live, timeout_s=20)
+        assert place.fallback == ckpt and place.step == 3
+        assert "steps 4-5 are lost" in capsys.readouterr().out
+        new, _ = rebuild_stage(model, place.plan, place.info, place.state)
+        ref, _, _ = _stage_from(model, place.plan, place.layout, 0, {}, ckpt)
+        want = dict(ref.named_parameters())
+        assert all(_bitwise(local_part(p.detach()), want[n].detach()) for n, p in new.named_parameters())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        coordinator.close()

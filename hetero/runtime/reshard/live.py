@@ -107,12 +107,13 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float) -> None:
 
 
 def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
-                 step: int) -> dict:
+                 step: int, checkpoint: str | None = None) -> dict:
     """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
     after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
-    in the exchange, then leaves) and the step the state is at."""
+    in the exchange, then leaves), the step the state is at, and the last ``--save`` checkpoint (the
+    fallback when no survivor holds some region)."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
-            "survivors": sorted(survivors), "step": step}
+            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint}
 
 
 def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, int]:
@@ -165,9 +166,22 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}
     transition = plan_transition(sources, targets, vendors)
     if transition.missing:
-        dst, region = transition.missing[0]
-        raise ReconfigurationError(f"reconfiguration {gen}: no survivor holds {region.name} (and "
-                                   f"{len(transition.missing) - 1} more regions): the live state cannot be rebuilt")
+        _, region = transition.missing[0]
+        what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
+        if not d.get("checkpoint"):
+            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: a "
+                                       f"plan whose stages have data-parallel replicas, or run with --save)")
+        from hetero.runtime.reshard.transfer import ExchangeStats, load_regions
+
+        state, step = load_regions(d["checkpoint"], targets.get(rank, {}), space.shapes)
+        if me == min(members):
+            print(f"elastic: {what}; going on from the checkpoint {d['checkpoint']} at step {step}: steps "
+                  f"{step + 1}-{d['step']} are lost and will be trained again", flush=True)
+        return NewPlace(rank=rank, world=world, member=me in members,
+                        info=layouts[1].ranks[rank] if me in members else None, plan=plans[1], layout=layouts[1],
+                        model=model, mesh=mesh, state=state, stats=ExchangeStats(), transition=transition, step=step,
+                        fallback=d["checkpoint"], timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1,
+                                                           "transfer_s": time.perf_counter() - t2})
     old_of = {v: k for k, v in world_rank.items()}
     describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
     state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
@@ -175,7 +189,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     t3 = time.perf_counter()
     member = me in members
     return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,
-                    plan=plans[1], layout=layouts[1],
+                    plan=plans[1], layout=layouts[1], fallback=None,
                     model=model, mesh=mesh, state=state, stats=stats, transition=transition, step=d["step"],
                     timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1, "transfer_s": t3 - t2})
 

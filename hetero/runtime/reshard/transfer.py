@@ -245,3 +245,28 @@ def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None
         optimizer.state[p] = {"step": st.step.to(torch.float32).to(p.device, copy=True),
                               "exp_avg": like(p, st.tensors["exp_avg"]), "exp_avg_sq": like(p, st.tensors["exp_avg_sq"])}
     return module, optimizer
+
+
+def load_regions(path: str, regions: dict[str, Box], shapes: dict[str, tuple]) -> tuple[dict[str, TensorState], int]:
+    """This rank's ``regions`` read from the plan-independent checkpoint at ``path`` (a collective
+    over the default group: every rank calls it, one that needs nothing with ``{}``), as
+    :func:`exchange` returns them; and the checkpoint's step. The fallback when no live rank holds
+    a region: the whole state then comes from the checkpoint, so it is one step's."""
+    import torch.distributed.checkpoint as dcp
+
+    from hetero.runtime.checkpoint import _SafeReader
+
+    want: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
+    for name in regions:
+        want[f"model/{name}"] = torch.empty(shapes[name])
+        for k in STATE_KINDS[1:]:
+            want[f"optim/{name}/{k}"] = torch.empty(shapes[name])
+        want[f"optim/{name}/step"] = torch.tensor(0.0)
+    dcp.load(want, storage_reader=_SafeReader(path))
+    out = {}
+    for name, box in regions.items():
+        idx = tuple(slice(a, b) for a, b in box)
+        tensors = {"param": want[f"model/{name}"][idx].clone()}
+        tensors.update({k: want[f"optim/{name}/{k}"][idx].clone() for k in STATE_KINDS[1:]})
+        out[name] = TensorState(box, tensors, want[f"optim/{name}/step"])
+    return out, int(want["meta/step"])
