@@ -3,9 +3,10 @@
 :func:`live_state` reads what a rank holds now (its stage's parameters and AdamW state, tp shards as
 their local parts) as regions of the virtual parameter space. :func:`exchange` runs one rank's part
 of a :class:`~hetero.runtime.reshard.transition.Transition` over ``torch.distributed``
-point-to-point (Gloo here): local pieces are copied in memory, every other piece is packed (master
-values, both moments, the step counter: one fp32 buffer), cut into messages of at most
-``chunk_bytes`` and sent to its destination, which unpacks it into the new state's tensors.
+point-to-point (Gloo here): local pieces are copied in memory; every other piece is cut into
+messages of at most ``chunk_bytes``, each sent as one transfer per state kind (master values, both
+moments) plus the step counter, straight out of the old state tensor and into the new one where the
+slice is contiguous (a strided tp slice is staged).
 
 Order and memory. Every rank lists the messages of the whole transition in one global order
 (round-robin over the links, so early messages spread over them). Each rank walks that list,
@@ -15,9 +16,10 @@ waits on its oldest message m; if m's peer has not posted it yet, the peer waits
 of its own, and following such waits walks down the global order, which ends at a message both ends
 have posted. The bytes a rank stages at once stay under ``max_bytes`` (plus the state it builds).
 
-:func:`rebuild_stage` then builds the rank's stage for its new layers and tp degree without
-initialising weights (meta device, then empty storage; tp slices taken locally, no scatter), fills
-the parameters and a fresh AdamW's state from the exchanged tensors, and returns both.
+:func:`rebuild_stage` then builds the rank's stage for its new layers and tp degree on the meta
+device (no initialisation), shards it there, and adopts the exchanged tensors as its parameters
+and a fresh AdamW's moments. :func:`load_regions` is the fallback: a rank's regions read from a
+plan-independent checkpoint.
 """
 from __future__ import annotations
 
