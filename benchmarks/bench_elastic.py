@@ -22,6 +22,12 @@ and the largest relative difference between the elastic and the clean run's loss
 more than 1e-4 relative. Writes benchmarks/results/elastic.json.
 
     .venv/bin/python benchmarks/bench_elastic.py [--rounds 3] [--steps 8] [--fail-at 4] [--join-steps 300]
+
+With ``--live``: the in-process path instead (benchmarks/bench_reshard_live.py: a 109M GPT loses a
+rank and the survivors reshard rank to rank, against the same transition through
+torch.distributed.checkpoint and /dev/shm); writes benchmarks/results/elastic_live.json.
+
+    .venv/bin/python benchmarks/bench_elastic.py --live [--rounds 3]
 """
 from __future__ import annotations
 
@@ -122,7 +128,19 @@ def main() -> int:
     ap.add_argument("--fail-at", type=int, default=4)
     ap.add_argument("--join-steps", type=int, default=300,
                     help="steps of the join runs: enough that the change lands mid-run (default 300)")
+    ap.add_argument("--live", action="store_true",
+                    help="the in-process reshard of a 109M GPT instead (benchmarks/bench_reshard_live.py)")
     args = ap.parse_args()
+    if args.live:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import bench_reshard_live
+
+        with tempfile.TemporaryDirectory() as tmp_name:
+            live = bench_reshard_live.run(args.rounds, Path(tmp_name))
+        out = ROOT / "benchmarks/results/elastic_live.json"
+        out.write_text(json.dumps(live, indent=2) + "\n")
+        print(f"wrote {out.relative_to(ROOT)}")
+        return 0 if live["bytes_exact"] else 1
     failure, join = [], []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -66,8 +66,9 @@ def _child(fn, rank, world_size, args, env, out_path):
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), timeout: float = 120.0,
-          env: Optional[Dict[str, str]] = None, start_method: str = "spawn") -> List[Any]:
-    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return their results by rank."""
+          env: Optional[Dict[str, str]] = None, start_method: str = "spawn", may_die: Sequence[int] = ()) -> List[Any]:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes; return their results by rank.
+    ``may_die``: ranks that may exit without reporting (a lost device): their result is None."""
     ctx = mp.get_context(start_method)
     child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     child_env.update(env or {})
@@ -97,6 +98,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), timeout
                         failures[r] = value
                 elif procs[r].is_alive():
                     failures[r] = f"rank {r} still running after {timeout:g} s"
+                elif r in may_die:
+                    results[r] = None
                 else:
                     failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
         finally:

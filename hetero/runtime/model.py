@@ -271,7 +271,7 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     return m
 
 
-def apply_tensor_parallel(module: StageModel, mesh) -> None:
+def apply_tensor_parallel(module: StageModel, mesh, src_data_rank: int | None = 0) -> None:
     """Shard every block's attention and MLP, the word embedding and the LM head Megatron-style
     over ``mesh`` (a 1-D DeviceMesh).
 
@@ -288,9 +288,11 @@ def apply_tensor_parallel(module: StageModel, mesh) -> None:
     if hasattr(module, "wte"):   # rows split over the vocabulary; looked up by vocab_parallel_lookup
         from torch.distributed.tensor import distribute_tensor
 
-        module.wte.weight = nn.Parameter(distribute_tensor(module.wte.weight.detach(), mesh, [Shard(0)]))
+        module.wte.weight = nn.Parameter(distribute_tensor(module.wte.weight.detach(), mesh, [Shard(0)],
+                                                           src_data_rank=src_data_rank))
     if hasattr(module, "head"):
-        parallelize_module(module.head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        parallelize_module(module.head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+                           src_data_rank=src_data_rank)
     for block in module.layers.values():
         plan = {}
         for path in COLWISE:
@@ -298,7 +300,7 @@ def apply_tensor_parallel(module: StageModel, mesh) -> None:
                 plan[path] = ColwiseParallel()
         for path in ROWWISE:
             plan[path] = RowwiseParallel()
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
 
 
 def _has(module: nn.Module, path: str) -> bool:

@@ -1,0 +1,210 @@
+"""The control plane of an in-process reconfiguration: who is left, the new plan, the new groups.
+
+The coordinator (the launcher's process: it replans and never holds a tensor) hosts a ``TCPStore``
+that outlives any worker. After a failure every survivor
+
+1. aborts its broken process group (:func:`regroup` destroys it),
+2. checks in under the next *generation* (:func:`report_alive`: its id, pid and applied step),
+3. waits, with a timeout, for the coordinator's decision (:func:`await_decision`): the members and
+   their new ranks, and the new plan;
+
+while the coordinator waits for the check-ins of every process it still believes alive
+(:meth:`Coordinator.await_survivors`, with a timeout: one that never checks in is lost too),
+replans, and publishes the decision (:meth:`Coordinator.publish`). The survivors then build the new
+world in-process on a fresh key prefix of the same store (``gen<g>/``), so nothing of the broken
+group's keys is reused, and reshard (:mod:`hetero.runtime.reshard.transfer`).
+
+A survivor that waits longer than its timeout ends with :class:`ReconfigurationError` naming what
+it waited for, never a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+from hetero.errors import HeteroError
+
+
+class ReconfigurationError(HeteroError):
+    """A reconfiguration could not finish (a peer lost during it, a coordinator that never decided)."""
+
+
+def _key(gen: int, what: str) -> str:
+    return f"hetero/reconfig/gen{gen}/{what}"
+
+
+class Coordinator:
+    """The store every worker's reconfiguration goes through, hosted in this process."""
+
+    def __init__(self, port: int = 0, timeout_s: float = 60.0):
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.port = self.store.port
+
+    def await_survivors(self, gen: int, candidates: list[int], timeout_s: float) -> dict[int, dict]:
+        """The check-ins of generation ``gen`` among ``candidates`` (process ids): returns as soon as
+        every candidate checked in, else at the timeout with those that did."""
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, dict] = {}
+        while True:
+            for c in candidates:
+                if c not in got and self.store.check([_key(gen, f"alive/{c}")]):
+                    got[c] = json.loads(self.store.get(_key(gen, f"alive/{c}")))
+            if len(got) == len(candidates) or time.monotonic() > deadline:
+                return got
+            time.sleep(0.005)
+
+    def publish(self, gen: int, members: dict[int, int], decision: dict) -> None:
+        """The decision of generation ``gen``: ``members`` (process id -> new rank) and what else the
+        workers need (the plan, the cluster, the step to go on from)."""
+        self.store.set(_key(gen, "decision"), json.dumps({**decision, "members": {str(k): v for k, v in
+                                                                                   members.items()}}))
+
+    def close(self) -> None:
+        del self.store
+
+
+def connect(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A worker's client of the coordinator's store."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def report_alive(store, gen: int, me: int, **info) -> None:
+    """Check in as a survivor of generation ``gen - 1``'s failure (``info``: the applied step, ...)."""
+    store.set(_key(gen, f"alive/{me}"), json.dumps({"pid": os.getpid(), **info}))
+
+
+def await_decision(store, gen: int, timeout_s: float) -> dict:
+    """The coordinator's decision for generation ``gen`` (``members`` keyed by process id)."""
+    key = _key(gen, "decision")
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - the store says 'timeout' in several ways
+        raise ReconfigurationError(f"reconfiguration {gen}: no decision from the coordinator within {timeout_s:g} s "
+                                   f"({str(e).splitlines()[0][:200]})") from None
+    d = json.loads(store.get(key))
+    d["members"] = {int(k): v for k, v in d["members"].items()}
+    return d
+
+
+def regroup(store, gen: int, rank: int, world: int, timeout_s: float) -> None:
+    """Leave the broken world (if any) and join generation ``gen``'s as ``rank`` of ``world``, on the
+    key prefix ``gen<g>/`` of the coordinator's store."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - a member lost before it joined: said, not hung
+        raise ReconfigurationError(f"reconfiguration {gen}: the new world of {world} ranks did not form within "
+                                   f"{timeout_s:g} s (a member was lost before joining?): "
+                                   f"{str(e).splitlines()[0][:200]}") from None
+
+
+def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
+                 step: int, checkpoint: str | None = None) -> dict:
+    """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
+    after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
+    in the exchange, then leaves), the step the state is at, and the last ``--save`` checkpoint (the
+    fallback when no survivor holds some region)."""
+    return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
+            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint}
+
+
+def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, int]:
+    """Old rank -> rank in the exchange's world: a member's new rank; survivors the new plan leaves
+    out take the ranks after its world (they serve their state, then leave)."""
+    helpers = [r for r in sorted(survivors) if r not in members]
+    return {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
+
+
+class NewPlace:
+    """A survivor's place in the new world after :func:`reconfigure`: its rank, whether the new plan
+    has it (``member``; if not, it served its state and leaves), its ``info``
+    (:class:`hetero.layout.RankInfo`), the plan and layout, its tp mesh, its state and the timings."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0, max_bytes: int | None = None,
+                applied_step: int = 0) -> NewPlace:
+    """Everything a survivor (rank ``me`` of the broken world, holding ``live``:
+    :func:`hetero.runtime.reshard.transfer.live_state`) does after a failure, up to its new state:
+    check in, take the coordinator's decision, rebuild the world, exchange the intersections. The
+    caller rebuilds its stage from the result (:func:`~hetero.runtime.reshard.transfer.rebuild_stage`)."""
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import DEFAULT_MAX_BYTES, exchange
+    from hetero.runtime.reshard.transition import plan_transition
+
+    t0 = time.perf_counter()
+    report_alive(store, gen, me, applied_step=applied_step)
+    d = await_decision(store, gen, timeout_s)
+    members = d["members"]
+    world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
+    if me not in world_rank:
+        raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
+    model = hetero.load_model(d["model"])
+    plans = [hetero.load_plan(d["old"]["plan"]), hetero.load_plan(d["new"]["plan"])]
+    layouts = [build_layout(hetero.load_cluster(d["old"]["cluster"]), plans[0]),
+               build_layout(hetero.load_cluster(d["new"]["cluster"]), plans[1])]
+    t1 = time.perf_counter()
+    rank, world = world_rank[me], len(world_rank)
+    regroup(store, gen, rank, world, timeout_s)
+    mesh = _tp_meshes(layouts[1], rank)
+    t2 = time.perf_counter()
+    space = ParameterSpace(model)
+    sources = {world_rank[r]: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in world_rank}
+    targets = space.layout_regions(plans[1], layouts[1])
+    vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}
+    transition = plan_transition(sources, targets, vendors)
+    if transition.missing:
+        _, region = transition.missing[0]
+        what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
+        if not d.get("checkpoint"):
+            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: a "
+                                       f"plan whose stages have data-parallel replicas, or run with --save)")
+        from hetero.runtime.reshard.transfer import ExchangeStats, load_regions
+
+        state, step = load_regions(d["checkpoint"], targets.get(rank, {}), space.shapes)
+        if me == min(members):
+            print(f"elastic: {what}; going on from the checkpoint {d['checkpoint']} at step {step}: steps "
+                  f"{step + 1}-{d['step']} are lost and will be trained again", flush=True)
+        return NewPlace(rank=rank, world=world, member=me in members,
+                        info=layouts[1].ranks[rank] if me in members else None, plan=plans[1], layout=layouts[1],
+                        model=model, mesh=mesh, state=state, stats=ExchangeStats(), transition=transition, step=step,
+                        fallback=d["checkpoint"], timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1,
+                                                           "transfer_s": time.perf_counter() - t2})
+    old_of = {v: k for k, v in world_rank.items()}
+    describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
+    state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
+                            max_bytes=max_bytes or DEFAULT_MAX_BYTES)
+    t3 = time.perf_counter()
+    member = me in members
+    return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,
+                    plan=plans[1], layout=layouts[1], fallback=None,
+                    model=model, mesh=mesh, state=state, stats=stats, transition=transition, step=d["step"],
+                    timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1, "transfer_s": t3 - t2})
+
+
+def _tp_meshes(layout, rank: int):
+    """A process group for every tp group of ``layout`` (every rank, same order); this rank's mesh."""
+    mine = None
+    seen = set()
+    for info in layout.ranks:
+        key = tuple(layout.stage_ranks(info.pipeline, info.replica, info.stage))
+        if len(key) > 1 and key not in seen:
+            seen.add(key)
+            group = dist.new_group(list(key))
+            if rank in key:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                mine = DeviceMesh.from_group(group, "cpu")
+    return mine
