@@ -883,7 +883,7 @@ def test_launch_ends_when_no_rank_ever_starts(tmp_path, monkeypatch):
         {"group": "fast", "layers": [0, 4]}]}])), cluster, model)
     launch = launcher.prepare(cluster, model, plan, RunOptions(timeout_s=1.0), run_dir=str(tmp_path / "run"))
     marker = str(tmp_path / "run")
-    monkeypatch.setattr(launcher.NodeCommand, "argv", lambda self, local: [
+    monkeypatch.setattr(launcher.NodeCommand, "argv", lambda self: [
         sys.executable, "-c", "import sys, time; time.sleep(600)", marker])
     monkeypatch.setattr(launcher, "STARTUP_GRACE_S", 0.5)
     t0 = time.time()
