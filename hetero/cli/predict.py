@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="model file")
     p.add_argument("--plan", required=True, help="plan file")
     p.add_argument("--calibration", help="calibration file written by 'hetero calibrate'")
-    p.add_argument("--json", action="store_true", help="print the Prediction JSON (SCHEMAS.md) only")
+    p.add_argument("--json", action="store_true", help="print the Prediction JSON (docs/formats.md) only")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the predicted step (every device's schedule, the gradient sync and the optimizer) "
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")

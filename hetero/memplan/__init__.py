@@ -7,7 +7,7 @@ how little a layout planned ahead of time needs (``hetero memplan``).
 - :mod:`~hetero.memplan.caching`: what the caching allocator reserves for a trace;
 - :mod:`~hetero.memplan.arena`: a static layout of every block in one arena (greedy by size).
 
-:func:`memory_plan` puts them together into the ``hetero memplan --json`` report (SCHEMAS.md).
+:func:`memory_plan` puts them together into the ``hetero memplan --json`` report (docs/formats.md).
 """
 from __future__ import annotations
 
