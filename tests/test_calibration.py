@@ -276,6 +276,7 @@ def test_vtrain_cross_validation_targets(vtrain_cv):
     assert multi <= 0.12, multi
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_more_factors_never_fit_worse_in_sample():
     """The fit is damped Gauss-Newton: every accepted step lowers the real objective. The seven
