@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make demo   - set everything up, then plan, predict and train on the shipped examples
 #   make test   - set everything up, then run the test suite
+#   (make test-fast: the suite without the tests marked slow)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mpi,deepspeed,plot,moo,hf
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 $(VENV)/.installed: setup.py
 	@echo "== creating the virtual environment $(VENV)"
@@ -32,6 +33,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The edit-test loop: every test not marked `slow` (multi-process launches and other long tests).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -2,13 +2,15 @@
 fragmentation model (predictor/allocator.py) is fitted on.
 
     python benchmarks/bench_fragmentation.py [OUT.json]   (default predictor/data/caching_fragmentation.json)
+    python benchmarks/bench_fragmentation.py --fit         (writes benchmarks/results/allocator_fit.json)
 
 Method: the runtime's stages at full width (GPT-2-large, GPT-3 1.3B, Llama-2-7B cut to 4-6 layers;
 fp32 / bf16 / fp16, tp 2, ZeRO-1, no / selective / full recomputation, 1F1B / GPipe / interleaved,
 micro-batch sizes 1-4) are recorded for two training steps on fake tensors (hetero.memplan.record),
 then the caching allocator's replay (hetero.memplan.caching, exact to the byte against an H100 with the
 driver's segment addresses) gives what it reserves. Per stage it writes the recorded lower bound, the
-replay's reservation, the predictor's live peak for the same stage (framework overhead left out:
+replay's reservation (and its reservation when the live bytes first reached their peak: the
+fragmentation the peak's own composition causes), the predictor's live peak for the same stage (framework overhead left out:
 no tensor holds it), and the tensor sizes that decide the caching allocator's segments.
 """
 from __future__ import annotations
@@ -77,6 +79,7 @@ def stage_rows(name: str, cluster) -> list[dict]:
         br = sp.memory_breakdown
         rows.append({"case": name, "stage": stage, "lower_bound_bytes": trace.lower_bound_bytes(),
                      "caching_reserved_bytes": replay.reserved_bytes, "segments": replay.segments,
+                     "caching_reserved_at_live_peak_bytes": replay.reserved_at_live_peak_bytes,
                      "arena_bytes": plan_arena(trace).arena_bytes,
                      "predicted_live_bytes": sp.peak_memory_bytes - FRAMEWORK_OVERHEAD["nvidia"],
                      "predicted_state_bytes": br.weights + br.gradients + br.optimizer,
@@ -87,7 +90,37 @@ def stage_rows(name: str, cluster) -> list[dict]:
     return rows
 
 
+def _summary(errors: list[dict]) -> dict:
+    e = sorted(abs(x["error"]) for x in errors)
+    n = len(e)
+    return {"median_abs_error": (e[(n - 1) // 2] + e[n // 2]) / 2, "max_abs_error": e[-1],
+            "within_5_percent": sum(x <= 0.05 for x in e), "too_little": sum(x["error"] < 0 for x in errors)}
+
+
+def write_fit(out: Path) -> None:
+    """The fitted coefficients and each stage's error, in-sample and held out (leave one out)."""
+    from hetero.predictor import allocator
+
+    res = {"method": "hetero.predictor.allocator fitted on predictor/data/caching_fragmentation.json "
+                     "(benchmarks/bench_fragmentation.py); error: the model's reservation for the predictor's "
+                     "live peak of each recorded stage against the caching allocator's replay (caching) or the "
+                     "greedy arena (planned) of the recorded trace; held_out: each stage's error with the "
+                     "coefficients fitted on the other stages only"}
+    for kind in allocator.KINDS:
+        a, b = allocator.coefficients(kind)
+        fit, held = allocator.fit_errors(kind), allocator.held_out_errors(kind)
+        res[kind] = {"coefficients": {"states": a, "activations": b}, **_summary(fit),
+                     "held_out": _summary(held),
+                     "stages": [{**f, "held_out_error": h["error"]} for f, h in zip(fit, held)]}
+        print(kind, json.dumps({k: v for k, v in res[kind].items() if k != "stages"}))
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--fit"]:
+        write_fit(ROOT / "benchmarks/results/allocator_fit.json")
+        return 0
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "predictor/data/caching_fragmentation.json"
     cluster = hetero.load_cluster(ROOT / "configs/clusters/a100-homogeneous.yaml")
     rows = [r for name in CASES for r in stage_rows(name, cluster)]

@@ -1,6 +1,6 @@
 """hetero: train large models on clusters that mix accelerator types and vendors.
 
-The public Python API (SCHEMAS.md)::
+The public Python API (docs/architecture.md)::
 
     cluster = hetero.load_cluster(path_or_dict)
     model = hetero.load_model(path_or_dict)

@@ -1,7 +1,12 @@
-"""User-facing errors. The CLI prints them without a traceback and exits with status 1."""
-from __future__ import annotations
+"""User-facing errors. The CLI prints them without a traceback and exits with status 1.
 
-from .specs.errors import Problem, SpecError
+:class:`HeteroError` is the root of every error the project raises on purpose: bad input files
+(:class:`~hetero.specs.errors.SpecError`, :class:`~hetero.specs.io.InputFileError`, a profile's
+``ProfileError``; also ``ValueError`` s), runs that cannot go on (``LaunchError``, ``PlannerError``,
+``CalibrationError``, ...) and the communicator's ``HeteroCommError`` (also a ``RuntimeError``).
+``except HeteroError`` catches them all.
+"""
+from __future__ import annotations
 
 
 class HeteroError(RuntimeError):
@@ -29,6 +34,10 @@ def clip(text: str, limit: int) -> str:
     if text[limit - 3] != " ":   # the last word was cut: drop it
         cut = cut.rsplit(" ", 1)[0]
     return cut.rstrip(" ,;:") + "..."
+
+
+# After HeteroError: hetero.specs.errors derives SpecError from it (imported from here).
+from .specs.errors import Problem, SpecError  # noqa: E402
 
 
 __all__ = ["HeteroError", "Problem", "SpecError", "clip", "lost_connection"]

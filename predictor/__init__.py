@@ -2,7 +2,7 @@
 plan) to times and bytes. No torch on this path.
 
     pred = hetero.predictor.predict(cluster, model, plan, calibration=None)
-    pred.to_dict()                       # the SCHEMAS.md Prediction JSON
+    pred.to_dict()                       # the Prediction JSON of docs/formats.md
     cm = hetero.predictor.costs.StageCostModel(cluster, model)   # the planner's cost API
 
 Modules: ``ops`` (operator decomposition), ``optime`` (operator latency: learned model or

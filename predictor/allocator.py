@@ -11,7 +11,8 @@ the framework overhead as :mod:`.memory` has it), with ``(a, b)`` fitted by leas
 relative error over the runtime's own stages recorded at full width and replayed
 (``data/caching_fragmentation.json``, written by ``benchmarks/bench_fragmentation.py``): the caching
 allocator's replay (:mod:`hetero.memplan.caching`) for ``caching``, the greedy arena
-(:mod:`hetero.memplan.arena`) for ``planned``. :func:`fit_errors` gives each stage's error.
+(:mod:`hetero.memplan.arena`) for ``planned``. :func:`fit_errors` gives each stage's error with the
+coefficients fitted on all stages, :func:`held_out_errors` with each stage left out of its own fit.
 """
 from __future__ import annotations
 
@@ -60,14 +61,23 @@ def reserved_bytes(kind: str | None, breakdown) -> float:
     return a * states + b * breakdown.activations + breakdown.overhead
 
 
+def _errors(r: dict, kind: str, a: float, b: float) -> dict:
+    s, act, target = r["predicted_state_bytes"], r["predicted_activation_bytes"], r[_TARGET[kind]]
+    scale = r["lower_bound_bytes"] / r["predicted_live_bytes"]
+    return {"case": r["case"], "stage": r["stage"], "replayed_bytes": target,
+            "error": (a * s + b * act) / target - 1, "fit_error": scale * (a * s + b * act) / target - 1}
+
+
 def fit_errors(kind: str) -> list[dict]:
     """Per recorded stage: the model's reservation for the predictor's peak of that stage against the
     replay's (``error``), and for the recorded lower bound (``fit_error``: the model alone)."""
     a, b = coefficients(kind)
-    out = []
-    for r in _stages():
-        s, act, target = r["predicted_state_bytes"], r["predicted_activation_bytes"], r[_TARGET[kind]]
-        scale = r["lower_bound_bytes"] / r["predicted_live_bytes"]
-        out.append({"case": r["case"], "stage": r["stage"], "replayed_bytes": target,
-                    "error": (a * s + b * act) / target - 1, "fit_error": scale * (a * s + b * act) / target - 1})
-    return out
+    return [_errors(r, kind, a, b) for r in _stages()]
+
+
+def held_out_errors(kind: str) -> list[dict]:
+    """As :func:`fit_errors`, each stage with ``(a, b)`` fitted on the other stages only (leave one
+    out): how the model does on a stage it has not seen."""
+    coefficients(kind)   # the same check of ``kind``
+    rows = _stages()
+    return [_errors(r, kind, *_fit(rows[:i] + rows[i + 1:], kind)) for i, r in enumerate(rows)]

@@ -48,7 +48,7 @@ class StagePrediction:
     """Including recomputation."""
     peak_memory_bytes: int
     memory_capacity_bytes: int
-    # --- extras (not in the SCHEMAS.md JSON unless to_dict(extra=True)) ---
+    # --- extras (not in the docs/formats.md JSON unless to_dict(extra=True)) ---
     memory_breakdown: object = None
     """A ``MemoryBreakdown``: weights, gradients, optimizer, activations, overhead."""
     allocator: str | None = None
@@ -96,7 +96,7 @@ class StagePrediction:
         return max(0, self.needed_bytes - self.memory_capacity_bytes)
 
     def to_dict(self, extra: bool = False) -> dict:
-        """The SCHEMAS.md stage JSON; ``extra`` adds the memory breakdown and per-stage times."""
+        """The stage JSON of docs/formats.md; ``extra`` adds the memory breakdown and per-stage times."""
         out = {"group": self.group, "tp": self.tp, "layers": list(self.layers),
                "forward_time_s": self.forward_time_s, "backward_time_s": self.backward_time_s,
                "peak_memory_bytes": self.peak_memory_bytes, "memory_capacity_bytes": self.memory_capacity_bytes}
@@ -124,7 +124,7 @@ class PipelinePrediction:
     """Schedule time of one replica's micro-batches (bubbles included; no DP sync / optimizer)."""
 
     def to_dict(self, extra: bool = False) -> dict:
-        """The SCHEMAS.md pipeline JSON; ``extra`` adds the micro-batch size and schedule time."""
+        """The pipeline JSON of docs/formats.md; ``extra`` adds the micro-batch size and schedule time."""
         out = {"replicas": self.replicas, "micro_batches": self.micro_batches,
                "stages": [s.to_dict(extra) for s in self.stages]}
         if extra:
@@ -162,7 +162,7 @@ class Prediction:
     for them (``hetero.predict`` and ``hetero predict --json`` do); not in :meth:`to_dict`."""
 
     def to_dict(self, extra: bool = False) -> dict:
-        """The SCHEMAS.md Prediction JSON (exactly those keys); ``extra`` adds the breakdown."""
+        """The Prediction JSON of docs/formats.md (exactly those keys); ``extra`` adds the breakdown."""
         out = {"iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
                "samples_per_s": self.samples_per_s, "mfu": self.mfu, "fits_memory": self.fits_memory,
                "upper_bound_tokens_per_s": self.upper_bound_tokens_per_s,

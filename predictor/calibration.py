@@ -1,6 +1,6 @@
 """Calibration: fit the predictor's per-device corrections to measured whole-run iteration times.
 
-    cal = calibrate(cluster, "runs.csv")       # run log, SCHEMAS.md
+    cal = calibrate(cluster, "runs.csv")       # run log, docs/formats.md
     cal.save("cal.json"); cal = load_calibration("cal.json")
     hetero.predict(cluster, model, plan, calibration=cal)
 

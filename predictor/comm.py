@@ -1,6 +1,6 @@
 """Communication costs: latency + bandwidth per link class, collectives, host staging.
 
-Link classes (SCHEMAS.md cluster file): ``group.intra_node`` (device to device inside one node),
+Link classes (docs/formats.md, cluster file): ``group.intra_node`` (device to device inside one node),
 ``cluster.network.inter_node`` (between nodes of one group), ``cluster.network.cross_group``
 (between groups). Traffic between different vendors cannot use a vendor library: it is staged
 through host memory (device -> host copy on the sender, host -> device on the receiver), each at

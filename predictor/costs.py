@@ -368,7 +368,7 @@ class StageCostModel:
         when the vendors differ (and neither side is a CPU). ``streams``: replicas whose transfers
         leave one node over the inter-node network at the same moment (they share its NIC, whose
         bandwidth is per node; see :mod:`.placement`). NVLink is per device and ignores it, and so
-        does the cross-group link (SCHEMAS.md does not say it is per node).
+        does the cross-group link (docs/formats.md does not say it is per node).
 
         ``tp_a`` / ``tp_b``: the two stages' tp sizes. The hand-off is a scatter-gather
         (:mod:`hetero.runtime.pipeline`, as Megatron-LM's): the slices add up to one activation on

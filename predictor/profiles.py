@@ -1,7 +1,7 @@
 """This machine's operator profile: the record format, the per-device cache, and the latency model fitted on it.
 
 ``hetero profile`` (:mod:`hetero.predictor.profiling`) times the operators of a transformer layer on
-the local device and writes profile records (SCHEMAS.md: ``op,device,B,M,N,K,H,latency_ms,dtype``).
+the local device and writes profile records (docs/formats.md: ``op,device,B,M,N,K,H,latency_ms,dtype``).
 The records are cached per device at ``$HETERO_CACHE_DIR/profiles/<device>.csv`` (default
 ``~/.cache/hetero/profiles/<device>.csv``); :func:`local_op_model` fits a small latency model on that
 cache, which the predictor uses for cpu-family devices (emulated ``base: cpu`` devices included;
@@ -41,6 +41,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
+
+from hetero.errors import HeteroError
 
 from .ops import DTYPE_BYTES, GEMM_OPS, VECTOR_OPS, kernel_work
 
@@ -135,7 +137,7 @@ class Record:
         return out
 
 
-class ProfileError(ValueError):
+class ProfileError(HeteroError, ValueError):
     """A profile CSV that does not follow the record format (names the file, row and column)."""
 
 

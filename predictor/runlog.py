@@ -1,4 +1,4 @@
-"""Run logs: measured whole-run iteration times (SCHEMAS.md), read, validated and turned into predictor inputs.
+"""Run logs: measured whole-run iteration times (docs/formats.md), read, validated and turned into predictor inputs.
 
 :func:`read_runs` reads a run-log CSV into :class:`Run` s (errors name the file, row and column).
 Each run-log row is one homogeneous Megatron-style run. :func:`run_setup` turns it into a model spec

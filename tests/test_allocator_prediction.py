@@ -6,7 +6,7 @@ import math
 import pytest
 
 import hetero
-from hetero.predictor.allocator import coefficients, fit_errors, reserved_bytes
+from hetero.predictor.allocator import DATA, coefficients, fit_errors, held_out_errors, reserved_bytes
 from hetero.predictor.memory import MemoryBreakdown
 
 from test_planned_allocator import CLUSTER, GPT, PLAN, tight_cluster
@@ -38,6 +38,35 @@ def test_the_reservation_models_are_fitted_on_the_replays():
     assert len(errors) >= 20 and all(math.isfinite(e["error"]) for e in errors)
     with pytest.raises(ValueError):
         coefficients("buddy")
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def test_the_caching_model_beats_the_live_peak_on_stages_it_was_not_fitted_on():
+    # each stage predicted with (a, b) fitted on the other stages only: the model must be closer to
+    # the replay than the live peak alone (no fragmentation counted), by median and by stages within 5%
+    import json
+
+    rows = json.loads(DATA.read_text())["stages"]
+    live = [abs(r["predicted_live_bytes"] / r["caching_reserved_bytes"] - 1) for r in rows]
+    held = [abs(e["error"]) for e in held_out_errors("caching")]
+    assert len(held) == len(rows) >= 20
+    assert _median(held) < _median(live)
+    assert sum(e <= 0.05 for e in held) > sum(e <= 0.05 for e in live)
+    # what the replay reserves when the live bytes first peak lies between the peak and the end's
+    assert all(r["lower_bound_bytes"] <= r["caching_reserved_at_live_peak_bytes"] <= r["caching_reserved_bytes"]
+               for r in rows)
+
+
+@pytest.mark.xfail(strict=True, reason="the caching allocator's fragmentation depends on the order of "
+                   "the step's requests, which the aggregate model does not see (docs/memory-planning.md)")
+def test_the_predicted_caching_reservation_is_within_5_percent_of_the_replay_on_every_stage():
+    # held out: each stage with the coefficients fitted on the other stages
+    worst = max(held_out_errors("caching"), key=lambda e: abs(e["error"]))
+    assert abs(worst["error"]) <= 0.05, worst
 
 
 def test_the_planner_spends_what_the_arena_saves():

@@ -264,6 +264,7 @@ def vtrain_cv():
             B.mape(evaluate(cluster, runs, None), runs, lambda r: True), B.mape(pred, runs, lambda r: True))
 
 
+@pytest.mark.slow
 def test_vtrain_cross_validation_targets(vtrain_cv):
     """Issue targets on the benchmark's protocol (5-fold CV over whole runs, fold seed 0): <= 8%
     single-node, <= 12% multi-node (vTrain's simulator: 8.4% / 14.7%); now 7.7% / 11.6%
@@ -275,6 +276,7 @@ def test_vtrain_cross_validation_targets(vtrain_cv):
     assert multi <= 0.12, multi
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_more_factors_never_fit_worse_in_sample():
     """The fit is damped Gauss-Newton: every accepted step lowers the real objective. The seven

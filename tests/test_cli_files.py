@@ -4,6 +4,7 @@ import copy
 import json
 import os
 
+import pytest
 import yaml
 
 from conftest import CONFIGS, run_cli
@@ -151,6 +152,7 @@ def test_top_k_below_1_is_a_usage_error():
         assert proc.returncode == 2 and "--top-k: must be >= 1" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_profile_names_a_known_device_type(tmp_path):
     out = tmp_path / "p.csv"
     assert_bad_input(run_cli("profile", "--device", "A100-SXM4-80G", "--quick", "-o", str(out)),

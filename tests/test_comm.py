@@ -17,7 +17,7 @@ import pytest
 
 from _spawn import SpawnError, spawn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]   # every test starts processes
 
 SPLITS = {
     "1+1": ["emu-a", "emu-b"],

@@ -116,6 +116,7 @@ def _elastic(tmp_path, plan, *extra, timeout=200, check=True):
     return _launch(tmp_path, GPT, plan, "--elastic", *extra, timeout=timeout, check=check)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothing(tmp_path):
     summary, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "3:3", "--save", str(tmp_path / "ckpt"),
@@ -156,6 +157,7 @@ def _assert_merged_trace(path, step: int, ranks_before: int, ranks_after: int):
     assert any(n.startswith("attempt 0: rank 0") for n in names) and any(n.startswith("attempt 1:") for n in names)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tp_shards_of_the_survivors_are_assembled(tmp_path):
     """Two pipelines at tp 2 in different groups: one loses a tp rank, the other's shards rebuild
@@ -167,6 +169,7 @@ def test_tp_shards_of_the_survivors_are_assembled(tmp_path):
     assert [rc["step"] for rc in summary["reconfigurations"]] == [2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fp16_hands_off_its_loss_scale_and_keeps_every_step_in_the_summary(tmp_path):
     """A start scale of 2^40 overflows fp16 gradients at every step: each step is skipped and the scale
@@ -178,6 +181,7 @@ def test_fp16_hands_off_its_loss_scale_and_keeps_every_step_in_the_summary(tmp_p
     assert summary["skipped_steps"] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stage_without_a_replica_ends_the_run_naming_its_layers(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -278,6 +282,7 @@ def _wait_for_step(output: list[str], step: int, timeout: float = 120.0) -> None
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_killed_worker_is_a_lost_device(tmp_path):
     """SIGKILL, no report: the device is removed, the run finishes every step."""
@@ -307,6 +312,7 @@ def test_what_elastic_cannot_recover_is_refused_up_front(tmp_path, extra, words)
     assert proc.returncode == 1 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_zero_ends_at_a_failure_with_the_reason(tmp_path):
     """ZeRO keeps each optimizer slice on one rank: a lost rank's has no copy. The launch says so up
@@ -318,6 +324,7 @@ def test_zero_ends_at_a_failure_with_the_reason(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_zero_runs_take_in_devices_that_join(tmp_path):
     """Every rank is alive at a pause, so ZeRO's slices are gathered by the collective checkpoint."""
@@ -429,6 +436,7 @@ def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, *extra: s
     return json.loads((tmp_path / "summary.json").read_text()), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_nothing(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}])
@@ -445,6 +453,7 @@ def test_devices_that_join_are_taken_in_with_the_losses_of_a_run_that_changed_no
     _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=1, ranks_after=rc["world_size_after"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_device_removed_from_the_file_is_drained_without_losing_a_step(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])

@@ -1,4 +1,4 @@
-"""Every shipped example (configs/examples.yaml) validates and predicts to the SCHEMAS.md JSON."""
+"""Every shipped example (configs/examples.yaml) validates and predicts to the JSON of docs/formats.md."""
 import json
 
 import pytest

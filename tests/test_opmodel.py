@@ -117,6 +117,7 @@ def test_save_load_roundtrip(tmp_path, v100):
         assert s1 == pytest.approx(a[i], rel=1e-9)  # scalar path == vectorised path
 
 
+@pytest.mark.slow
 def test_matches_sklearn(v100):
     """The exported trees reproduce scikit-learn's own predictions."""
     pytest.importorskip("sklearn")
@@ -192,6 +193,7 @@ LODO_DOCUMENTED = {"NVIDIA A100-PCIE-40GB": (0.079, 0.053), "Tesla P100-PCIE-16G
 LODO_MARGIN = 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DATA, reason=f"NeuSight data not found under {DATA} (set HETERO_SHARED_DATA)")
 def test_lodo_accuracy():
     """Leave-one-device-out on a fixed subsample (about 15 s): every held-out GPU meets the issue
@@ -269,6 +271,7 @@ E2E_DOCUMENTED = {"specs": 0.130, "probed": 0.012}
 E2E_MARGIN = 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (DATA / "neusight" / "e2e_labels.json").is_file(),
                     reason=f"NeuSight data not found under {DATA} (set HETERO_SHARED_DATA)")
 def test_v100_gpt2_step_without_v100():
@@ -371,6 +374,7 @@ def test_h100_step_memory_with_fused_attention():
         assert abs(err["fused"]) <= 0.05, (r, err)
 
 
+@pytest.mark.slow
 def test_h100_steps_launched_with_the_native_engine_on_the_gpu():
     """`hetero launch` on one H100 (benchmarks/data/h100/launch.json, the native engine placing the
     stage on the GPU): every run computed on CUDA; the runtime adds at most 12% to the same

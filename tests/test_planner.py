@@ -161,6 +161,7 @@ def test_allocate_matches_brute_force():
 
 
 # ----------------------------------------------------------------------------- quality
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", [
     dict(cluster=dict(), model=dict(layers=6), B=8, space=dict(micro_batch_sizes=(1, 2), recompute=("none",),
@@ -286,6 +287,7 @@ def test_two_vendor_plan_reaches_95_percent_of_the_upper_bound():
     assert results[0].prediction.tokens_per_s >= 0.95 * results.upper_bound_tokens_per_s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_1024_devices_of_four_types_plan_llama2_70b_in_under_30_s():
     """Timed in a fresh interpreter, as `hetero plan` runs: inside a long test session the collector

@@ -63,6 +63,7 @@ def test_predict_plot_draws_every_event_of_the_predicted_step(tmp_path):
     assert out.read_bytes().startswith(PNG) and f"plot written to {out}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_memplan_plot_draws_every_planned_block(tmp_path):
     """Every block of the planned layout is one rectangle at its offset over its lifetime; the
     curve of bytes live peaks at the lower bound the report gives."""

@@ -935,6 +935,7 @@ def test_predict_path_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_speed_at_least_2000_plans_per_second():
     """Measured in a fresh interpreter, as the planner runs: inside a long test session the
     collector walks every object earlier tests left alive, which is not the predictor's cost. Best of

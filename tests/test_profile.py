@@ -1,4 +1,4 @@
-"""hetero profile: records in the SCHEMAS.md format, the per-device cache, the local op model."""
+"""hetero profile: records in the docs/formats.md format, the per-device cache, the local op model."""
 import csv
 
 import pytest

@@ -589,6 +589,7 @@ def _listening(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from /proc/net")
 def test_a_local_launch_listens_on_the_loopback_interface_only(tmp_path):
@@ -620,6 +621,7 @@ def test_a_local_launch_listens_on_the_loopback_interface_only(tmp_path):
     assert seen == {"127.0.0.1"}, seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_uneven_pp_two_vendors_matches_reference(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
@@ -671,6 +673,7 @@ def test_a_stage_boundary_moves_one_activation_in_equal_slices_whatever_the_tp_s
         assert sum(1 / parts for _, _, parts in got.values()) == pytest.approx(1.0)  # one activation
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("communicator", ["hetero", "torch"])
 def test_tp2_to_tp2_pipeline_matches_reference(tmp_path, monkeypatch, communicator):
@@ -685,6 +688,7 @@ def test_tp2_to_tp2_pipeline_matches_reference(tmp_path, monkeypatch, communicat
     _assert_matches(summary, LLAMA)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_tp2_and_pp2_shapes_with_1_to_3_micro_batches(tmp_path):
     plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
@@ -694,6 +698,7 @@ def test_tp2_and_pp2_shapes_with_1_to_3_micro_batches(tmp_path):
     _assert_matches(summary, GPT)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_staggered_pipelines_sum_gradients_in_rounds_and_match_the_reference(tmp_path):
     """Stage boundaries staggered across two pipelines ([0,1) [1,4) and [0,2) [2,4)): the buckets
@@ -707,6 +712,7 @@ def test_staggered_pipelines_sum_gradients_in_rounds_and_match_the_reference(tmp
     _assert_matches(summary, GPT)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_pp_x_dp_llama_gpipe(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -718,6 +724,7 @@ def test_pp_x_dp_llama_gpipe(tmp_path):
         {(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("micro_batches", [4, 3])
 def test_interleaved_two_vendors_matches_reference(tmp_path, micro_batches):
@@ -736,6 +743,7 @@ def test_interleaved_two_vendors_matches_reference(tmp_path, micro_batches):
     assert [r["chunk_layers"] for r in summary["ranks"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_interleaved_pipelines_of_different_shapes_match_reference(tmp_path):
     """Two interleaved pipelines whose chunks end at different layers and run on the groups in
@@ -764,6 +772,7 @@ def test_interleaved_needs_two_physical_stages(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_deepspeed_zero2_unequal_micro_batches(tmp_path):
     pytest.importorskip("deepspeed")
@@ -774,6 +783,7 @@ def test_deepspeed_zero2_unequal_micro_batches(tmp_path):
     assert summary["engine"] == "deepspeed"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("saved_by", ["1f1b", "interleaved"])
 def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
@@ -803,6 +813,7 @@ def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
     assert first["losses"] + second["losses"] == pytest.approx(losses, rel=RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_loading_a_checkpoint_of_a_deeper_model_fails_naming_the_difference(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
@@ -822,6 +833,7 @@ def test_loading_a_checkpoint_of_a_deeper_model_fails_naming_the_difference(tmp_
     assert "failed while setting up (model, process groups, --load)" in err and "at step" not in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_diverged_run_writes_a_summary_that_is_valid_json(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
@@ -837,6 +849,7 @@ def test_a_diverged_run_writes_a_summary_that_is_valid_json(tmp_path):
     assert summary["losses"][1] is None and summary["grad_norms"][1] is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_injected_failure_names_rank_and_stage_without_orphans(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -855,6 +868,7 @@ def test_injected_failure_names_rank_and_stage_without_orphans(tmp_path):
     assert not _leftover(tmp_path / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_successful_launches_print_nothing_from_torchrun(tmp_path):
     """Node slot 0's store outlives the other slots' exit barrier: no 'Error waiting on exit barrier'
@@ -910,6 +924,7 @@ def _start_and_wait_ready(tmp_path: Path, plan: dict, *extra: str) -> subprocess
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigterm_to_the_launcher_ends_every_process_of_the_job(tmp_path):
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
@@ -947,6 +962,7 @@ def _launch_in(tmp: Path, model: dict, plan: dict, *extra: str, cluster: dict = 
     return proc, sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_launch_plot_draws_a_measured_step_and_leaves_no_trace_behind(tmp_path):
     """`--plot` without `--trace`: the run traces into a temporary directory, the PNG (predicted step
@@ -963,6 +979,7 @@ def test_launch_plot_draws_a_measured_step_and_leaves_no_trace_behind(tmp_path):
     assert proc.returncode == 1 and not failed.parent.exists() and left == [], (proc.stderr[-3000:], left)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_default_run_directories_are_removed_at_exit(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])
@@ -1230,6 +1247,7 @@ def test_dynamic_loss_scale_rule():
         DynamicLossScale(0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fp16_dynamic_loss_scaling_skips_overflows_and_unscales(tmp_path):
     """fp16 autocast runs with a loss scale that every rank applies the same way: at the default
@@ -1276,6 +1294,7 @@ def reference_run_unclipped():
     return reference_run(GPT, 0, STEPS, 8, lr=LR, clip=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tp,slow_tp,replicas,model", [(2, 1, 1, LLAMA), (2, 2, 1, GPT), (1, 1, 2, GPT)])
 def test_interleaved_with_tp_or_replicas_matches_reference(tmp_path, tp, slow_tp, replicas, model):

@@ -14,9 +14,9 @@ import torch
 
 from test_runtime import GPT, RTOL, _assert_matches, _launch, _plan, _reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: torch sees none here (these runs check the native "
-                                       "engine's device placement; CPU-only runs are in test_runtime.py)")
+                                       "engine's device placement; CPU-only runs are in test_runtime.py)")]
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 CLUSTER = {

@@ -71,6 +71,7 @@ def test_chunks_of_tp4_beside_tp2_are_quarters_a_tp2_rank_sums_two():
             assert all(len(ranks) == 2 for _, ranks in b.chunks)   # one rank of each pipeline
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tp4_beside_tp2_sums_chunks_and_matches_the_reference(tmp_path):
     """Pipelines of different tp degrees hold every parameter: split tensors are summed chunk by
@@ -82,6 +83,7 @@ def test_tp4_beside_tp2_sums_chunks_and_matches_the_reference(tmp_path):
     _assert_matches(summary, model)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_two_tp2_replicas_on_two_vendors_match_the_reference(tmp_path, model):

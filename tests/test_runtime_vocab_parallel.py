@@ -54,6 +54,7 @@ def _worker(rank, world, model_dict):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied-head"])
 def test_tp_splits_embedding_and_head_over_the_vocabulary(model):

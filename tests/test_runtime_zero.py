@@ -38,6 +38,7 @@ def _predicted_optimizer_bytes(tmp_path, plan: dict, model: dict = GPT) -> dict[
             for si, s in enumerate(pp.stages)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape,communicator,model", [
     ("staggered", "hetero", GPT), ("staggered", "torch", GPT), ("tp2_beside_tp1", "hetero", GPT),
@@ -87,6 +88,7 @@ def _save_then_resume(tmp_path, save_plan: dict, resumes: dict[str, dict]) -> No
         assert runs["save"]["losses"] + runs[name]["losses"] == pytest.approx(losses, rel=1e-3), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_bf16_model_keeps_the_predicted_share_of_adamw_state(tmp_path):
     """Under autocast the parameters stay fp32 and Adam's moments are sharded: each rank's measured
@@ -101,6 +103,7 @@ def test_a_bf16_model_keeps_the_predicted_share_of_adamw_state(tmp_path):
         assert r["optimizer_state_bytes"] == pytest.approx(predicted[(r["pipeline"], r["stage"])], rel=1e-3), r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_path):
     """Saved sharded over full tensors (tp2 beside tp1), the full AdamW states are gathered into the
@@ -110,6 +113,7 @@ def test_a_zero1_checkpoint_resumes_under_other_plans_with_or_without_zero(tmp_p
                       {"zero": _plan(PLANS["tp2_replicas"], zero_stage=1), "plain": _plan(PLANS["staggered"])})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_checkpoint_of_zero1_over_tp_peers_resumes_without_tp(tmp_path):
     """Saved with each tp rank's own shards sharded over its peers: the moments are gathered over
@@ -151,6 +155,7 @@ def _full_state_worker(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_full_state_keeps_host_copies_of_what_the_caller_writes_only():
     """A checkpoint's owner takes the full AdamW states of its names, one holder set's gathered

@@ -344,7 +344,7 @@ def test_interleave_needs_the_interleaved_schedule():
 
 
 def test_a_cluster_entry_named_like_a_catalog_device_overrides_it():
-    """SCHEMAS.md: a cluster's ``devices:`` adds to / overrides the catalog. The fields given replace
+    """docs/formats.md: a cluster's ``devices:`` adds to / overrides the catalog. The fields given replace
     the catalog's, the rest is kept (with or without ``base:`` naming itself)."""
     a100 = hetero.load_catalog()["A100-SXM4-80GB"]
     for entry in ({"memory": "40 GiB"}, {"base": "A100-SXM4-80GB", "memory": "40 GiB"}):

@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print_problems(e.problems)   # at most MAX_PROBLEMS, then how many more
         return 1
-    except HeteroError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     except InputFileError as e:
         print(f"error: {e.message} (fix: {e.fix})", file=sys.stderr)
+        return 1
+    except HeteroError as e:   # the root of every error above and of the project's others
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader went away (`hetero devices | head`): stop quietly, as Unix tools do.

@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
         "calibrate", help="fit the predictor to measured runs",
         description="Fit per-device-type calibration factors (compute, communication, overheads, kernel floor, "
                     "network, matrix-kernel speed) to measured iteration times of homogeneous Megatron-style runs (run log CSV, "
-                    "SCHEMAS.md), print them with the in-sample error table and write them as JSON.")
+                    "docs/formats.md), print them with the in-sample error table and write them as JSON.")
     p.add_argument("--cluster", required=True, help="cluster file the runs were measured on")
     p.add_argument("--runs", required=True, help="run log CSV")
     p.add_argument("-o", "--output", required=True, metavar="CAL", help="calibration JSON to write")

@@ -6,7 +6,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "import-hf", help="convert a Hugging Face model folder into a model file and a hetero checkpoint",
         description="Read config.json and the safetensors weights (one file or a sharded index) of a Llama, "
-                    "Mistral, Qwen2 (without q/k/v biases) or GPT-2 model and write OUT/model.yaml, OUT/checkpoint "
+                    "Mistral, Qwen2 (with its q/k/v biases) or GPT-2 model and write OUT/model.yaml, OUT/checkpoint "
                     "(plan-independent: hetero launch --load OUT/checkpoint with any plan) and OUT/hf (the "
                     "folder's config and tokenizer files, for export-hf --base). Tensors are streamed one at a "
                     "time; OUT appears only when complete.")

@@ -13,13 +13,13 @@ def add_parser(sub) -> None:
                     "slot runs here, rendezvous on 127.0.0.1; over several machines run one call per node "
                     "slot (--node-rank R on its machine), rendezvous at node slot 0's host or --master-addr, "
                     "port 29500 unless --master-port. Arguments after `--` go to every worker.")
-    p.add_argument("--cluster", required=True, help="cluster file (YAML, SCHEMAS.md)")
+    p.add_argument("--cluster", required=True, help="cluster file (YAML, docs/formats.md)")
     p.add_argument("--model", required=True, help="model file (YAML)")
     p.add_argument("--plan", required=True, help="plan file (YAML; `hetero plan -o` writes one)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial weights and the synthetic token stream (default 0)")
-    p.add_argument("--summary", metavar="OUT.json", help="write the run summary (SCHEMAS.md) here")
+    p.add_argument("--summary", metavar="OUT.json", help="write the run summary (docs/formats.md) here")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the predicted step above one measured step of the run (the median after the "

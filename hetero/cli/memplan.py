@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
                    help="a CUDA memory snapshot (torch.cuda.memory._dump_snapshot) to plan instead of recording")
     p.add_argument("--device", type=int,
                    help="with --trace: the snapshot's device to plan (default: the one with the most events)")
-    p.add_argument("--json", action="store_true", help="print the memory-plan JSON (SCHEMAS.md) only")
+    p.add_argument("--json", action="store_true", help="print the memory-plan JSON (docs/formats.md) only")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the planned layout (every block over its lifetime and byte range), the bytes live "
                         "and what the caching allocator reserves, as a PNG (needs matplotlib)")

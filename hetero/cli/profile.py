@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
         "profile", help="measure operator latencies on this machine",
         description="Time the operators of a transformer layer (linear, bmm, ln, softmax, gelu, add, mul, "
                     "div, pow, tanh, relu) over a grid of shapes on this machine's device and write profile "
-                    "records (SCHEMAS.md). The result is cached per device and used by the predictor.")
+                    "records (docs/formats.md). The result is cached per device and used by the predictor.")
     p.add_argument("--device", metavar="NAME",
                    help="device type written in the records: a catalog name (`hetero devices`) or, with "
                         "--cluster, one of that cluster's own types (default: the local accelerator's catalog "
@@ -126,7 +126,7 @@ def run(args) -> int:
 def requested_type(args):
     """The device type ``--device`` names (None when not given): a catalog entry or, with ``--cluster``,
     one of the types that cluster defines under ``devices:`` (used by a group or not). Records name a
-    device type whose specs are known (SCHEMAS.md), so any other name is an error listing the valid ones."""
+    device type whose specs are known (docs/formats.md), so any other name is an error listing the valid ones."""
     from hetero.errors import HeteroError
 
     if args.device is not None and not args.device.strip():

@@ -4,8 +4,10 @@ from __future__ import annotations
 import enum
 from typing import Optional, Sequence
 
+from hetero.errors import HeteroError
 
-class HeteroCommError(RuntimeError):
+
+class HeteroCommError(HeteroError, RuntimeError):
     """A collective or point-to-point operation failed.
 
     Attributes name what failed: ``op`` (e.g. ``"all_reduce"``), ``group`` (the group's name),

@@ -9,7 +9,7 @@ how little a layout planned ahead of time needs (``hetero memplan``).
 - :mod:`~hetero.memplan.serve`: the planned allocator at run time (``hetero launch --allocator
   planned``): two steps recorded, the second planned, the plan served from one arena.
 
-:func:`memory_plan` puts them together into the ``hetero memplan --json`` report (SCHEMAS.md).
+:func:`memory_plan` puts them together into the ``hetero memplan --json`` report (docs/formats.md).
 """
 from __future__ import annotations
 

@@ -71,10 +71,12 @@ class _Block:
 class CachingResult:
     """``reserved_bytes``: segment bytes at the end (the peak); ``segments``: how many were reserved;
     ``peak_allocated_bytes``: the most bytes in blocks handed out at once (rounded requests and
-    unsplit rests)."""
+    unsplit rests); ``reserved_at_live_peak_bytes``: the segment bytes when the requested bytes live
+    first reached their peak (what fragmentation there is by then; the rest comes later)."""
     reserved_bytes: int
     segments: int
     peak_allocated_bytes: int
+    reserved_at_live_peak_bytes: int = 0
 
 
 class CachingAllocatorModel:
@@ -160,17 +162,26 @@ def simulate_caching_allocator(trace: AllocationTrace) -> CachingResult:
     addresses where it has them. A block the trace frees without its allocation (recorded before the
     trace began) is allocated at the start."""
     model = CachingAllocatorModel()
-    addr: dict[int, int] = {}
+    addr: dict[int, tuple[int, int]] = {}   # trace id -> (address, requested bytes)
     for b in trace.blocks():
         if b.start < 0:   # reserved before the snapshot recorded: their addresses are not in it
-            addr[b.key] = model.malloc(b.size)
+            addr[b.key] = (model.malloc(b.size), b.size)
     model.take_segment_addresses(trace.segment_addresses)
+    live = peak_live = sum(size for _, size in addr.values())
+    at_peak = model.reserved
     for kind, key, size in trace.events:
         if kind == "alloc":
             if key in addr:   # an id reused without its free in the trace
-                model.free(addr.pop(key))
-            addr[key] = model.malloc(size)
+                old, old_size = addr.pop(key)
+                model.free(old)
+                live -= old_size
+            addr[key] = (model.malloc(size), size)
+            live += size
+            if live > peak_live:
+                peak_live, at_peak = live, model.reserved
         elif key in addr:
-            model.free(addr.pop(key))
-    return CachingResult(model.reserved, model.segments, model.peak_allocated)
+            old, old_size = addr.pop(key)
+            model.free(old)
+            live -= old_size
+    return CachingResult(model.reserved, model.segments, model.peak_allocated, at_peak)
 

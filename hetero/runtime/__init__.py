@@ -26,7 +26,7 @@ from __future__ import annotations
 
 def launch(cluster, model, plan, *, steps: int = 5, seed: int = 0, engine: str = "native", timeout_s: float = 60.0,
            quiet: bool = True, **options) -> dict:
-    """Run ``plan`` on this machine (all node slots) and return the run summary (SCHEMAS.md)."""
+    """Run ``plan`` on this machine (all node slots) and return the run summary (docs/formats.md)."""
     import json
     import os
     import tempfile

@@ -17,7 +17,7 @@ Devices also come and go on purpose: a change of the ``--cluster`` file while th
 (:mod:`hetero.runtime.cluster_watch`) is planned for at once; then every rank pauses at the next
 step boundary, hands off its state as above, and the new plan goes on from it.
 
-The run summary lists every reconfiguration (SCHEMAS.md ``reconfigurations``): the step (the first one
+The run summary lists every reconfiguration (docs/formats.md, ``reconfigurations``): the step (the first one
 run under the new plan; the handed-off state is that after the step before it), the reason,
 the world sizes, the devices there are now (``devices_left``), added and removed, and
 ``reshard_time_s``, the time from the failure or the change to the first step under the new plan
@@ -133,7 +133,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 print_fn=print, run_dir: str | None = None, cluster_path: str | None = None) -> dict:
     """Train ``options.steps`` steps, replanning after each lost device and, with ``cluster_path``
     (the file ``cluster`` was read from), after each usable change of that file; returns the merged
-    summary (SCHEMAS.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
+    summary (docs/formats.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
     ``master_port``: the first attempt's (later ones take a free port)."""
     from hetero.runtime.grads import param_holders
     from hetero.runtime.launcher import RankFailure, prepare, run

@@ -196,7 +196,7 @@ def steady(values: list[float]) -> list[float]:
 
 def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | None = None,
                  allocator_stats: list | None = None) -> dict:
-    """The training run summary of SCHEMAS.md (plus optional extra fields); ``state_bytes``: every
+    """The training run summary of docs/formats.md (plus optional extra fields); ``state_bytes``: every
     rank's optimizer state bytes (:meth:`Trainer.gather_optimizer_state_bytes`); ``allocator_stats``:
     every rank's allocator counters (:meth:`Trainer.gather_allocator_stats`)."""
     ctx, res = trainer.ctx, trainer.state.results

@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
+from hetero.errors import HeteroError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -30,7 +32,7 @@ class Problem:
         return text
 
 
-class SpecError(ValueError):
+class SpecError(HeteroError, ValueError):
     """Raised for bad input; carries every problem found, formatted one per line."""
 
     def __init__(self, problems: list[Problem]):

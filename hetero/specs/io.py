@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from hetero.errors import HeteroError
+
 from .errors import Problem, SpecError
 from .kinds import MARKERS, wrong_kind
 
@@ -52,7 +54,7 @@ def load_yaml(text: str):
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-class InputFileError(ValueError):
+class InputFileError(HeteroError, ValueError):
     """An input file that cannot be read as text; ``message`` and ``fix`` name the problem."""
 
     def __init__(self, message: str, fix: str):
@@ -166,10 +168,10 @@ def read_mapping(path_or_dict, what: str, source: str | None = None) -> tuple[di
         raise SpecError([Problem(where, f"not valid YAML: {getattr(e, 'problem', e)}",
                                  "fix the YAML syntax", source)]) from None
     if data is None:
-        raise SpecError([Problem("", f"the {what} file is empty", f"see SCHEMAS.md for the {what} format", source)])
+        raise SpecError([Problem("", f"the {what} file is empty", f"see docs/formats.md for the {what} format", source)])
     if not isinstance(data, dict):
         raise SpecError([Problem("", f"expected a YAML mapping at the top of the {what} file, got "
-                                     f"{type(data).__name__}", f"see SCHEMAS.md for the {what} format", source)])
+                                     f"{type(data).__name__}", f"see docs/formats.md for the {what} format", source)])
     return _check_kind(data, what, source)
 
 

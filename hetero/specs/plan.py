@@ -1,7 +1,7 @@
 """Plan files: data-parallel pipelines of possibly different shapes, each a list of uneven stages.
 
 A plan is data: the planner writes it, a person may edit it, the predictor scores it and the
-launcher runs it. :func:`check_plan` enforces the rules of SCHEMAS.md against a cluster and a model.
+launcher runs it. :func:`check_plan` enforces the rules of docs/formats.md against a cluster and a model.
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def load_plan(path_or_dict, cluster: Cluster | None = None, model: ModelSpec | N
 
 
 def check_plan(plan: Plan, cluster: Cluster, model: ModelSpec, source: str = "<plan>") -> None:
-    """Raise SpecError listing every rule of SCHEMAS.md that ``plan`` breaks for this cluster/model."""
+    """Raise SpecError listing every rule of docs/formats.md that ``plan`` breaks for this cluster/model."""
     problems = Problems(source=source)
     names = set(cluster.group_names)
     _model_rules(plan, model, problems, skip=lambda s: s.group not in names)
