@@ -43,6 +43,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_fit_allocator_argument(p) -> None:
+    """``--allocator`` of ``predict`` and ``plan``: the allocator whose reservation judges fit."""
+    p.add_argument("--allocator", choices=("caching", "planned"),
+                   help="judge fit by what this allocator reserves for each stage's peak: caching (PyTorch's "
+                        "default, fragmentation included) or planned (hetero launch --allocator planned's arena); "
+                        "default: the live peak itself")
+
+
 def print_json(data) -> None:
     """``data`` as JSON on stdout. A value that is not finite is an error, not the ``Infinity`` /
     ``NaN`` that no JSON reader takes (it comes from an input far out of range)."""

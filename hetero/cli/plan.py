@@ -5,7 +5,7 @@ import sys
 
 
 def add_parser(sub) -> None:
-    from ._common import positive_int
+    from ._common import add_fit_allocator_argument, positive_int
 
     p = sub.add_parser("plan", help="search the best hybrid-parallel plan",
                        description="Search pipelines, stage splits, tp, micro-batching, recompute, ZeRO and the "
@@ -26,9 +26,7 @@ def add_parser(sub) -> None:
                         "exactly two physical stages that are both on NCCL/RCCL or both on HCCL devices, whose "
                         "send/recv ignore the tags that keep activations and gradients apart)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--allocator", choices=("caching", "planned"),
-                   help="judge fit by what this allocator reserves: caching (PyTorch's default, fragmentation "
-                        "included) or planned (hetero launch --allocator planned's arena); default: the live peak")
+    add_fit_allocator_argument(p)
     p.add_argument("--objectives", metavar="LIST",
                    help="search a Pareto front over these objectives instead of one best plan: two or more of "
                         "throughput, cost (USD per million tokens, indicative), memory_headroom, energy (J/token), "

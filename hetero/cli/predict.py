@@ -5,6 +5,8 @@ import json
 
 
 def add_parser(sub) -> None:
+    from ._common import add_fit_allocator_argument
+
     p = sub.add_parser("predict", help="predict iteration time, throughput and memory of a plan",
                        description="Score a plan on a cluster: per-stage forward/backward times and memory, "
                                    "the iteration time (schedule simulation + DP sync + optimizer), tokens/s "
@@ -24,10 +26,7 @@ def add_parser(sub) -> None:
                         "and each stage's peak memory against its capacity as a PNG (needs matplotlib)")
     p.add_argument("--timeline", metavar="OUT.json",
                    help="write a Chrome/Perfetto trace of the iteration (open in ui.perfetto.dev)")
-    p.add_argument("--allocator", choices=("caching", "planned"),
-                   help="judge fit by what this allocator reserves for each stage's peak: caching (PyTorch's "
-                        "default, fragmentation included) or planned (hetero launch --allocator planned's arena); "
-                        "default: the live peak itself")
+    add_fit_allocator_argument(p)
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
                    inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--calibration": "calibration"},
                    outputs={"--plot": "plot", "--timeline": "timeline"})
