@@ -408,15 +408,14 @@ class SyncPlan:
         them to be done. A bucket across vendors waits for the end of the schedule on a stage that
         still sends a gradient after its last backward (``sends_after``, per stage: not a first
         stage), since the runtime starts it after the rank's last point-to-point operation."""
-        early = list(ready) if hide is None else [r - h for r, h in zip(ready, hide)]
-        cur = list(early)
+        cur = list(ready) if hide is None else [r - h for r, h in zip(ready, hide)]
         began = []
         for (hs, t), tail, bridged in zip(self.buckets, self.tails, self.bridged):
             s = cur[hs[0]]
             done = ready[hs[0]]
+            late = bridged and sends_after is not None   # the same for every holder of the bucket
             for h in hs:
-                at = ready[h] if bridged and sends_after is not None and sends_after[h] and ready[h] > cur[h] \
-                    else cur[h]
+                at = ready[h] if late and sends_after[h] and ready[h] > cur[h] else cur[h]
                 if at > s:
                     s = at
                 if ready[h] > done:
