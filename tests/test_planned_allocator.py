@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero.memplan.serve import fragmentation, place_cyclic, plan_step
+from hetero.memplan import fragmentation
+from hetero.memplan.serve import place_cyclic, plan_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,6 +24,7 @@ def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.hf.convert import export_hf, parse_size
     from hetero.specs.model import load_model
+    from hetero.specs.units import plural
 
     from ._common import console
 
@@ -33,6 +34,6 @@ def run(args) -> int:
                           f"--save or hetero import-hf wrote)")
     files = export_hf(model, args.checkpoint, args.output, parse_size(args.max_shard_size), args.base)
     shards = sum(f.endswith(".safetensors") for f in files)
-    console().print(f"{args.output}: config.json and {shards} safetensors file{'s' if shards > 1 else ''} "
+    console().print(f"{args.output}: config.json and {plural(shards, 'safetensors file')} "
                     f"({model.total_params() / 1e6:.1f} M parameters, {model.dtype})")
     return 0

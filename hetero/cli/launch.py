@@ -195,8 +195,6 @@ def run(args) -> int:
                          threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
                          allocator=args.allocator, overlap=args.overlap, bucket_mb=args.bucket_mb,
                          compile=args.compile)
-    if args.allocator == "planned" and not args.dry_run:
-        _build_planned_allocator(options)
     if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
         raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
     _check_numbers(args)
@@ -218,6 +216,8 @@ def run(args) -> int:
         world = sum(plan.devices_by_group().values())  # interleaved: virtual stages share devices
         if options.inject_failure[1] >= world:
             raise HeteroError(f"--inject-failure: rank {options.inject_failure[1]} but the plan runs {world} ranks")
+    if args.allocator == "planned" and not args.dry_run:   # a slow build: after every check of the input
+        _build_planned_allocator(options)
     out = console()
     if args.elastic:
         from hetero.runtime.elastic import check_elastic, reconfiguration_table, run_elastic

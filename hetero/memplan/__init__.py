@@ -17,11 +17,12 @@ from hetero.memplan.arena import ArenaPlan, plan_arena
 from hetero.memplan.caching import CachingResult, simulate_caching_allocator
 from hetero.memplan.trace import AllocationTrace, load_snapshot
 
-__all__ = ["AllocationTrace", "ArenaPlan", "CachingResult", "load_snapshot", "memory_plan", "memory_plan_and_layout",
+__all__ = ["AllocationTrace", "ArenaPlan", "CachingResult", "fragmentation", "load_snapshot", "memory_plan", "memory_plan_and_layout",
            "plan_arena", "simulate_caching_allocator"]
 
 
-def _fragmentation(lower_bound: int, held: int) -> float:
+def fragmentation(lower_bound: int, held: int) -> float:
+    """``1 - lower_bound / held`` (0 when nothing is held): the share of held bytes never live at once."""
     return 1.0 - lower_bound / held if held else 0.0
 
 
@@ -38,8 +39,8 @@ def memory_plan_and_layout(trace: AllocationTrace, progress=None) -> tuple[dict,
     lower = trace.lower_bound_bytes()
     cached = simulate_caching_allocator(trace)
     arena = plan_arena(trace, progress)
-    frag_c = _fragmentation(lower, cached.reserved_bytes)
-    frag_p = _fragmentation(lower, arena.arena_bytes + arena.dynamic_fallback_bytes)
+    frag_c = fragmentation(lower, cached.reserved_bytes)
+    frag_p = fragmentation(lower, arena.arena_bytes + arena.dynamic_fallback_bytes)
     report = {"events": len(trace.events), "lower_bound_bytes": lower,
               "caching_allocator": {"reserved_bytes": cached.reserved_bytes, "fragmentation": frag_c},
               "planned": {"arena_bytes": arena.arena_bytes, "fragmentation": frag_p,

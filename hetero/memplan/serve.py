@@ -254,8 +254,3 @@ class PlannedAllocator:
         if self.failure:
             out["note"] = self.failure
         return out
-
-
-def fragmentation(peak_live: int, reserved: int) -> float:
-    """``1 - peak_live / reserved`` (0 when nothing is reserved)."""
-    return 1.0 - peak_live / reserved if reserved else 0.0

@@ -177,9 +177,7 @@ class NativeEngine:
         mark_phase(1)   # the planned allocator resynchronises at the gradient sync
         if self.reducer is not None:   # wait for the buckets started under the backward, start the rest
             grads = self.reducer.finish({})
-            if self.sharded:
-                grads = self.sharded.owned_locals(grads)
-            grads = {k: v for k, v in grads.items() if v}
+            grads = self.sharded.owned_locals(grads) if self.sharded else {k: v for k, v in grads.items() if v}
         elif self.sharded:
             grads = self.sharded.reduce_gradients()
         else:

@@ -40,10 +40,9 @@ from dataclasses import asdict, dataclass
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import LOOPBACK, is_loopback
+from hetero.runtime.torchrun_loopback import is_loopback
 from hetero.specs.units import plural
 
-LOCAL_HOSTS = {None, *LOOPBACK}
 VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
                    "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 WORKER_MODULE = "hetero.runtime.worker"
@@ -131,7 +130,7 @@ def is_this_machine(host: str | None) -> bool:
     """Whether a node's ``host`` (None: not named) is the machine running this process: any loopback
     name or address (``localhost``, 127.0.0.2: node slots on them are started here, one call each
     with ``--node-rank`` or all in one call), or this machine's own name."""
-    return host in LOCAL_HOSTS or is_loopback(host) or host == socket.gethostname() or host == socket.getfqdn()
+    return host is None or is_loopback(host) or host == socket.gethostname() or host == socket.getfqdn()
 
 
 def machine_keys(nodes, families: list[str]) -> list:

@@ -233,6 +233,6 @@ class StageExecutor:
 
     def _p2p(self, action: tuple[str, int, int], last_chunk: int) -> bool:
         """Whether ``action`` receives or sends an activation or a gradient."""
-        kind, _, chunk = action
+        _, _, chunk = action
         first, last = self.first and chunk == 0, self.last and chunk == last_chunk
         return not (first and last)
