@@ -12,6 +12,9 @@ Public calls::
     b.detect()                      # (True, "CUDA 12.4, NCCL 2.21.5") or (False, reason)
     b.device(local_rank), b.dist_backend, b.visible_devices_env, b.memory_info(0)
     rows = env_report()             # [EnvRow(component, status, detail), ...] for ``hetero env``
+
+Vendor facts (families, aliases, libraries, visible-devices variables) live in one table,
+:mod:`hetero.backends.registry`; the backends read theirs from it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import warnings
 from typing import Dict, List, NamedTuple
 
+from . import registry
 from .ascend import AscendBackend
 from .base import Backend, MemoryInfo
 from .cpu import CpuBackend
@@ -30,7 +34,7 @@ from .rocm import RocmBackend
 __all__ = [
     "Backend", "MemoryInfo", "CudaBackend", "RocmBackend", "AscendBackend", "CpuBackend", "MpiBackend",
     "BACKENDS", "DEVICE_BACKENDS", "ENV_VAR", "get_backend", "select_backend", "env_report", "EnvRow",
-    "find_mpiexec", "BackendFallbackWarning",
+    "find_mpiexec", "BackendFallbackWarning", "registry",
 ]
 
 #: environment variable that forces a device backend by name
@@ -45,8 +49,8 @@ BACKENDS: Dict[str, type] = {
 }
 #: backends that own a device (``mpi`` is a bridge between vendors, not a device backend)
 DEVICE_BACKENDS = ("ascend", "rocm", "cuda", "cpu")
-_ALIASES = {"nvidia": "cuda", "nccl": "cuda", "amd": "rocm", "hip": "rocm", "rccl": "rocm", "npu": "ascend",
-            "hccl": "ascend", "gloo": "cpu"}
+#: vendor tags that name a backend (``nvidia``, ``nccl`` -> ``cuda``), from :mod:`hetero.backends.registry`
+_ALIASES = registry.backend_aliases()
 
 
 class BackendFallbackWarning(UserWarning):

@@ -14,6 +14,7 @@ import importlib.util
 import os
 from typing import Optional, Tuple
 
+from . import registry
 from .base import Backend, MemoryInfo
 
 _CANN_ROOTS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
@@ -48,12 +49,15 @@ def _torch_npu_version() -> Optional[str]:
         return None
 
 
+_ASCEND = registry.family("ascend")
+
+
 class AscendBackend(Backend):
-    name = "ascend"
-    device_type = "npu"
-    dist_backend = "hccl"
-    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
-    library = "HCCL"
+    name = _ASCEND.backend
+    device_type = _ASCEND.device_type
+    dist_backend = _ASCEND.library
+    visible_devices_env = _ASCEND.visible_devices_env
+    library = _ASCEND.library_label
 
     def detect(self) -> Tuple[bool, str]:
         if importlib.util.find_spec("torch_npu") is None:

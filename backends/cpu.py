@@ -4,15 +4,18 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
+from . import registry
 from .base import Backend, MemoryInfo
+
+_CPU = registry.family("cpu")
 
 
 class CpuBackend(Backend):
-    name = "cpu"
-    device_type = "cpu"
-    dist_backend = "gloo"
-    visible_devices_env = None
-    library = "Gloo"
+    name = _CPU.backend
+    device_type = _CPU.device_type
+    dist_backend = _CPU.library
+    visible_devices_env = _CPU.visible_devices_env
+    library = _CPU.library_label
 
     def detect(self) -> Tuple[bool, str]:
         import torch

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from . import registry
 from .base import Backend, MemoryInfo
+
+_NVIDIA = registry.family("nvidia")
 
 
 class CudaBackend(Backend):
-    name = "cuda"
-    device_type = "cuda"
-    dist_backend = "nccl"
-    visible_devices_env = "CUDA_VISIBLE_DEVICES"
-    library = "NCCL"
+    name = _NVIDIA.backend
+    device_type = _NVIDIA.device_type
+    dist_backend = _NVIDIA.library
+    visible_devices_env = _NVIDIA.visible_devices_env
+    library = _NVIDIA.library_label
 
     def detect(self) -> Tuple[bool, str]:
         import torch

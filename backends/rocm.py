@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from . import registry
 from .cuda import CudaBackend
+
+_AMD = registry.family("amd")
 
 
 class RocmBackend(CudaBackend):
-    name = "rocm"
-    device_type = "cuda"
-    dist_backend = "nccl"  # RCCL answers to the NCCL name in HIP builds of torch
-    visible_devices_env = "HIP_VISIBLE_DEVICES"
-    library = "RCCL"
+    name = _AMD.backend
+    device_type = _AMD.device_type
+    dist_backend = _AMD.library  # RCCL answers to the NCCL name in HIP builds of torch
+    visible_devices_env = _AMD.visible_devices_env
+    library = _AMD.library_label
 
     def detect(self) -> Tuple[bool, str]:
         import torch

@@ -109,3 +109,59 @@ def test_env_report_and_cli(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "Gloo" in out and "DeepSpeed" in out
+
+
+# --- the vendor registry: one table that the backends, specs, launcher, runtime and communicator ask ---
+
+def test_registry_resolves_every_catalog_vendor():
+    from hetero.backends import registry
+    from hetero.specs.device import VENDORS, load_catalog
+
+    catalog = load_catalog()
+    assert {d.vendor for d in catalog.values()} >= {"nvidia", "amd", "ascend", "cpu"}
+    for name, device in catalog.items():
+        info = registry.vendor(device.vendor)
+        assert info is not None and info.name == device.family, name
+    assert VENDORS == registry.family_names()   # the spec checks' list is the registry's, not a copy
+    # what the launcher sets per node slot, and what the communicator uses per vendor tag
+    assert [registry.visible_devices_env(f) for f in ("nvidia", "amd", "ascend", "intel", "cpu", "emu-a")] == [
+        "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", None, None, None]
+    assert [registry.library_of(t) for t in ("NVIDIA", "rocm", "rccl", "npu", "cpu", "intel", "emu-a")] == [
+        "nccl", "nccl", "nccl", "hccl", "gloo", "gloo", "gloo"]
+    assert [registry.device_type_of_library(lib) for lib in ("nccl", "hccl", "gloo", "hetero_emu_a")] == [
+        "cuda", "npu", "cpu", "cpu"]
+    assert [f for f in VENDORS if registry.is_accelerator(f)] == ["nvidia", "amd", "ascend"]
+
+
+def test_backends_and_layers_read_the_registry():
+    from hetero.backends import registry
+    from hetero.comm import vendors as comm_vendors
+    from hetero.runtime import device, launcher
+
+    for info in registry.VENDORS:
+        if info.backend is None:
+            with pytest.raises(ValueError, match="unknown backend"):
+                hb.get_backend(info.name)
+            continue
+        b = hb.get_backend(info.name)
+        assert b.name == info.backend
+        assert (b.device_type, b.dist_backend, b.visible_devices_env, b.library) == (
+            info.device_type, info.library, info.visible_devices_env, info.library_label)
+        for alias in info.aliases:
+            assert hb.get_backend(alias.upper()).name == info.backend
+        assert device.torch_device_type(info.name) == info.device_type
+    # the tables these layers kept before are gone, not copies to keep in step
+    assert not hasattr(launcher, "VISIBLE_DEVICES") and not hasattr(device, "ACCELERATOR_FAMILIES")
+    assert not hasattr(comm_vendors, "DEVICE_OF_BACKEND") and not hasattr(comm_vendors, "KNOWN")
+    assert importlib.util.find_spec("hetero.specs.vendors") is None
+    assert comm_vendors.backend_for("amd") == "nccl" and comm_vendors.device_type_for("hccl") == "npu"
+
+
+def test_registry_is_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, hetero.backends.registry, hetero.specs.plan; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -3,8 +3,8 @@
 A *vendor tag* names the collective library domain of a rank: ranks with the same tag talk through
 their vendor library, ranks with different tags only through the host bridge. Real vendors map to
 their library (``nvidia``/``cuda`` -> ``nccl``, ``amd``/``rocm`` -> ``nccl`` (RCCL in HIP builds),
-``ascend`` -> ``hccl``, ``cpu`` -> ``gloo``). Any other tag (``emu-a``, ``emu-b``: emulated vendors on
-CPU) gets a Gloo process group registered under its own backend name (``hetero_emu_a``) through
+``ascend`` -> ``hccl``, ``cpu`` -> ``gloo``; the table is :mod:`hetero.backends.registry`). Any other
+tag (``emu-a``, ``emu-b``: emulated vendors on CPU) gets a Gloo process group registered under its own backend name (``hetero_emu_a``) through
 ``torch.distributed.Backend.register_backend``, so the third-party backend path really runs and two
 emulated vendors never share a group.
 """
@@ -14,10 +14,8 @@ import re
 import threading
 from typing import Dict, Mapping, Optional, Sequence
 
-from hetero.specs.vendors import LIBRARY_OF_VENDOR as KNOWN  # torch-free: plan checks use it too
+from hetero.backends import registry
 
-#: device type of the tensors each library takes
-DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
 _registered: Dict[str, str] = {}
 _BUILTIN = ("gloo", "nccl", "hccl", "mpi", "ucc", "xccl")
 _lock = threading.Lock()
@@ -59,15 +57,15 @@ def backend_for(tag: str, overrides: Optional[Mapping[str, str]] = None) -> str:
     if overrides and tag in overrides:
         name = overrides[tag]
         return name if name in _BUILTIN else _register_gloo(name, tag)
-    key = tag.lower()
-    if key in KNOWN:
-        return KNOWN[key]
+    info = registry.vendor(tag)
+    if info is not None and info.library:
+        return info.library
     return register_emulated(tag)
 
 
 def device_type_for(backend: str) -> str:
     """Device type of the tensors a backend takes (emulated vendors: cpu)."""
-    return DEVICE_OF_BACKEND.get(backend, "cpu")
+    return registry.device_type_of_library(backend)
 
 
 def ensure_backend_loaded(backend: str) -> None:

@@ -17,31 +17,26 @@ import os
 
 import torch
 
+from hetero.backends import registry
 from hetero.errors import HeteroError
-
-#: vendor family -> the backend whose devices run it (families absent here compute on the CPU)
-ACCELERATOR_FAMILIES = {"nvidia": "cuda", "amd": "rocm", "ascend": "ascend"}
 
 
 def torch_device_type(family: str) -> str:
     """The torch device type a vendor family computes on (``cpu`` for emulated and unknown ones),
     known on every rank without touching a device."""
-    if family not in ACCELERATOR_FAMILIES:
-        return "cpu"
-    from hetero.backends import get_backend
-
-    return get_backend(ACCELERATOR_FAMILIES[family]).device_type
+    info = registry.family(family)
+    return info.device_type if info is not None else "cpu"
 
 
 def rank_device(family: str, local_index: int | None = None) -> torch.device:
     """This process's device for a group of vendor ``family``, made current (``set_device``), so
     that libraries that take "the current device" (NCCL, the host bridge's staging) agree.
     ``local_index`` defaults to ``LOCAL_RANK``."""
-    if family not in ACCELERATOR_FAMILIES:
+    if not registry.is_accelerator(family):
         return torch.device("cpu")
     from hetero.backends import get_backend
 
-    backend = get_backend(ACCELERATOR_FAMILIES[family])
+    backend = get_backend(registry.family(family).backend)
     index = int(os.environ.get("LOCAL_RANK", "0")) if local_index is None else local_index
     ok, detail = backend.detect()
     count = backend.device_count() if ok else 0

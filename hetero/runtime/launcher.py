@@ -37,14 +37,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from hetero.backends import registry
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 from hetero.runtime.torchrun_loopback import is_loopback
 from hetero.specs.units import plural
 
-VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES",
-                   "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 WORKER_MODULE = "hetero.runtime.worker"
 NODE_LAUNCHER_MODULE = "hetero.runtime.torchrun_loopback"
 DEFAULT_PORT = 29500
@@ -243,7 +242,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
     for slot, node in enumerate(layout.nodes):
         env = {SPEC_ENV: spec_path, SLOT_ENV: str(slot)}
         family = cluster.device_type(node.group).family
-        var = VISIBLE_DEVICES.get(family)
+        var = registry.visible_devices_env(family)
         if var:
             env[var] = ",".join(visible_ids(var, first_device[slot], node.num_ranks))
         if local and addr == "127.0.0.1":
@@ -575,7 +574,7 @@ def check_devices_here(launch: Launch, slots: list[int]) -> None:
     noted = set()
     for s in slots:
         node = launch.nodes[s]
-        if node.family not in VISIBLE_DEVICES:
+        if not registry.is_accelerator(node.family):
             continue
         backend = get_backend(node.family)
         ok, detail = backend.detect()

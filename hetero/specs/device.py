@@ -12,12 +12,14 @@ import functools
 from dataclasses import dataclass, field
 from importlib import resources
 
+from hetero.backends import registry
+
 from .errors import Problem, Problems, SpecError, did_you_mean, join_path
 from .io import load_yaml
 from .schema import is_missing, load_dataclass, quantity
 
-# Vendor families with a real backend. Other tags are allowed only for CPU-emulated devices.
-VENDORS = ("nvidia", "amd", "ascend", "intel", "cpu", "other")
+# The vendor families (hetero.backends.registry). Other tags are allowed only for CPU-emulated devices.
+VENDORS = registry.family_names()
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 HALF_DTYPES = ("fp16", "bf16")
 

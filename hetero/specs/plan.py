@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hetero.backends.registry import TAGLESS_P2P, library_of
+
 from .cluster import Cluster, model_problems
 from .errors import Problems, SpecError, did_you_mean, join_path
 from .io import read_mapping, write_yaml_atomic
 from .model import ModelSpec
 from .schema import is_missing, load_dataclass, to_plain
-from .vendors import TAGLESS_P2P, library_of
 
 
 MAX_GLOBAL_BATCH = 65536
