@@ -80,7 +80,7 @@ class Resilience:
         """Tokens/s of the replanner's best plan on the cluster less one node of ``group``."""
         key = (group, zero)
         if key not in self.cache:
-            from hetero.runtime.elastic import without_devices
+            from hetero.specs.cluster import without_devices
 
             g = self.cluster.group(group)
             lost = [types.SimpleNamespace(group=group, node=0)] * g.devices_per_node

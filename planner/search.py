@@ -265,7 +265,7 @@ class _progress:
             return lambda *a: None
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from hetero.cli._common import console
+        from hetero.console import console
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                             TimeElapsedColumn(), console=console(stderr=True), transient=True)

@@ -1,6 +1,6 @@
 """This machine's operator profile: the record format, the per-device cache, and the latency model fitted on it.
 
-``hetero profile`` (:mod:`hetero.predictor.profiling`) times the operators of a transformer layer on
+``hetero profile`` (:mod:`hetero.measure.profiling`) times the operators of a transformer layer on
 the local device and writes profile records (docs/formats.md: ``op,device,B,M,N,K,H,latency_ms,dtype``).
 The records are cached per device at ``$HETERO_CACHE_DIR/profiles/<device>.csv`` (default
 ``~/.cache/hetero/profiles/<device>.csv``); :func:`local_op_model` fits a small latency model on that
@@ -26,7 +26,7 @@ the predictor multiplies into its per-layer times; :meth:`LocalOpModel.optimizer
 measured gradient-norm pass + AdamW seconds per parameter, interpolated in log(parameters). Both come from the machine, never from a
 particular benchmark.
 
-No torch import here (measuring lives in :mod:`hetero.predictor.profiling`): loading the model only
+No torch import here (measuring lives in :mod:`hetero.measure.profiling`): loading the model only
 reads the CSV (and its JSON sidecar), so predicting stays fast and works on a login node.
 """
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_predict_uses_gpu_profile(truth, tmp_path, monkeypatch):
 
 def test_profile_grid_gains_probes_on_accelerators():
     """`hetero profile` on an accelerator measures every probe shape once (grid + probe_grid)."""
-    from hetero.predictor.profiling import default_grid, probe_grid
+    from hetero.measure.profiling import default_grid, probe_grid
 
     grid = default_grid(quick=True)
     extra = probe_grid(grid)

@@ -81,7 +81,7 @@ def _synthetic(device="cpu"):
     """Records of a made-up machine: GEMMs at 100 GFLOP/s + 5 us, vector ops at 20 GB/s + 2 us."""
     from hetero.predictor.ops import kernel_work
     from hetero.predictor.profiles import GEMM_OPS, Record
-    from hetero.predictor.profiling import default_grid
+    from hetero.measure.profiling import default_grid
 
     recs = []
     for op, dims in default_grid():
@@ -265,7 +265,7 @@ def test_predict_sees_a_profile_cached_after_its_first_call(tmp_path, monkeypatc
 def test_isolated_call_timing_brackets_each_call():
     """On an asynchronous device each call is timed alone: event, call, event, wait; the result is
     the mean of the fastest 5 of 25 (the protocol of the data the learned model was fitted on)."""
-    from hetero.predictor.profiling import isolated_call_ms
+    from hetero.measure.profiling import isolated_call_ms
 
     log, durations = [], iter([9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 8.0] + [7.0] * 18)
 

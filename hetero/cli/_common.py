@@ -1,17 +1,9 @@
 """Helpers shared by the subcommands: consoles, JSON output, loading inputs."""
 from __future__ import annotations
 
-import json
 import sys
 
-
-def console(stderr: bool = False):
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    # Piped output (logs, tests) would otherwise be squeezed to 80 columns.
-    width = None if stream.isatty() else 160
-    return Console(stderr=stderr, highlight=False, width=width)
+from hetero.console import console, print_json  # noqa: F401  (the subcommands take them from here)
 
 
 MAX_PROBLEMS = 50
@@ -49,19 +41,6 @@ def add_fit_allocator_argument(p) -> None:
                    help="judge fit by what this allocator reserves for each stage's peak: caching (PyTorch's "
                         "default, fragmentation included) or planned (hetero launch --allocator planned's arena); "
                         "default: the live peak itself")
-
-
-def print_json(data) -> None:
-    """``data`` as JSON on stdout. A value that is not finite is an error, not the ``Infinity`` /
-    ``NaN`` that no JSON reader takes (it comes from an input far out of range)."""
-    try:
-        text = json.dumps(data, indent=2, allow_nan=False)
-    except ValueError:
-        from hetero.errors import HeteroError
-
-        raise HeteroError("the result holds a number that is not finite (fix: an input is far out of range; "
-                          "check the sizes, links and factors in the files given)") from None
-    sys.stdout.write(text + "\n")
 
 
 def check_output(path, flag: str) -> None:

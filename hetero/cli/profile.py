@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.predictor import profiles as P
-    from hetero.predictor import profiling as M
+    from hetero.measure import profiling as M
 
     from ._common import check_output, console, write_output
 

@@ -33,7 +33,6 @@ run ends as without ``--elastic``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -43,6 +42,7 @@ import tempfile
 import time
 
 from hetero.errors import HeteroError
+from hetero.specs.cluster import without_devices
 
 MAX_RECONFIGURATIONS = 8
 """A run that loses devices more often than this ends: something beyond single failures is going on.
@@ -70,40 +70,6 @@ def _refuse_lost_slices(plan, reason: str) -> None:
         raise HeteroError(f"elastic: {reason}; with zero_stage {plan.zero_stage} the lost rank's slice of the "
                           f"optimizer state has no copy, so the run cannot go on (fix: a plan with zero_stage: 0, "
                           f"or restart from a checkpoint written by --save)")
-
-
-def without_devices(cluster, lost: list) -> object:
-    """``cluster`` less the devices of the ``lost`` ranks (:class:`hetero.layout.RankInfo`). A group of
-    one node loses them from ``devices_per_node``; in a group of several nodes, a node that lost some
-    becomes a group of its own (``<group>-n<node>``) with the devices it has left. Groups left with no
-    device are dropped."""
-    from hetero.specs.cluster import load_cluster
-
-    count: dict[tuple[str, int], int] = {}
-    for info in lost:
-        count[(info.group, info.node)] = count.get((info.group, info.node), 0) + 1
-    d = copy.deepcopy(cluster.to_dict())
-    groups = []
-    for g in d["groups"]:
-        touched = {n: c for (name, n), c in count.items() if name == g["name"]}
-        if not touched:
-            groups.append(g)
-            continue
-        hosts = g.get("hosts")
-        whole = [n for n in range(g["nodes"]) if n not in touched]
-        if whole:
-            groups.append({**g, "nodes": len(whole), **({"hosts": [hosts[n] for n in whole]} if hosts else {})})
-        for n, c in sorted(touched.items()):
-            left = g["devices_per_node"] - c
-            if left <= 0:
-                continue
-            name = g["name"] if g["nodes"] == 1 else f"{g['name']}-n{n}"
-            groups.append({**g, "name": name, "nodes": 1, "devices_per_node": left,
-                           **({"hosts": [hosts[n]]} if hosts else {})})
-    if not groups:
-        raise HeteroError("elastic: no device is left to train on")
-    d["groups"] = groups
-    return load_cluster(d, source=f"{cluster.name} less {len(lost)} device(s)")
 
 
 def replan(cluster, model, plan):

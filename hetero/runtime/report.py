@@ -10,7 +10,7 @@ class Reporter:
     """Rank 0's console output for a run: header, one line per step, footer tables."""
 
     def __init__(self, trainer):
-        from hetero.cli._common import console
+        from hetero.console import console
 
         self.t = trainer
         self.out = console()

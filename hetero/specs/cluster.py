@@ -1,7 +1,10 @@
 """Cluster files: groups of identical nodes, their links, and the device types they hold."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+
+from hetero.errors import HeteroError
 
 from .device import DeviceType, catalog_raw, load_catalog, resolve_devices
 from .errors import Problem, Problems, did_you_mean, join_path
@@ -190,3 +193,35 @@ def load_cluster(path_or_dict, source: str | None = None) -> Cluster:
     problems.raise_if_any()
     return Cluster(name=parsed.name, groups=tuple(parsed.groups), network=parsed.network,
                    devices=dict(parsed.devices), device_types=device_types, source=source)
+
+
+def without_devices(cluster: Cluster, lost: list) -> Cluster:
+    """``cluster`` less the devices of the ``lost`` ranks (:class:`hetero.layout.RankInfo`). A group of
+    one node loses them from ``devices_per_node``; in a group of several nodes, a node that lost some
+    becomes a group of its own (``<group>-n<node>``) with the devices it has left. Groups left with no
+    device are dropped."""
+    count: dict[tuple[str, int], int] = {}
+    for info in lost:
+        count[(info.group, info.node)] = count.get((info.group, info.node), 0) + 1
+    d = copy.deepcopy(cluster.to_dict())
+    groups = []
+    for g in d["groups"]:
+        touched = {n: c for (name, n), c in count.items() if name == g["name"]}
+        if not touched:
+            groups.append(g)
+            continue
+        hosts = g.get("hosts")
+        whole = [n for n in range(g["nodes"]) if n not in touched]
+        if whole:
+            groups.append({**g, "nodes": len(whole), **({"hosts": [hosts[n] for n in whole]} if hosts else {})})
+        for n, c in sorted(touched.items()):
+            left = g["devices_per_node"] - c
+            if left <= 0:
+                continue
+            name = g["name"] if g["nodes"] == 1 else f"{g['name']}-n{n}"
+            groups.append({**g, "name": name, "nodes": 1, "devices_per_node": left,
+                           **({"hosts": [hosts[n]]} if hosts else {})})
+    if not groups:
+        raise HeteroError("elastic: no device is left to train on")
+    d["groups"] = groups
+    return load_cluster(d, source=f"{cluster.name} less {len(lost)} device(s)")

@@ -26,7 +26,7 @@ import re
 import time
 from typing import Callable, Iterable, Mapping
 
-from .profiles import VECTOR_OPS, Record, probe_model_dict
+from hetero.predictor.profiles import VECTOR_OPS, Record, probe_model_dict
 
 # --------------------------------------------------------------------------------------- grid
 def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
@@ -77,7 +77,7 @@ def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
 def probe_grid(grid: Iterable[tuple[str, dict]] = ()) -> list[tuple[str, dict]]:
     """The probe shapes of :mod:`hetero.predictor.opmodel.probes` not already in ``grid``: what
     ``hetero profile`` adds on an accelerator so the learned model can be pinned to it."""
-    from .opmodel.probes import PROBES
+    from hetero.predictor.opmodel.probes import PROBES
 
     have = {(op, tuple(sorted(d.items()))) for op, d in grid}
     return [(op, dict(d)) for op, d in PROBES if (op, tuple(sorted(d.items()))) not in have]
