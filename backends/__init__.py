@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from typing import Dict, List, NamedTuple
+from typing import NamedTuple
 
 from . import registry
 from .ascend import AscendBackend
@@ -40,7 +40,7 @@ __all__ = [
 #: environment variable that forces a device backend by name
 ENV_VAR = "HETERO_BACKEND"
 
-BACKENDS: Dict[str, type] = {
+BACKENDS: dict[str, type] = {
     "cuda": CudaBackend,
     "rocm": RocmBackend,
     "ascend": AscendBackend,
@@ -69,7 +69,7 @@ def get_backend(name: str) -> Backend:
     return BACKENDS[key]()
 
 
-def select_backend(env: Dict[str, str] | None = None) -> Backend:
+def select_backend(env: dict[str, str] | None = None) -> Backend:
     """Choose this process's device backend.
 
     1. ``HETERO_BACKEND`` (in ``env``, default ``os.environ``) names one: it is used if its
@@ -116,12 +116,12 @@ def _dist_version(name: str):
         return None
 
 
-def env_report() -> List[EnvRow]:
+def env_report() -> list[EnvRow]:
     """What this machine has for ``hetero``: torch, each vendor stack, MPI, Gloo, DeepSpeed.
 
     Cheap: nothing is initialised and DeepSpeed is looked up, not imported.
     """
-    rows: List[EnvRow] = []
+    rows: list[EnvRow] = []
 
     def row(component, ok, detail):
         rows.append(EnvRow(component, "found" if ok else "missing", detail))

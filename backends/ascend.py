@@ -12,7 +12,6 @@ import ctypes.util
 import glob
 import importlib.util
 import os
-from typing import Optional, Tuple
 
 from . import registry
 from .base import Backend, MemoryInfo
@@ -21,7 +20,7 @@ _CANN_ROOTS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
 _DEFAULT_CANN = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/nnae/latest")
 
 
-def _find_libhccl() -> Optional[str]:
+def _find_libhccl() -> str | None:
     """Path of CANN's ``libhccl.so`` if it can be found, else None."""
     found = ctypes.util.find_library("hccl")
     if found:
@@ -40,7 +39,7 @@ def _find_libhccl() -> Optional[str]:
     return None
 
 
-def _torch_npu_version() -> Optional[str]:
+def _torch_npu_version() -> str | None:
     try:
         from importlib.metadata import version
 
@@ -59,7 +58,7 @@ class AscendBackend(Backend):
     visible_devices_env = _ASCEND.visible_devices_env
     library = _ASCEND.library_label
 
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         if importlib.util.find_spec("torch_npu") is None:
             return False, "torch_npu not installed"
         version = _torch_npu_version() or "unknown version"
@@ -92,7 +91,7 @@ class AscendBackend(Backend):
 
         torch.npu.set_device(local_index)
 
-    def memory_info(self, local_index: int = 0) -> Optional[MemoryInfo]:
+    def memory_info(self, local_index: int = 0) -> MemoryInfo | None:
         if self.device_count() == 0:
             return None
         info = self._accelerator_memory(local_index)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -18,7 +17,7 @@ class MemoryInfo:
     """Device memory in bytes (``free`` may be None where the vendor cannot say)."""
 
     total: int
-    free: Optional[int] = None
+    free: int | None = None
 
 
 class Backend(abc.ABC):
@@ -31,12 +30,12 @@ class Backend(abc.ABC):
     #: ``torch.distributed`` backend name of this vendor's collective library
     dist_backend: str = "gloo"
     #: environment variable that restricts which devices a process sees (None: none)
-    visible_devices_env: Optional[str] = None
+    visible_devices_env: str | None = None
     #: the vendor's collective library, for display (NCCL, RCCL, HCCL, Gloo, MPI)
     library: str = ""
 
     @abc.abstractmethod
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         """``(available, detail)``: detail is a version when available, else the reason it is not.
 
         Detection probes installed software, not devices: a CUDA build of torch on a login node
@@ -61,17 +60,17 @@ class Backend(abc.ABC):
     def set_device(self, local_index: int = 0) -> None:
         """Make ``local_index`` the current device of this process (no-op on CPU)."""
 
-    def memory_info(self, local_index: int = 0) -> Optional[MemoryInfo]:
+    def memory_info(self, local_index: int = 0) -> MemoryInfo | None:
         """Total and free memory of a device, or None where unknown."""
         return None
 
-    def visible_devices(self) -> Optional[str]:
+    def visible_devices(self) -> str | None:
         """The current value of the visible-devices variable (None if unset or none)."""
         import os
 
         return os.environ.get(self.visible_devices_env) if self.visible_devices_env else None
 
-    def _accelerator_memory(self, local_index: int) -> Optional[MemoryInfo]:
+    def _accelerator_memory(self, local_index: int) -> MemoryInfo | None:
         """Memory through the generic ``torch.accelerator`` API (torch >= 2.6) when it applies."""
         import torch
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
 
 from . import registry
 from .base import Backend, MemoryInfo
@@ -17,7 +16,7 @@ class CpuBackend(Backend):
     visible_devices_env = _CPU.visible_devices_env
     library = _CPU.library_label
 
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         import torch
 
         try:
@@ -32,7 +31,7 @@ class CpuBackend(Backend):
     def device_count(self) -> int:
         return 1
 
-    def memory_info(self, local_index: int = 0) -> Optional[MemoryInfo]:
+    def memory_info(self, local_index: int = 0) -> MemoryInfo | None:
         total = free = None
         try:
             with open("/proc/meminfo") as f:

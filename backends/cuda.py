@@ -1,7 +1,6 @@
 """NVIDIA GPUs: torch's CUDA build, NCCL collectives, ``CUDA_VISIBLE_DEVICES``."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
 
 from . import registry
 from .base import Backend, MemoryInfo
@@ -16,7 +15,7 @@ class CudaBackend(Backend):
     visible_devices_env = _NVIDIA.visible_devices_env
     library = _NVIDIA.library_label
 
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         import torch
 
         if getattr(torch.version, "hip", None):
@@ -45,7 +44,7 @@ class CudaBackend(Backend):
 
         torch.cuda.set_device(local_index)
 
-    def memory_info(self, local_index: int = 0) -> Optional[MemoryInfo]:
+    def memory_info(self, local_index: int = 0) -> MemoryInfo | None:
         import torch
 
         info = self._accelerator_memory(local_index)

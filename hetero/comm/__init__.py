@@ -14,7 +14,7 @@ or :func:`init` to initialise ``torch.distributed`` from the usual environment v
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from .communicator import DEFAULT_TIMEOUT, Communicator
 from .errors import HeteroCommError, HeteroCommTimeout, ReduceOp
@@ -30,8 +30,8 @@ __all__ = [
 
 
 def init(vendor_of_rank: Sequence[str], bridge: str = "gloo", timeout: float = DEFAULT_TIMEOUT,
-         backend_of_vendor: Optional[Mapping[str, str]] = None, init_method: Optional[str] = None,
-         rank: Optional[int] = None, world_size: Optional[int] = None) -> Communicator:
+         backend_of_vendor: Mapping[str, str] | None = None, init_method: str | None = None,
+         rank: int | None = None, world_size: int | None = None) -> Communicator:
     """Initialise ``torch.distributed`` if needed, then build the :class:`Communicator`.
 
     Without ``init_method``, the usual variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Sequence
 
 from .errors import ReduceOp
 
@@ -32,7 +32,7 @@ class StagingPool:
     """Host buffers reused across calls, keyed by dtype, grown on demand; pinned for CUDA-like devices."""
 
     def __init__(self):
-        self._buffers: Dict[Tuple[object, int], object] = {}
+        self._buffers: dict[tuple[object, int], object] = {}
         self._lock = threading.Lock()
         self.allocations = 0
 
@@ -89,15 +89,15 @@ class Bridge:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self._groups: Dict[Tuple[int, ...], Optional[BridgeGroup]] = {}
+        self._groups: dict[tuple[int, ...], BridgeGroup | None] = {}
 
-    def group(self, ranks: Sequence[int]) -> Optional[BridgeGroup]:
+    def group(self, ranks: Sequence[int]) -> BridgeGroup | None:
         key = tuple(sorted(ranks))
         if key not in self._groups:
             self._groups[key] = self._make_group(list(key))
         return self._groups[key]
 
-    def _make_group(self, ranks: List[int]) -> Optional[BridgeGroup]:
+    def _make_group(self, ranks: list[int]) -> BridgeGroup | None:
         raise NotImplementedError
 
     def isend(self, host, dst: int, tag: int):

@@ -32,7 +32,7 @@ import datetime
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ class Communicator:
     """
 
     def __init__(self, vendor_of_rank: Sequence[str], bridge: str = "gloo", timeout: float = DEFAULT_TIMEOUT,
-                 backend_of_vendor: Optional[Mapping[str, str]] = None, device=None):
+                 backend_of_vendor: Mapping[str, str] | None = None, device=None):
 
         if not dist.is_initialized():
             raise RuntimeError("hetero.comm: torch.distributed is not initialised (call "
@@ -67,13 +67,13 @@ class Communicator:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         check_vendor_list(vendor_of_rank, self.world_size)
-        self.vendor_of_rank: List[str] = list(vendor_of_rank)
+        self.vendor_of_rank: list[str] = list(vendor_of_rank)
         self.vendor = self.vendor_of_rank[self.rank]
         self.timeout = float(timeout)
 
         self._timeout_td = datetime.timedelta(seconds=self.timeout)
-        self._ar_opts: Dict[object, object] = {}
-        self.backend_of_vendor: Dict[str, str] = {}
+        self._ar_opts: dict[object, object] = {}
+        self.backend_of_vendor: dict[str, str] = {}
         for tag in dict.fromkeys(self.vendor_of_rank):
             self.backend_of_vendor[tag] = backend_for(tag, backend_of_vendor)
         ensure_backend_loaded(self.backend_of_vendor[self.vendor])
@@ -88,10 +88,10 @@ class Communicator:
         self.stats = CommStats()
         self._staging = StagingPool()
         self._monitor = ArrivalMonitor(self.rank)
-        self._vendor_pgs: Dict[Tuple[str, Tuple[int, ...]], object] = {}
-        self._groups: List[Group] = []
+        self._vendor_pgs: dict[tuple[str, tuple[int, ...]], object] = {}
+        self._groups: list[Group] = []
         self._counter = 0
-        self._broken: Optional[str] = None
+        self._broken: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-comm")
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -100,13 +100,13 @@ class Communicator:
 
     @classmethod
     def from_vendors(cls, vendor_of_rank: Sequence[str], bridge: str = "gloo", timeout: float = DEFAULT_TIMEOUT,
-                     backend_of_vendor: Optional[Mapping[str, str]] = None, device=None) -> "Communicator":
+                     backend_of_vendor: Mapping[str, str] | None = None, device=None) -> "Communicator":
         """Build from one vendor tag per global rank (collective: every rank calls it, same arguments)."""
         return cls(vendor_of_rank, bridge=bridge, timeout=timeout, backend_of_vendor=backend_of_vendor,
                    device=device)
 
     # ---------------------------------------------------------------------------------- groups
-    def new_group(self, ranks: Sequence[int], name: Optional[str] = None) -> Group:
+    def new_group(self, ranks: Sequence[int], name: str | None = None) -> Group:
         """A group over ``ranks`` (global). Collective: every rank of the world calls it, in the same order."""
         ranks = sorted(set(int(r) for r in ranks))
         bad = [r for r in ranks if not 0 <= r < self.world_size]
@@ -122,7 +122,7 @@ class Communicator:
                                                    timeout=self._timeout_td)
         return self._vendor_pgs[key]
 
-    def _build_group(self, ranks: List[int], name: str) -> Group:
+    def _build_group(self, ranks: list[int], name: str) -> Group:
         g = Group(self, name, ranks)
         for tag, sub in g.vendor_ranks.items():  # same order on every rank: ranks are sorted
             if len(sub) > 1:
@@ -136,17 +136,17 @@ class Communicator:
         self._groups.append(g)
         return g
 
-    def vendor_groups(self) -> List[dict]:
+    def vendor_groups(self) -> list[dict]:
         """Every vendor process group this communicator made: ``{vendor, backend, ranks}``."""
         return [{"vendor": tag, "backend": self.backend_of_vendor[tag], "ranks": list(r)}
                 for (tag, r) in self._vendor_pgs]
 
-    def bridge_groups(self) -> List[List[int]]:
+    def bridge_groups(self) -> list[list[int]]:
         """Rank lists of the bridge groups (vendor leaders) made so far."""
         return [list(k) for k in self.bridge._groups]
 
     # ---------------------------------------------------------------------------------- plumbing
-    def _group(self, group: Optional[Group]) -> Group:
+    def _group(self, group: Group | None) -> Group:
         g = self.world if group is None else group
         if self._broken:
             raise HeteroCommError(f"communicator unusable after an earlier failure: {self._broken}",
@@ -155,8 +155,8 @@ class Communicator:
             raise ValueError(f"rank {self.rank} is not a member of group {g.name} (ranks {g.ranks})")
         return g
 
-    def _launch(self, op: str, g: Group, issue: Callable, async_op: bool, timeout: Optional[float],
-                hierarchical: bool, peer: Optional[int] = None):
+    def _launch(self, op: str, g: Group, issue: Callable, async_op: bool, timeout: float | None,
+                hierarchical: bool, peer: int | None = None):
         """Run ``issue(deadline) -> (works, finalize)`` in order with every other operation.
 
         Flat operations return un-waited library handles; hierarchical ones run to completion
@@ -191,7 +191,7 @@ class Communicator:
         work = Work(self, op, g, seq, time.monotonic() + timeout, future=future, peer=peer)
         return work if async_op else work.wait()
 
-    def _failure(self, op: str, g: Group, seq: int, exc: BaseException, peer: Optional[int]) -> Exception:
+    def _failure(self, op: str, g: Group, seq: int, exc: BaseException, peer: int | None) -> Exception:
         msg = str(exc)
         low = msg.lower()
         closed = lost_connection(msg)
@@ -230,8 +230,8 @@ class Communicator:
             self.stats.record(op, "vendor", self.vendor, g.my_vendor_ranks, nbytes)
 
     # ------------------------------------------------------------------------------- collectives
-    def all_reduce(self, tensor, op="sum", group: Optional[Group] = None, async_op: bool = False,
-                   timeout: Optional[float] = None):
+    def all_reduce(self, tensor, op="sum", group: Group | None = None, async_op: bool = False,
+                   timeout: float | None = None):
         """Reduce ``tensor`` in place over the group (SUM, MAX, MIN, AVG = sum / group size)."""
 
         g = self._group(group)
@@ -287,8 +287,8 @@ class Communicator:
             divide_(tensor, g.size)
         return tensor
 
-    def broadcast(self, tensor, src: int, group: Optional[Group] = None, async_op: bool = False,
-                  timeout: Optional[float] = None):
+    def broadcast(self, tensor, src: int, group: Group | None = None, async_op: bool = False,
+                  timeout: float | None = None):
         """Copy ``tensor`` of global rank ``src`` to every rank of the group."""
 
         g = self._group(group)
@@ -312,8 +312,8 @@ class Communicator:
 
         return self._launch("broadcast", g, run, async_op, timeout, hierarchical=True)
 
-    def all_gather_into_tensor(self, output, tensor, group: Optional[Group] = None, async_op: bool = False,
-                               timeout: Optional[float] = None):
+    def all_gather_into_tensor(self, output, tensor, group: Group | None = None, async_op: bool = False,
+                               timeout: float | None = None):
         """``output`` (group size x ``tensor.numel()`` elements, contiguous) gets every rank's tensor in group order.
 
         Its shape is free (e.g. ``(size * n, ...)`` concatenated along dim 0).
@@ -326,8 +326,8 @@ class Communicator:
         inp = tensor.reshape(-1)
         return self._all_gather(out2d, inp, g, async_op, timeout, lambda: output)
 
-    def all_gather(self, output_list, tensor, group: Optional[Group] = None, async_op: bool = False,
-                   timeout: Optional[float] = None):
+    def all_gather(self, output_list, tensor, group: Group | None = None, async_op: bool = False,
+                   timeout: float | None = None):
         """``output_list[i]`` gets the tensor of the group's i-th rank (all the same size)."""
 
         g = self._group(group)
@@ -368,7 +368,7 @@ class Communicator:
 
         return self._launch("all_gather", g, run, async_op, timeout, hierarchical=True)
 
-    def all_gather_v(self, tensor, group: Optional[Group] = None, timeout: Optional[float] = None):
+    def all_gather_v(self, tensor, group: Group | None = None, timeout: float | None = None):
         """All-gather of tensors whose first dimension differs per rank; returns the list in group order.
 
         Two operations: the sizes, then the data padded to the largest size (trimmed on return).
@@ -386,8 +386,8 @@ class Communicator:
         self.all_gather_into_tensor(out, padded, group=g, timeout=timeout)
         return [out[i, : sizes[i]].clone() for i in range(g.size)]
 
-    def reduce_scatter(self, output, input, op="sum", split_sizes: Optional[Sequence[int]] = None,
-                       group: Optional[Group] = None, async_op: bool = False, timeout: Optional[float] = None):
+    def reduce_scatter(self, output, input, op="sum", split_sizes: Sequence[int] | None = None,
+                       group: Group | None = None, async_op: bool = False, timeout: float | None = None):
         """Reduce ``input`` over the group; ``output`` gets this rank's part (along dim 0).
 
         ``split_sizes`` (one per group rank, summing to ``input.shape[0]``) allows uneven parts;
@@ -433,7 +433,7 @@ class Communicator:
 
         return self._launch("reduce_scatter", g, run, async_op, timeout, hierarchical=True)
 
-    def barrier(self, group: Optional[Group] = None, async_op: bool = False, timeout: Optional[float] = None):
+    def barrier(self, group: Group | None = None, async_op: bool = False, timeout: float | None = None):
         """Wait until every rank of the group has arrived (hierarchically across vendors)."""
 
         g = self._group(group)
@@ -445,20 +445,20 @@ class Communicator:
         return None
 
     # ---------------------------------------------------------------------------- point to point
-    def send(self, tensor, dst: int, tag: int = 0, group: Optional[Group] = None, async_op: bool = False,
-             timeout: Optional[float] = None):
+    def send(self, tensor, dst: int, tag: int = 0, group: Group | None = None, async_op: bool = False,
+             timeout: float | None = None):
         """Send ``tensor`` to global rank ``dst`` (across vendors: host memory over the bridge)."""
         return self._p2p("send", tensor, dst, tag, group, async_op, timeout)
 
-    def recv(self, tensor, src: int, tag: int = 0, group: Optional[Group] = None, async_op: bool = False,
-             timeout: Optional[float] = None):
+    def recv(self, tensor, src: int, tag: int = 0, group: Group | None = None, async_op: bool = False,
+             timeout: float | None = None):
         """Receive into ``tensor`` from global rank ``src``; returns ``tensor`` (or a Work)."""
         return self._p2p("recv", tensor, src, tag, group, async_op, timeout)
 
-    def isend(self, tensor, dst: int, tag: int = 0, group: Optional[Group] = None, timeout: Optional[float] = None):
+    def isend(self, tensor, dst: int, tag: int = 0, group: Group | None = None, timeout: float | None = None):
         return self.send(tensor, dst, tag, group, async_op=True, timeout=timeout)
 
-    def irecv(self, tensor, src: int, tag: int = 0, group: Optional[Group] = None, timeout: Optional[float] = None):
+    def irecv(self, tensor, src: int, tag: int = 0, group: Group | None = None, timeout: float | None = None):
         return self.recv(tensor, src, tag, group, async_op=True, timeout=timeout)
 
     def _p2p(self, op, tensor, peer, tag, group, async_op, timeout):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+from typing import Sequence
 
 from hetero.errors import HeteroError
 
@@ -15,7 +15,7 @@ class HeteroCommError(HeteroError, RuntimeError):
     """
 
     def __init__(self, message: str, op: str = "", group: str = "", ranks: Sequence[int] = (),
-                 missing: Optional[Sequence[int]] = None):
+                 missing: Sequence[int] | None = None):
         super().__init__(message)
         self.op = op
         self.group = group

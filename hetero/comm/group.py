@@ -2,7 +2,7 @@
 vendor's library, or hierarchical across vendors; see :mod:`hetero.comm.communicator`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .bridge import BridgeGroup
 
@@ -15,23 +15,23 @@ class Group:
 
     def __init__(self, comm: "Communicator", name: str, ranks: Sequence[int]):
         self.name = name
-        self.ranks: List[int] = sorted(ranks)
+        self.ranks: list[int] = sorted(ranks)
         self.size = len(self.ranks)
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self.rank = self._index.get(comm.rank, -1)
         self.is_member = self.rank >= 0
-        self.vendor_ranks: Dict[str, List[int]] = {}
+        self.vendor_ranks: dict[str, list[int]] = {}
         for r in self.ranks:
             self.vendor_ranks.setdefault(comm.vendor_of_rank[r], []).append(r)
-        self.vendors: List[str] = list(self.vendor_ranks)
-        self.leaders: Dict[str, int] = {v: rs[0] for v, rs in self.vendor_ranks.items()}
+        self.vendors: list[str] = list(self.vendor_ranks)
+        self.leaders: dict[str, int] = {v: rs[0] for v, rs in self.vendor_ranks.items()}
         self.hierarchical = len(self.vendors) > 1
         self.vendor = comm.vendor
-        self.my_vendor_ranks: List[int] = self.vendor_ranks.get(comm.vendor, [])
-        self.leader: Optional[int] = self.leaders.get(comm.vendor)
+        self.my_vendor_ranks: list[int] = self.vendor_ranks.get(comm.vendor, [])
+        self.leader: int | None = self.leaders.get(comm.vendor)
         self.is_leader = self.is_member and self.leader == comm.rank
         self.vendor_pg = None  # this rank's vendor part of the group (None when it is one rank)
-        self.bridge: Optional[BridgeGroup] = None  # leaders only, hierarchical groups only
+        self.bridge: BridgeGroup | None = None  # leaders only, hierarchical groups only
 
     def index(self, global_rank: int) -> int:
         """Group rank of a global rank."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 _PREFIX = "hetero_comm/progress"
 
@@ -31,11 +31,11 @@ class ArrivalMonitor:
         self.rank = rank
         self.store = store if store is not None else default_store()
         self.interval = interval
-        self._seq: Dict[str, int] = {}
-        self._published: Dict[str, int] = {}
+        self._seq: dict[str, int] = {}
+        self._published: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         if self.store is not None:
             self._thread = threading.Thread(target=self._loop, name="hetero-comm-arrivals", daemon=True)
             self._thread.start()
@@ -65,7 +65,7 @@ class ArrivalMonitor:
             except Exception:  # noqa: BLE001 - the store went away (shutdown): stop quietly
                 return
 
-    def missing(self, group: str, seq: int, ranks: Sequence[int], grace: float = 0.5) -> Optional[List[int]]:
+    def missing(self, group: str, seq: int, ranks: Sequence[int], grace: float = 0.5) -> list[int] | None:
         """Members of ``group`` that have not entered operation ``seq`` (None if it cannot tell)."""
         if self.store is None:
             return None

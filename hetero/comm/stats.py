@@ -5,14 +5,14 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Sequence
 
 
 class TraceEntry(NamedTuple):
     op: str  # the user-facing operation (all_reduce, send, ...)
     path: str  # "vendor" or "bridge"
-    vendor: Optional[str]  # the vendor tag of a vendor path (None on the bridge)
-    ranks: Tuple[int, ...]  # global ranks of the group the sub-operation ran on
+    vendor: str | None  # the vendor tag of a vendor path (None on the bridge)
+    ranks: tuple[int, ...]  # global ranks of the group the sub-operation ran on
     nbytes: int  # bytes this rank put into the sub-operation
 
 
@@ -21,12 +21,12 @@ class CommStats:
     """Bytes this rank moved per path, operation counts and a bounded trace of sub-operations."""
 
     bridge_bytes: int = 0
-    vendor_bytes: Dict[str, int] = field(default_factory=dict)
-    ops: Dict[str, int] = field(default_factory=dict)
+    vendor_bytes: dict[str, int] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)
     trace: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10000))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, op: str, path: str, vendor: Optional[str], ranks: Sequence[int], nbytes: int,
+    def record(self, op: str, path: str, vendor: str | None, ranks: Sequence[int], nbytes: int,
                count: bool = False) -> None:
         with self._lock:
             if count:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from hetero.backends import registry
 
-_registered: Dict[str, str] = {}
+_registered: dict[str, str] = {}
 _BUILTIN = ("gloo", "nccl", "hccl", "mpi", "ucc", "xccl")
 _lock = threading.Lock()
 
@@ -48,7 +48,7 @@ def register_emulated(tag: str) -> str:
     return _register_gloo(emulated_backend_name(tag), tag)
 
 
-def backend_for(tag: str, overrides: Optional[Mapping[str, str]] = None) -> str:
+def backend_for(tag: str, overrides: Mapping[str, str] | None = None) -> str:
     """The process-group backend name for a vendor tag (registering emulated ones).
 
     ``overrides`` maps tags to backend names; a name torch does not know (not gloo/nccl/hccl/...)

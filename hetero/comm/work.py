@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
 
 from .bridge import wait_work
 from .errors import HeteroCommError
@@ -55,7 +54,7 @@ class Work:
         else:
             after_works(self._works)
 
-    def wait(self, timeout: Optional[float] = None):
+    def wait(self, timeout: float | None = None):
         if self._done:
             return self._result
         try:
