@@ -80,14 +80,6 @@ class DeepSpeedEngine:
 
     name = "deepspeed"
 
-    @staticmethod
-    def rank_sets(ctx) -> list:
-        return []
-
-    @staticmethod
-    def mesh_sets(ctx) -> list:
-        return []
-
     def __init__(self, ctx, comm):
         import torch.distributed as dist
 

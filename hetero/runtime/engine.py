@@ -9,10 +9,10 @@ import torch
 
 from hetero.memplan.serve import mark_phase
 from hetero.runtime.data import TokenSource, replica_slice
-from hetero.runtime.device import rank_device, torch_device_type, waiter
-from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_buffers, build_buckets,
-                                  clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
-                                  weighted_squares)
+from hetero.runtime.context import RunContext
+from hetero.runtime.device import waiter
+from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coefficient, make_optimizer, scaled_step,
+                                  sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -20,65 +20,11 @@ from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, st
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class RunContext:
-    """The specs, the layout and this rank's place in it."""
-
-    def __init__(self, spec, rank: int):
-        import hetero
-
-        self.spec = spec
-        self.options = spec.options
-        self.cluster = hetero.load_cluster(spec.cluster)
-        self.model = hetero.load_model(spec.model)
-        self.plan = hetero.load_plan(spec.plan)
-        self.layout = spec.rank_layout()
-        self.rank = rank
-        self.me = self.layout.ranks[rank]
-        self.pipeline = self.plan.pipelines[self.me.pipeline]
-        self.num_stages = len(self.pipeline.stages)
-        """Virtual stages (the stage list; more than the physical stages when interleaved)."""
-        self.num_physical = len(self.plan.physical_stages(self.pipeline))
-        self.vstages = self.me.virtual_stages
-        """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
-        self.first, self.last = self.me.holds_ends(self.plan)
-        self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
-        families = [self.cluster.device_type(r.group).family for r in self.layout.ranks]
-        native = spec.options.engine == "native"
-        self.device_types = [torch_device_type(f) if native else "cpu" for f in families]
-        """Every rank's torch device type (cpu for emulated devices, and for every rank of the
-        DeepSpeed engine)."""
-        self.device = rank_device(families[rank]) if native else torch.device("cpu")
-        """Where this rank computes (see :mod:`hetero.runtime.device`; the DeepSpeed engine stays on
-        the CPU accelerator)."""
-
-    def tp_groups(self) -> list[list[int]]:
-        seen = set()
-        out = []
-        for r in self.layout.ranks:
-            key = (r.pipeline, r.replica, r.stage)
-            if r.tp_size > 1 and key not in seen:
-                seen.add(key)
-                out.append(self.layout.stage_ranks(*key))
-        return out
-
-
 class NativeEngine:
     """Hand-written pipeline (1F1B / GPipe / interleaved), DTensor TP inside the stage, holder-set
     gradient sync."""
 
     name = "native"
-
-    @staticmethod
-    def rank_sets(ctx: RunContext) -> list:
-        """Every process group any rank needs (identical list on all ranks)."""
-        ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
-        return (ctx.tp_groups() + all_holder_sets(ctx._holders)
-                + all_peer_sets(ctx._holders, ctx.layout, chunks=ctx.plan.zero_stage == 0))
-
-    @staticmethod
-    def mesh_sets(ctx: RunContext) -> list:
-        """The rank sets of DTensor meshes (tensor-parallel stages)."""
-        return ctx.tp_groups()
 
     def __init__(self, ctx: RunContext, comm):
         self.ctx, self.comm = ctx, comm
@@ -95,16 +41,12 @@ class NativeEngine:
                                   me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
         compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"
-        self.mesh = None
-        if me.tp_size > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
-            self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
+        self.mesh = ctx.parallel.tp_mesh(comm, self.device.type)
+        if self.mesh is not None:
             apply_tensor_parallel(self.module, self.mesh)
         self.compiled = compile_blocks(self.module) if compile_on else 0
         """How many transformer blocks run under torch.compile (0: eager)."""
-        self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
+        self.holders = ctx.parallel.holders
         # a bucket whose holders share one tp degree sums (ZeRO: shards) over tp-rank peers
         # ... cut to about 25 MB each in reverse module order (the order the backward finishes them)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
