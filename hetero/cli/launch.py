@@ -5,6 +5,8 @@ import argparse
 
 
 def add_parser(sub) -> None:
+    from hetero.runtime.options import ALLOCATORS, ENGINES, option_help as doc   # flags of RunOptions' fields: its docs
+
     p = sub.add_parser(
         "launch", help="train with a plan: per-node torchrun, pipeline/tensor/data parallel workers",
         description="Build one torchrun per node from the cluster and the plan's rank layout (different "
@@ -16,11 +18,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster file (YAML, docs/formats.md)")
     p.add_argument("--model", required=True, help="model file (YAML)")
     p.add_argument("--plan", required=True, help="plan file (YAML; `hetero plan -o` writes one)")
-    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial weights and the synthetic token stream (default 0)")
-    p.add_argument("--summary", metavar="OUT.json", help="write the run summary (docs/formats.md) here")
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace of forward/backward events")
+    p.add_argument("--steps", type=int, default=5, help=doc("steps"))
+    p.add_argument("--seed", type=int, default=0, help=doc("seed"))
+    p.add_argument("--summary", metavar="OUT.json", help=doc("summary"))
+    p.add_argument("--trace", metavar="OUT.json", help=doc("trace"))
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw the predicted step above one measured step of the run (the median after the "
                         "first), on one time scale, as a PNG (needs matplotlib)")
@@ -30,49 +31,28 @@ def add_parser(sub) -> None:
                                           "node slot runs here, else node slot 0's host from the cluster's 'hosts')")
     p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one when every node slot "
                                                    "runs here in this call, else 29500)")
-    p.add_argument("--data", metavar="FILE", help="tokens (.npy, .bin uint16, .int32.bin) or text (byte tokens); "
-                                                  "default: seeded synthetic stream")
-    p.add_argument("--engine", choices=("native", "deepspeed"), default="native",
-                   help="native: hetero's pipeline/tp/dp engine (default); deepspeed: DeepSpeed ZeRO for "
-                        "one-stage tp1 plans (CPU accelerator)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SEC",
-                   help="communicator timeout: a silent peer ends the job with an error naming it (default 60)")
-    p.add_argument("--inject-failure", metavar="STEP:RANK", help="that rank exits at that (1-based) step")
-    p.add_argument("--elastic", action="store_true",
-                   help="when a device leaves (its rank dies or --inject-failure ends it), the survivors hand off "
-                        "their live state, the planner replans on the remaining devices with the same global "
-                        "batch, and training goes on from that step; devices join or leave on purpose by editing "
-                        "the --cluster file while the run trains (the ranks pause at a step boundary and go on "
-                        "under a new plan). Native engine, one machine launching every node slot; with ZeRO "
-                        "only the deliberate changes (a failure ends the run)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    p.add_argument("--loss-scale", type=float, metavar="S",
-                   help="fp16 models: initial dynamic loss scale (default 65536; halved and the step skipped "
-                        "on a gradient overflow, doubled after 2000 clean steps)")
-    p.add_argument("--save", metavar="DIR", help="save a torch.distributed.checkpoint here at the end")
-    p.add_argument("--load", metavar="DIR", help="start from this checkpoint (any plan of the same model), or from "
-                                                 "the Hugging Face model folder of hf:DIR (each rank reads its shards)")
+    p.add_argument("--data", metavar="FILE", help=doc("data"))
+    p.add_argument("--engine", choices=ENGINES, default="native", help=doc("engine"))
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SEC", help=doc("timeout_s"))
+    p.add_argument("--inject-failure", metavar="STEP:RANK", help=doc("inject_failure"))
+    p.add_argument("--elastic", action="store_true", help=doc("elastic"))
+    p.add_argument("--lr", type=float, default=1e-3, help=doc("lr"))
+    p.add_argument("--weight-decay", type=float, default=0.0, help=doc("weight_decay"))
+    p.add_argument("--clip", type=float, default=1.0, help=doc("clip"))
+    p.add_argument("--loss-scale", type=float, metavar="S", help=doc("loss_scale"))
+    p.add_argument("--save", metavar="DIR", help=doc("save"))
+    p.add_argument("--load", metavar="DIR", help=doc("load"))
     p.add_argument("--tokenizer", metavar="PATH", help="tokenize the text --data with this Hugging Face tokenizer "
                                                        "(a model folder or its tokenizer.json; cached beside the text)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="native engine: reduce the gradients after the schedule, not bucket by bucket under the "
-                        "backward (for comparison)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="native engine: torch.compile each transformer block (default: on for CUDA / ROCm / Ascend "
-                        "ranks, off for CPU ranks, where compiling takes minutes on few cores)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
-                   help="native engine: the largest bucket of gradients one collective sums (default 25, as DDP)")
-    p.add_argument("--run-dir", help="where workers leave status files, kept after the run (default: a temporary "
-                                     "directory, removed when the run ends; a dry run keeps it for its commands)")
-    p.add_argument("--quiet", action="store_true", help="no report from rank 0 (header, per-step lines, tables); errors still print")
-    p.add_argument("--allocator", choices=("caching", "planned"), default="caching",
-                   help="caching: PyTorch's default allocator; planned: each rank records two steps, then serves "
-                        "its step's memory plan from one arena (docs/memory-planning.md)")
+    p.add_argument("--threads", type=int, default=1, help=doc("threads"))
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help=doc("overlap"))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=doc("compile"))
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help=doc("bucket_mb"))
+    p.add_argument("--run-dir", help=doc("run_dir"))
+    p.add_argument("--quiet", action="store_true", help=doc("quiet"))
+    p.add_argument("--allocator", choices=ALLOCATORS, default="caching", help=doc("allocator"))
     p.add_argument("--skip-memory-check", action="store_true",
                    help="launch a plan although the predictor says a stage does not fit its devices' memory (by "
                         "default refused before any worker starts; for emulated device types whose 'memory' is "
@@ -83,42 +63,16 @@ def add_parser(sub) -> None:
                    outputs={"--summary": "summary", "--trace": "trace", "--plot": "plot"})
 
 
-def parse_failure(text: str | None) -> tuple[int, int] | None:
-    from hetero.errors import HeteroError
-
-    if not text:
-        return None
-    try:
-        step, rank = text.split(":")
-        out = (int(step), int(rank))
-    except ValueError:
-        raise HeteroError(f"--inject-failure {text!r}: expected STEP:RANK, e.g. 2:3") from None
-    if out[0] < 1 or out[1] < 0:
-        raise HeteroError(f"--inject-failure {text!r}: STEP is 1-based and RANK >= 0")
-    return out
-
-
-def _check_numbers(args) -> None:
-    """Reject out-of-range options here, in dry runs too, rather than in every worker's traceback."""
-    import math
+def _check_inputs(args) -> None:
+    """Reject what the run options cannot judge (the rendezvous port, this machine's files, flags that do
+    not go together) here, in dry runs too, rather than in every worker's traceback; the options' own
+    values are checked by :class:`~hetero.runtime.options.RunOptions`."""
     import os
 
     from hetero.errors import HeteroError
 
-    def need(ok: bool, flag: str, value, fix: str) -> None:
-        if not ok:
-            raise HeteroError(f"{flag} {value}: out of range (fix: {fix})")
-
-    need(math.isfinite(args.timeout) and args.timeout > 0, "--timeout", args.timeout, "give seconds > 0, e.g. 60")
-    need(math.isfinite(args.lr) and args.lr > 0, "--lr", args.lr, "give a positive learning rate, e.g. 1e-3")
-    need(math.isfinite(args.weight_decay) and args.weight_decay >= 0, "--weight-decay", args.weight_decay,
-         "give a number >= 0")
-    need(math.isfinite(args.clip) and args.clip >= 0, "--clip", args.clip, "give a norm >= 0 (0: no clipping)")
-    need(args.threads >= 1, "--threads", args.threads, "give at least 1 thread per worker")
-    need(math.isfinite(args.bucket_mb) and args.bucket_mb > 0, "--bucket-mb", args.bucket_mb,
-         "give megabytes > 0, e.g. 25")
-    if args.master_port is not None:
-        need(1 <= args.master_port <= 65535, "--master-port", args.master_port, "give a TCP port in 1..65535")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise HeteroError(f"--master-port {args.master_port}: out of range (fix: give a TCP port in 1..65535)")
     # --data's contents (dtype, ids, length) are checked by the launcher's prepare, against the model
     if args.data and not os.path.isfile(args.data):
         what = "not found" if not os.path.exists(args.data) else "not a file"
@@ -160,16 +114,28 @@ def _check_numbers(args) -> None:
             check_output(value, flag)
 
 
+_DEST_OF = {"timeout_s": "timeout"}
+"""RunOptions fields whose flag has another name (``--timeout`` sets ``timeout_s``)."""
+
+
+def _flagged(error, args):
+    """The run options' problems said of the flags that gave the values (``--lr -1.0: out of range``)."""
+    from hetero.specs.errors import SpecError
+
+    problems = []
+    for p in error.problems:
+        dest = _DEST_OF.get(p.path, p.path)
+        problems.append(p.as_flag("--" + dest.replace("_", "-"), getattr(args, dest)))
+    return SpecError(problems)
+
+
 def run(args) -> int:
     from hetero.errors import HeteroError
-    from hetero.runtime.spec import RunOptions
-    from hetero.specs.errors import Problem
+    from hetero.specs.errors import Problem, SpecError
 
     from ._common import console, load_inputs
 
     cluster, model, plan = load_inputs(args)
-    if args.steps < 1:
-        raise HeteroError(f"--steps must be >= 1, got {args.steps}")
     from hetero.hf import hf_dir_of
 
     if args.load and args.engine == "deepspeed" and not args.trust_checkpoint and hf_dir_of(args.load) is None:
@@ -184,23 +150,25 @@ def run(args) -> int:
 
     from hetero.hf.launch import absolute_load
 
-    options = RunOptions(steps=args.steps, seed=args.seed, data=os.path.abspath(args.data) if args.data else None,
-                         engine=args.engine, timeout_s=args.timeout,
-                         summary=os.path.abspath(args.summary) if args.summary else None,
-                         trace=os.path.abspath(args.trace) if args.trace else None,
-                         inject_failure=parse_failure(args.inject_failure), lr=args.lr,
-                         weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
-                         save=os.path.abspath(args.save) if args.save else None,
-                         load=absolute_load(args.load),
-                         threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
-                         allocator=args.allocator, overlap=args.overlap, bucket_mb=args.bucket_mb,
-                         compile=args.compile)
-    if args.loss_scale is not None and not (0 < args.loss_scale < float("inf")):
-        raise HeteroError(f"--loss-scale: {args.loss_scale} is not a positive number (fix: e.g. --loss-scale 65536)")
-    _check_numbers(args)
-    if not args.skip_memory_check:   # before any worker starts, dry runs too
-        from hetero.specs.errors import SpecError
+    from hetero.runtime.options import OptionsError, RunOptions, parse_failure
 
+    try:   # every out-of-range value at once, each said of its flag
+        options = RunOptions(steps=args.steps, seed=args.seed,
+                             data=os.path.abspath(args.data) if args.data else None,
+                             engine=args.engine, timeout_s=args.timeout,
+                             summary=os.path.abspath(args.summary) if args.summary else None,
+                             trace=os.path.abspath(args.trace) if args.trace else None,
+                             inject_failure=parse_failure(args.inject_failure), lr=args.lr,
+                             weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
+                             save=os.path.abspath(args.save) if args.save else None,
+                             load=absolute_load(args.load),
+                             threads=args.threads, quiet=args.quiet, elastic=args.elastic, extra=extra,
+                             allocator=args.allocator, overlap=args.overlap, bucket_mb=args.bucket_mb,
+                             compile=args.compile)
+    except OptionsError as e:
+        raise _flagged(e, args) from None
+    _check_inputs(args)
+    if not args.skip_memory_check:   # before any worker starts, dry runs too
         from ._common import memory_problems
 
         problems = memory_problems(cluster, model, plan, args.plan)
@@ -258,17 +226,14 @@ def run(args) -> int:
 
 def _launch(args, cluster, model, plan, options, out) -> None:
     """Prepare and run (or print, ``--dry-run``) this launch; ``--plot`` once it has run."""
-    from hetero.errors import HeteroError
-    from hetero.runtime.launcher import dry_run_text, prepare
+    from hetero.runtime.launcher import check_node_rank, dry_run_text, prepare
     from hetero.runtime.launcher import run as run_launch
 
     launch = prepare(cluster, model, plan, options, master_addr=args.master_addr, master_port=args.master_port,
                      run_dir=args.run_dir, separate=args.node_rank is not None, dry_run=args.dry_run)
     try:
-        if args.node_rank is not None and not 0 <= args.node_rank < len(launch.nodes):
-            raise HeteroError(f"--node-rank {args.node_rank}: the layout has {len(launch.nodes)} node slots "
-                              f"(fix: give 0..{len(launch.nodes) - 1})")
         if args.dry_run:
+            check_node_rank(launch, args.node_rank)   # a run checks it as it starts (run_launch)
             print(dry_run_text(launch, _relaunch(args)))
             launch.owns_run_dir = False  # kept: the commands printed read its run file
             return

@@ -4,7 +4,10 @@
   local node slots, watches workers, names failed ranks, leaves no process behind.
 - :mod:`~hetero.runtime.worker`: the process torchrun starts; :mod:`~hetero.runtime.trainer` its
   step loop (with pause hooks), :mod:`~hetero.runtime.engine` the native engine,
-  :mod:`~hetero.runtime.ds_engine` the DeepSpeed ZeRO engine.
+  :mod:`~hetero.runtime.ds_engine` the DeepSpeed ZeRO engine, both implementing
+  :mod:`~hetero.runtime.engine_api`'s ``Engine``; :mod:`~hetero.runtime.options` the run's one validated
+  configuration (``RunOptions``), :mod:`~hetero.runtime.context` a rank's view of the run and
+  :mod:`~hetero.runtime.parallel` its process groups (``ParallelLayout``).
 - :mod:`~hetero.runtime.model` (GPT / Llama stages), :mod:`~hetero.runtime.pipeline` (1F1B, GPipe),
   :mod:`~hetero.runtime.grads` (gradient sync across pipeline shapes, clipping),
   :mod:`~hetero.runtime.data` (samples by global index), :mod:`~hetero.runtime.checkpoint` (DCP),

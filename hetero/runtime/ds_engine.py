@@ -76,17 +76,13 @@ class PlanMPU:
 
 
 class DeepSpeedEngine:
-    """Pure data parallelism with DeepSpeed ZeRO over the world (see the module docstring)."""
+    """Pure data parallelism with DeepSpeed ZeRO over the world (see the module docstring); an
+    :class:`~hetero.runtime.engine_api.Engine`."""
 
     name = "deepspeed"
-
-    @staticmethod
-    def rank_sets(ctx) -> list:
-        return []
-
-    @staticmethod
-    def mesh_sets(ctx) -> list:
-        return []
+    step_loss_scale = None
+    """No dynamic loss scale: fp16 models train in fp32 here (see ``__init__``)."""
+    step_skipped = False
 
     def __init__(self, ctx, comm):
         import torch.distributed as dist
@@ -158,6 +154,10 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else math.nan
         return total, norm
+
+    def optimizer_state_bytes(self) -> int | None:
+        """None: not measured (DeepSpeed's ZeRO optimizer keeps its state in flat buffers of its own)."""
+        return None
 
     def save(self, path: str, step: int) -> None:
         self.engine.save_checkpoint(path, tag=f"step{step}", client_state={"step": step})

@@ -9,10 +9,10 @@ import torch
 
 from hetero.memplan.serve import mark_phase
 from hetero.runtime.data import TokenSource, replica_slice
-from hetero.runtime.device import rank_device, torch_device_type, waiter
-from hetero.runtime.grads import (all_holder_sets, all_peer_sets, bind_gradient_buffers, build_buckets,
-                                  clip_coefficient, make_optimizer, param_holders, scaled_step, sync_gradients,
-                                  weighted_squares)
+from hetero.runtime.context import RunContext
+from hetero.runtime.device import waiter
+from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coefficient, make_optimizer, scaled_step,
+                                  sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
@@ -20,65 +20,11 @@ from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, st
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class RunContext:
-    """The specs, the layout and this rank's place in it."""
-
-    def __init__(self, spec, rank: int):
-        import hetero
-
-        self.spec = spec
-        self.options = spec.options
-        self.cluster = hetero.load_cluster(spec.cluster)
-        self.model = hetero.load_model(spec.model)
-        self.plan = hetero.load_plan(spec.plan)
-        self.layout = spec.rank_layout()
-        self.rank = rank
-        self.me = self.layout.ranks[rank]
-        self.pipeline = self.plan.pipelines[self.me.pipeline]
-        self.num_stages = len(self.pipeline.stages)
-        """Virtual stages (the stage list; more than the physical stages when interleaved)."""
-        self.num_physical = len(self.plan.physical_stages(self.pipeline))
-        self.vstages = self.me.virtual_stages
-        """The virtual stages this rank runs, in pipeline order (one unless interleaved)."""
-        self.first, self.last = self.me.holds_ends(self.plan)
-        self.slowdown = float(self.cluster.device_type(self.me.group).slowdown)
-        families = [self.cluster.device_type(r.group).family for r in self.layout.ranks]
-        native = spec.options.engine == "native"
-        self.device_types = [torch_device_type(f) if native else "cpu" for f in families]
-        """Every rank's torch device type (cpu for emulated devices, and for every rank of the
-        DeepSpeed engine)."""
-        self.device = rank_device(families[rank]) if native else torch.device("cpu")
-        """Where this rank computes (see :mod:`hetero.runtime.device`; the DeepSpeed engine stays on
-        the CPU accelerator)."""
-
-    def tp_groups(self) -> list[list[int]]:
-        seen = set()
-        out = []
-        for r in self.layout.ranks:
-            key = (r.pipeline, r.replica, r.stage)
-            if r.tp_size > 1 and key not in seen:
-                seen.add(key)
-                out.append(self.layout.stage_ranks(*key))
-        return out
-
-
 class NativeEngine:
     """Hand-written pipeline (1F1B / GPipe / interleaved), DTensor TP inside the stage, holder-set
-    gradient sync."""
+    gradient sync; an :class:`~hetero.runtime.engine_api.Engine`."""
 
     name = "native"
-
-    @staticmethod
-    def rank_sets(ctx: RunContext) -> list:
-        """Every process group any rank needs (identical list on all ranks)."""
-        ctx._holders = param_holders(ctx.model, ctx.plan, ctx.layout)
-        return (ctx.tp_groups() + all_holder_sets(ctx._holders)
-                + all_peer_sets(ctx._holders, ctx.layout, chunks=ctx.plan.zero_stage == 0))
-
-    @staticmethod
-    def mesh_sets(ctx: RunContext) -> list:
-        """The rank sets of DTensor meshes (tensor-parallel stages)."""
-        return ctx.tp_groups()
 
     def __init__(self, ctx: RunContext, comm):
         self.ctx, self.comm = ctx, comm
@@ -95,16 +41,12 @@ class NativeEngine:
                                   me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
         compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"
-        self.mesh = None
-        if me.tp_size > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            tp_ranks = ctx.layout.stage_ranks(me.pipeline, me.replica, me.stage)
-            self.mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), self.device.type)
+        self.mesh = ctx.parallel.tp_mesh(comm, self.device.type)
+        if self.mesh is not None:
             apply_tensor_parallel(self.module, self.mesh)
         self.compiled = compile_blocks(self.module) if compile_on else 0
         """How many transformer blocks run under torch.compile (0: eager)."""
-        self.holders = getattr(ctx, "_holders", None) or param_holders(model, ctx.plan, ctx.layout)
+        self.holders = ctx.parallel.holders
         # a bucket whose holders share one tp degree sums (ZeRO: shards) over tp-rank peers
         # ... cut to about 25 MB each in reverse module order (the order the backward finishes them)
         self.buckets = build_buckets(self.holders, [n for n, _ in self.module.named_parameters()], me.rank,
@@ -115,8 +57,8 @@ class NativeEngine:
         if ctx.plan.zero_stage >= 1:
             from hetero.runtime.zero import ShardedAdamW
 
-            self.sharded = ShardedAdamW(self.module, self.buckets, comm, me.rank, me.tp_size, opts.lr,
-                                        opts.weight_decay)
+            self.sharded = ShardedAdamW(self.module, self.buckets, comm, rank=me.rank, tp_size=me.tp_size,
+                                        lr=opts.lr, weight_decay=opts.weight_decay)
             self.optimizer = self.sharded.optimizer
         else:
             self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
@@ -145,11 +87,35 @@ class NativeEngine:
         """Whether the last step's update was skipped (fp16 gradient overflow on some rank)."""
 
     def train_step(self, step: int, timings: Timings) -> tuple[float, float]:
-        """One iteration (0-based ``step``); returns (this rank's loss share, global grad norm).
+        """One iteration (0-based ``step``): :meth:`forward_backward`, :meth:`reduce_gradients`,
+        :meth:`optimizer_step`; returns (this rank's loss share, global grad norm).
         fp16: the loss is scaled for backward and the gradients unscaled before clipping; when any
         rank's gradients overflowed (the all-reduced norm is not finite) every rank skips the update."""
-        B = self.ctx.plan.global_batch_size
         S = self.scaler.scale if self.scaler else 1.0
+        self.zero_grad()
+        self.comm.async_log = []
+        with timings.span("schedule_s"):
+            loss = self.forward_backward(step, timings=timings, loss_scale=S)
+        # the trace's measured step holds what the predicted one does: the gradient sync (with the
+        # norm's all-reduce) and the optimizer after the schedule
+        with timings.span("sync_s", event="S"):
+            mark_phase(1)   # the planned allocator resynchronises at the gradient sync
+            norm, finite = self.reduce_gradients(timings)
+        if finite:
+            self.optimizer_step(norm, timings=timings, loss_scale=S)
+        else:
+            self.zero_grad()
+        if self.scaler:
+            self.step_loss_scale, self.step_skipped = S, not finite
+            self.scaler.update(finite)
+        reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
+        return reported, norm
+
+    def forward_backward(self, step: int, *, timings: Timings, loss_scale: float) -> float:
+        """Run this rank's schedule of the step's micro-batches (activations and gradients to and from the
+        neighbouring stages; with overlap, buckets reduced as the backward finishes them); returns the
+        sum of its scaled micro-batch losses (the last stage's, else 0)."""
+        B = self.ctx.plan.global_batch_size
         cache: dict[int, tuple] = {}
 
         def batch(mb):
@@ -158,23 +124,22 @@ class NativeEngine:
                 cache[mb] = tokens.to(self.device), targets.to(self.device)
             return cache[mb]
 
-        self.zero_grad()
-        buffers = self._buffers
-
         def bind() -> None:
             if self.sharded:
                 self.sharded.bind_gradient_buffers()
             else:
-                buffers.update(bind_gradient_buffers(self.module, self.buckets))
+                self._buffers.update(bind_gradient_buffers(self.module, self.buckets))
 
-        wall_offset = time.time() - time.perf_counter()   # trace events are wall-clock, as the schedule's
-        self.comm.async_log = []
-        t_start = time.perf_counter()
-        loss = self.executor.run(self.actions, lambda mb: batch(mb)[0], lambda mb: batch(mb)[1], loss_fn,
-                                 self.mbs / B * S, timings, bind if self.gradient_buffers else None,
-                                 reducer=self.reducer)
-        t_sched = time.perf_counter()
-        mark_phase(1)   # the planned allocator resynchronises at the gradient sync
+        return self.executor.run(self.actions, get_inputs=lambda mb: batch(mb)[0],
+                                 get_targets=lambda mb: batch(mb)[1], loss_fn=loss_fn,
+                                 loss_scale=self.mbs / B * loss_scale, timings=timings,
+                                 before_backward=bind if self.gradient_buffers else None, reducer=self.reducer)
+
+    def reduce_gradients(self, timings: Timings) -> tuple[float, bool]:
+        """Sum every gradient over the ranks holding its parameter (ZeRO: each its slice), then the
+        global norm over all ranks; returns (norm, whether it is finite: fp16 unscaled first).
+        The norm pass's compute is counted with the optimizer step, where the predictor charges it."""
+        buffers = self._buffers
         if self.reducer is not None:   # wait for the buckets started under the backward, start the rest
             grads = self.reducer.finish({})
             grads = self.sharded.owned_locals(grads) if self.sharded else {k: v for k, v in grads.items() if v}
@@ -186,39 +151,29 @@ class NativeEngine:
         timings.events.extend(("R", i, p.started, max(0.0, (p.finished or time.time()) - p.started))
                               for i, p in enumerate(self.comm.async_log))
         self.comm.async_log = None
-        # The norm pass reads every gradient: device compute, slowed like the rest, and counted with
-        # the optimizer step (clipping needs it), where the predictor charges it.
+        # The norm pass reads every gradient: device compute, slowed like the rest.
         sq, _, norm_s = timed(lambda: weighted_squares(grads), self.ctx.slowdown, waiter(self.device))
+        timings.sync_s -= norm_s
+        timings.optimizer_s += norm_s
         total = self.comm.all_reduce(torch.tensor([sq], dtype=torch.float64))
         norm, finite = math.sqrt(float(total[0])), True
         if self.scaler:
             norm, finite = self.scaler.unscale(norm)
-        t_sync = time.perf_counter()
+        return norm, finite
 
-        def optimizer_step():
+    def optimizer_step(self, norm: float, *, timings: Timings, loss_scale: float) -> None:
+        """AdamW on this rank's parameters, the gradients clipped by the global ``norm`` and unscaled;
+        ZeRO: then every holder's updated slices gathered (communication: counted with the sync)."""
+        def step():
             params = self.sharded.params() if self.sharded else self.module
-            scaled_step(self.optimizer, params, clip_coefficient(norm, self.ctx.options.clip) / S)
+            scaled_step(self.optimizer, params, clip_coefficient(norm, self.ctx.options.clip) / loss_scale)
 
-        gather_s = 0.0
-        # the trace's measured step holds what the predicted one does: the gradient sync (with the
-        # norm's all-reduce) and the optimizer after the schedule
-        timings.events.append(("S", -1, wall_offset + t_sched, t_sync - t_sched))
-        if finite:
-            _, t_opt, timings.optimizer_s = timed(optimizer_step, self.ctx.slowdown, waiter(self.device))
-            timings.events.append(("O", -1, t_opt, timings.optimizer_s))
-            if self.sharded:   # communication: counted with the gradient sync
-                t_gather = time.perf_counter()
+        _, t_opt, seconds = timed(step, self.ctx.slowdown, waiter(self.device))
+        timings.optimizer_s += seconds
+        timings.events.append(("O", -1, t_opt, seconds))
+        if self.sharded:
+            with timings.span("sync_s"):
                 self.sharded.gather_parameters()
-                gather_s = time.perf_counter() - t_gather
-        else:
-            self.zero_grad()
-        if self.scaler:
-            self.step_loss_scale, self.step_skipped = S, not finite
-            self.scaler.update(finite)
-        timings.schedule_s, timings.sync_s = t_sched - t_start, t_sync - t_sched - norm_s + gather_s
-        timings.optimizer_s += norm_s
-        reported = loss / S if (self.ctx.last and self.ctx.me.tp_rank == 0) else 0.0
-        return reported, norm
 
     def _overlapped_reduction(self):
         """The :class:`~hetero.runtime.overlap.OverlappedReduction` of this rank's buckets: the plain

@@ -443,12 +443,17 @@ def _signal_group(pid: int, sig) -> None:
         _kill(pid, sig)
 
 
+def check_node_rank(launch: Launch, node_rank: int | None) -> None:
+    """Raise HeteroError unless ``node_rank`` (``--node-rank``) is None or one of the layout's node slots."""
+    if node_rank is not None and not 0 <= node_rank < len(launch.nodes):
+        raise HeteroError(f"--node-rank {node_rank}: the layout has {len(launch.nodes)} node slots "
+                          f"(fix: give 0..{len(launch.nodes) - 1})")
+
+
 def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     """Run this machine's node slots to completion; raise LaunchError naming failed ranks."""
+    check_node_rank(launch, node_rank)
     if node_rank is not None:
-        if not 0 <= node_rank < len(launch.nodes):
-            raise HeteroError(f"--node-rank {node_rank}: the layout has {len(launch.nodes)} node slots "
-                              f"(0..{len(launch.nodes) - 1})")
         slots = [node_rank]
     elif launch.local:
         slots = list(range(len(launch.nodes)))

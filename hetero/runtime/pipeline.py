@@ -21,6 +21,7 @@ sends do not, and messages between two ranks arrive in the order sent per tag.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -124,6 +125,17 @@ class Timings:
     """Wall time of the optimizer step: the gradient-norm pass and AdamW with the clip factor
     (emulated slowdown included)."""
 
+    @contextlib.contextmanager
+    def span(self, name: str, event: str | None = None):
+        """Time the ``with`` block: add its seconds to the field ``name`` (``"sync_s"``) and, given
+        ``event``, record it as the trace event ``(event, -1, start wall time, seconds)``."""
+        wall, t0 = time.time(), time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        setattr(self, name, getattr(self, name) + dt)
+        if event is not None:
+            self.events.append((event, -1, wall, dt))
+
 
 class StageExecutor:
     """Runs one step's schedule on one rank of one stage (its model chunks, when interleaved)."""
@@ -169,8 +181,8 @@ class StageExecutor:
                 return self.module(x, chunk)
         return self.module(x, chunk)
 
-    def run(self, actions, get_inputs: Callable[[int], torch.Tensor], get_targets: Callable[[int], torch.Tensor],
-            loss_fn: Callable, loss_scale: float, timings: Timings,
+    def run(self, actions, *, get_inputs: Callable[[int], torch.Tensor],
+            get_targets: Callable[[int], torch.Tensor], loss_fn: Callable, loss_scale: float, timings: Timings,
             before_backward: Callable[[], None] | None = None, reducer=None) -> float:
         """Execute ``actions`` ((kind, micro-batch, chunk) triples); returns the sum of scaled
         micro-batch losses (last stage, else 0). ``before_backward`` runs once, before the first

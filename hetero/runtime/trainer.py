@@ -82,7 +82,7 @@ class Trainer:
             from hetero.runtime.ds_engine import DeepSpeedEngine
 
             engine_cls = DeepSpeedEngine
-        self.comm.create_groups(engine_cls.rank_sets(ctx), mesh_sets=engine_cls.mesh_sets(ctx))
+        ctx.parallel.create_groups(self.comm)
         self.engine = engine_cls(ctx, self.comm)
         self.step = 0
         if opts.load:

@@ -36,11 +36,14 @@ def global_batch_problem(global_batch_size: int) -> tuple[str, str] | None:
 class Stage:
     """A contiguous range of transformer blocks on ``tp`` devices of one group."""
 
+    # --- where it runs and what ---
     group: str
+    """The cluster group whose devices run this stage."""
     layers: tuple[int, int]
-    """[start, end) over transformer blocks; the embedding rides on the first stage, the head on the last."""
+    """[start, end) over transformer blocks; the embedding rides on the first stage, final norm and LM head
+    on the last."""
     tp: int = 1
-    """Tensor-parallel degree inside one node."""
+    """Tensor-parallel degree inside one node: the stage's devices (1: none; else a divisor of the head count)."""
 
     def _check(self, path: str, problems: Problems) -> None:
         bad = layer_range_problem(*self.layers)
@@ -69,12 +72,15 @@ def layer_range_problem(start: int, end: int, num_layers: int | None = None) -> 
 class Pipeline:
     """``replicas`` identical copies of one pipeline shape."""
 
+    # --- its share of the batch, its shape ---
     micro_batches: int
-    """Micro-batches per replica per iteration."""
+    """Micro-batches per replica per iteration, >= 1."""
     stages: list[Stage]
+    """The stages in model order, at least one (interleaved plans: virtual stages, see :class:`Plan`)."""
     replicas: int = 1
+    """Identical copies of this pipeline (data-parallel replicas of one shape)."""
     micro_batch_size: int | None = None
-    """Overrides the plan's micro_batch_size for this pipeline."""
+    """Samples per micro-batch of this pipeline; None: the plan's ``micro_batch_size``."""
 
     def _check(self, path: str, problems: Problems) -> None:
         if self.replicas < 1:
@@ -104,12 +110,24 @@ class Plan:
 
     _file_kind = "plan"   # a class attribute, not a field: names model / cluster fields given here
 
+    # --- batch ---
     global_batch_size: int
+    """Samples (sequences, not tokens) per optimizer step, 1 to :data:`MAX_GLOBAL_BATCH`; the pipelines'
+    samples per iteration add up to it."""
     micro_batch_size: int
+    """Samples per micro-batch, for every pipeline that does not set its own."""
+
+    # --- data-parallel pipelines ---
     pipelines: list[Pipeline]
+    """At least one pipeline; pipelines may differ in shape, micro-batch count and size."""
+
+    # --- schedule and memory ---
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """The pipeline schedule every pipeline runs (docs/parallelism.md)."""
     recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none; selective (the attention core); full (whole layers)."""
     zero_stage: Literal[0, 1, 2] = 0
+    """0, 1 or 2: shard AdamW state (and, at 2, gradients) over the ranks that hold each parameter."""
     interleave: int = 2
     """Interleaved schedule only: model chunks per device. Stages are listed as virtual stages in
     order; stage i runs on the same devices as stage i + len(stages)/interleave."""
