@@ -80,7 +80,8 @@ class StagePrediction:
     """ZeRO with overlap: seconds of its parameter all-gathers, left from the previous step and run
     from the start of this one under its first forwards (0: gathered in the sync)."""
     param_gather_exposed_s: float = 0.0
-    """By how much they delay the device's end of the schedule (its first forwards wait for them)."""
+    """By how much the step's gathers delay the device's end of the schedule: its first forwards wait
+    for its own, and for activations that its pipeline's earlier stages delayed waiting for theirs."""
 
     @property
     def launch_bound(self) -> bool:

@@ -137,6 +137,8 @@ class NativeEngine:
         self._buffers: dict = {}
         self.reducer = self._overlapped_reduction() if opts.overlap else None
         """Buckets reduced under the backward (:mod:`hetero.runtime.overlap`); None: after the schedule."""
+        if self.sharded and opts.overlap:   # ZeRO's parameter all-gathers run under the next forward
+            self.module.before_use = self.sharded.wait_parameters
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None
@@ -175,6 +177,12 @@ class NativeEngine:
                                  reducer=self.reducer)
         t_sched = time.perf_counter()
         mark_phase(1)   # the planned allocator resynchronises at the gradient sync
+        if self.sharded:   # the last step's parameter all-gathers, waited for under this step's forward
+            self.settle()
+            for p, asked, got in self.sharded.gathered:   # the gather, and where the forward waited for it
+                timings.events += [("G", int(p.label[1:]), p.started, max(0.0, p.finished - p.started)),
+                                   ("W", int(p.label[1:]), asked, got - asked)]
+            self.sharded.gathered.clear()
         if self.reducer is not None:   # wait for the buckets started under the backward, start the rest
             grads = self.reducer.finish({})
             grads = self.sharded.owned_locals(grads) if self.sharded else {k: v for k, v in grads.items() if v}
@@ -208,7 +216,10 @@ class NativeEngine:
             timings.events.append(("O", -1, t_opt, timings.optimizer_s))
             if self.sharded:   # communication: counted with the gradient sync
                 t_gather = time.perf_counter()
-                self.sharded.gather_parameters()
+                # with overlap: started, and completed under the next step's forward (not across vendors)
+                self.sharded.gather_parameters(
+                    (lambda s: not self.comm.crosses_vendors(s.ranks)) if self.reducer is not None else None)
+                self.sharded.gathered.clear()   # those gathered at once are the sync's
                 gather_s = time.perf_counter() - t_gather
         else:
             self.zero_grad()
@@ -238,6 +249,12 @@ class NativeEngine:
         return OverlappedReduction(self.module, self.buckets, begin, chunk_of_params(self.module),
                                    lambda b: self.comm.crosses_vendors(b.peers or b.ranks))
 
+    def settle(self) -> None:
+        """Complete ZeRO's parameter all-gathers still in flight (before anything reads the parameters
+        outside the forward: a checkpoint, an evaluation, the end of a run)."""
+        if self.sharded:
+            self.sharded.wait_parameters()
+
     def zero_grad(self) -> None:
         if self.sharded:
             self.sharded.zero_grad()
@@ -254,6 +271,7 @@ class NativeEngine:
     def save(self, path: str, step: int) -> None:
         from hetero.runtime.checkpoint import save_checkpoint
 
+        self.settle()
         save_checkpoint(path, self.module, self.sharded or self.optimizer, self.holders, self.ctx.rank, step,
                         loss_scale=self.scaler.scale if self.scaler else None)
 
@@ -261,6 +279,7 @@ class NativeEngine:
         from hetero.hf import hf_dir_of
         from hetero.runtime.checkpoint import load_checkpoint
 
+        self.settle()
         if hf_dir_of(path) is not None:   # a Hugging Face folder: this rank's slices of its weights, step 0
             from hetero.hf.weights import load_stage_weights
 
