@@ -76,6 +76,9 @@ class StagePrediction:
     dp_sync_exposed_s: float = 0.0
     """Of its gradient sync, the seconds after its schedule is done (what the backward did not hide,
     waits for peers included), plus :attr:`param_gather_exposed_s`."""
+    dp_sync_in_step_s: float = 0.0
+    """Of :attr:`dp_sync_time_s`, what the step's sync lasts at least from its start: less the ZeRO
+    parameter all-gathers left to the next forward (its own, and others' on the NICs it shares)."""
     param_gather_s: float = 0.0
     """ZeRO with overlap: seconds of its parameter all-gathers, left from the previous step and run
     from the start of this one under its first forwards (0: gathered in the sync)."""
@@ -117,7 +120,8 @@ class StagePrediction:
                        layer_device_s=self.layer_device_s, launch_bound=self.launch_bound,
                        schedule_end_s=self.schedule_end_s, dp_sync_start_s=self.dp_sync_start_s,
                        dp_sync_end_s=self.dp_sync_end_s, dp_sync_exposed_s=self.dp_sync_exposed_s,
-                       param_gather_s=self.param_gather_s, param_gather_exposed_s=self.param_gather_exposed_s)
+                       dp_sync_in_step_s=self.dp_sync_in_step_s, param_gather_s=self.param_gather_s,
+                       param_gather_exposed_s=self.param_gather_exposed_s)
         return out
 
 
@@ -338,6 +342,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     for sp, i in owners:
         sp.schedule_end_s, sp.dp_sync_start_s, sp.dp_sync_end_s = ready[i], starts[i], ends[i]
         sp.param_gather_s, sp.param_gather_exposed_s = gathered[i], gather_exposed[i]
+        sp.dp_sync_in_step_s = sync.in_step[i] if overlap else sync.totals[i]
         sp.dp_sync_exposed_s = ends[i] - ready[i] + gather_exposed[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)

@@ -156,7 +156,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         tps = {h[3] for h in holders}
         if len(tps) == 1:
             # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
-            parts = [(split_bytes + whole_bytes * tps.pop(), False, 0.0, 1)]
+            parts = [(split_bytes + whole_bytes * next(iter(tps)), False, 0.0, 1)]
         elif zs >= 1:
             parts = [(split_bytes + whole_bytes, True, split_bytes, 1)]
         else:
@@ -166,8 +166,9 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             parts = [(split_bytes - rest, False, 0.0, T // min(tps)), (whole_bytes + rest, True, rest, 1)]
         across = len({cm._dev[h[2]].vendor for h in holders}) > 1
         # ZeRO: the reduce-scatter and the parameter all-gather each move half of what the rings cost
-        # (one vendor); the all-gather can run under the next step's forward, except across vendors
-        defer = zs >= 1 and not across
+        # (one vendor); the all-gather can run under the next step's forward, as the runtime runs it
+        # at tp 1 (into the parameters' own vector) and not across vendors
+        defer = zs >= 1 and not across and tps == {1}
         t, ag, touched = 0.0, 0.0, set()
         for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
@@ -314,7 +315,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             for gn in crossed.get(sk, ()):
                 t = max(t, node_load[gn])
                 t_in = max(t_in, node_load[gn] - node_later.get(gn, 0.0))
-                g_out = max(g_out, node_later.get(gn, 0.0))
+                if g > 0:   # its own gathers share the NICs they cross with the others' there
+                    g_out = max(g_out, node_later.get(gn, 0.0))
             out[sk], in_step[sk], gathers[sk] = t, t_in, g_out
     return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held), tail, bridged,
                          later=later, in_step=in_step, gathers=gathers)

@@ -1144,7 +1144,7 @@ def test_zero_parameter_gathers_run_under_the_next_steps_first_forwards():
     assert best[0].tokens_per_s > plain[0].tokens_per_s
 
 
-@pytest.mark.xfail(strict=True, reason="93.9% of the upper bound with the parameter all-gather under the next "
+@pytest.mark.xfail(strict=True, reason="94.2% of the upper bound with the parameter all-gather under the next "
                                        "forward (docs/performance.md: what remains)")
 def test_the_a100_mi250x_case_reaches_95_percent_of_its_upper_bound():
     """The bar of the A100 + MI250X case (docs/performance.md, "Predictor and planner"): the best

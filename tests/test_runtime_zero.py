@@ -190,11 +190,12 @@ def _gathers_of(trace: dict) -> dict:
 @pytest.mark.parametrize("zero_stage,plan,model", [
     (1, [{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                         {"group": "fast", "layers": [2, 4]}]}], GPT),
-    (2, [{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]}], LLAMA)],
-    ids=["zero1-pp2-dp2-tied", "zero2-tp2-dp2"])
+    (2, [{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 1]},
+                                                        {"group": "fast", "layers": [1, 4]}]}], LLAMA)],
+    ids=["zero1-pp2-dp2-tied", "zero2-pp2-dp2"])
 def test_parameter_gathers_run_under_the_next_forward_and_match_the_reference(tmp_path, zero_stage, plan, model):
-    """With overlap, ZeRO's all-gather of the updated parameters is only started after the optimizer;
-    the next step's forward waits for each bucket when it first uses its parameters. The trace shows,
+    """With overlap, ZeRO's all-gather of the updated parameters (tp 1, one vendor) is only started
+    after the optimizer; the next step's forward waits for each bucket when it first uses its parameters. The trace shows,
     on every rank and step after the first, every gather started before that step's first forward
     and waited for inside one of its forwards (the tied embedding's on the last stage too), and the
     losses and gradient norms stay the reference's (fp32, 1e-3)."""

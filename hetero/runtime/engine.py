@@ -216,9 +216,11 @@ class NativeEngine:
             timings.events.append(("O", -1, t_opt, timings.optimizer_s))
             if self.sharded:   # communication: counted with the gradient sync
                 t_gather = time.perf_counter()
-                # with overlap: started, and completed under the next step's forward (not across vendors)
+                # with overlap: started, and completed under the next step's forward (tp 1: into the
+                # parameters' own vector, no copy held meanwhile; not across vendors)
                 self.sharded.gather_parameters(
-                    (lambda s: not self.comm.crosses_vendors(s.ranks)) if self.reducer is not None else None)
+                    (lambda s: s.flat is not None and not self.comm.crosses_vendors(s.ranks))
+                    if self.reducer is not None else None)
                 self.sharded.gathered.clear()   # those gathered at once are the sync's
                 gather_s = time.perf_counter() - t_gather
         else:

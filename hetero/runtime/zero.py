@@ -13,7 +13,8 @@ one slice:
 4. the updated slices are all-gathered back into every holder's parameters: at once, or with
    overlap started asynchronously and waited for when the next step's forward first uses each
    submodule (:meth:`ShardedAdamW.gather_parameters`), except across vendors, where a gather on the
-   host bridge's ordered thread would hold up the forward's point-to-point operations behind it.
+   host bridge's ordered thread would hold up the forward's point-to-point operations behind it,
+   and at tp > 1, where the gathered vector is a copy that would be held until the forward.
 
 Which ranks, which tensors. As in the plain sync (:mod:`hetero.runtime.grads`):
 - every holder at one tp degree (replicas of one stage shape, Megatron's data parallelism; tp 1
