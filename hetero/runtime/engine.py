@@ -139,6 +139,7 @@ class NativeEngine:
         """Buckets reduced under the backward (:mod:`hetero.runtime.overlap`); None: after the schedule."""
         if self.sharded and opts.overlap:   # ZeRO's parameter all-gathers run under the next forward
             self.module.before_use = self.sharded.wait_parameters
+            self.executor.comm_wait = lambda: self.sharded.wait_s
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None

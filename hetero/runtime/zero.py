@@ -175,6 +175,9 @@ class ShardedAdamW:
                 key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
                 if i not in self._users.setdefault(key, []):
                     self._users[key].append(i)
+        self.wait_s = 0.0
+        """Seconds waited for parameter all-gathers so far (not compute: an emulated device does
+        not slow them, :func:`hetero.runtime.pipeline.timed`)."""
         self.gathered: list = []
         """The all-gathers waited for since the caller last emptied this list, for the trace: (its
         :class:`~hetero.runtime.collectives.Pending`, when the wait began, when it ended)."""
@@ -277,7 +280,9 @@ class ShardedAdamW:
         def finish() -> None:
             asked = time.time()
             pending.wait()
-            self.gathered.append((pending, asked, time.time()))
+            got = time.time()
+            self.gathered.append((pending, asked, got))
+            self.wait_s += got - asked
             if shard.flat is None:   # tp > 1: the parameters are DTensors, not views of the vector
                 with torch.no_grad():
                     for p, value in shard.pieces(flat):
