@@ -119,6 +119,10 @@ def _step_split(plan, pred) -> str:
     under = max(0.0, getattr(longest, "schedule_end_s", 0.0) - getattr(longest, "dp_sync_start_s", 0.0))
     hidden = (f"; the longest, {longest.group}'s {longest.dp_sync_time_s:.3g} s, runs {under:.3g} s of it under "
               f"its last backward" if under > 0 else "")
+    gather = max(stages, key=lambda s: getattr(s, "param_gather_s", 0.0))
+    if getattr(gather, "param_gather_s", 0.0) > 0:   # ZeRO with overlap: the all-gather left to the next step
+        hidden += (f"; ZeRO's parameter all-gather ({gather.group} {gather.param_gather_s:.3g} s) runs under the "
+                   f"next step's first forwards, which it delays by {gather.param_gather_exposed_s:.3g} s")
     return (f"the step's {pred.iteration_time_s:.3g} s are the slowest pipeline's schedule "
             f"{slowest.pipeline_time_s:.3g} s (its busiest device computes {busy:.3g} s of it; the rest is "
             f"bubble and transfers), then what the backward did not hide of the gradient sync over every replica "

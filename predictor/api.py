@@ -10,8 +10,10 @@ a pipeline; the replicas of a pipeline run alike):
    holders -- replicas, and stages of other pipelines holding the same layers -- gets to it
    (:meth:`.placement.SyncPlan.spans`; costs and NIC sharing per the placement). Overlapped with
    the backward as the runtime runs it: a bucket may start as early as its holders' last backward
-   pass does, and only its tail (the last 25 MB bucket, the embeddings, ZeRO's all-gather) waits
-   for the end of the backward; ``dp_sync_exposed_s`` is what remains after the schedule;
+   pass does, and only its tail (the last 25 MB bucket, the embeddings) waits for the end of the
+   backward; ZeRO's parameter all-gather after the optimizer runs under the next step's first
+   forwards (:func:`first_forward_floors`; across vendors, and without overlap, it stays in the
+   sync); ``dp_sync_exposed_s`` is what remains after the schedule, plus what the all-gather adds to it;
 3. the all-reduce of the squared gradient norm over every rank: no optimizer starts before the
    last device has synced;
 4. the optimizer step (memory-bound Adam), all devices from that moment, the slowest last;
@@ -73,7 +75,16 @@ class StagePrediction:
     """When its gradient sync ends; then it waits for the gradient-norm all-reduce over every rank."""
     dp_sync_exposed_s: float = 0.0
     """Of its gradient sync, the seconds after its schedule is done (what the backward did not hide,
-    waits for peers included)."""
+    waits for peers included), plus :attr:`param_gather_exposed_s`."""
+    dp_sync_in_step_s: float = 0.0
+    """Of :attr:`dp_sync_time_s`, what the step's sync lasts at least from its start: less the ZeRO
+    parameter all-gathers left to the next forward (its own, and others' on the NICs it shares)."""
+    param_gather_s: float = 0.0
+    """ZeRO with overlap: seconds of its parameter all-gathers, left from the previous step and run
+    from the start of this one under its first forwards (0: gathered in the sync)."""
+    param_gather_exposed_s: float = 0.0
+    """By how much the step's gathers delay the device's end of the schedule: its first forwards wait
+    for its own, and for activations that its pipeline's earlier stages delayed waiting for theirs."""
 
     @property
     def launch_bound(self) -> bool:
@@ -108,7 +119,9 @@ class StagePrediction:
                        p2p_time_s=self.p2p_time_s, layer_dispatch_s=self.layer_dispatch_s,
                        layer_device_s=self.layer_device_s, launch_bound=self.launch_bound,
                        schedule_end_s=self.schedule_end_s, dp_sync_start_s=self.dp_sync_start_s,
-                       dp_sync_end_s=self.dp_sync_end_s, dp_sync_exposed_s=self.dp_sync_exposed_s)
+                       dp_sync_end_s=self.dp_sync_end_s, dp_sync_exposed_s=self.dp_sync_exposed_s,
+                       dp_sync_in_step_s=self.dp_sync_in_step_s, param_gather_s=self.param_gather_s,
+                       param_gather_exposed_s=self.param_gather_exposed_s)
         return out
 
 
@@ -245,6 +258,8 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     hide: list[float] = []   # ... the backward under which its first finished buckets are reduced
     sends_after: list[bool] = []   # ... it sends a gradient after its last backward (not a first stage)
     owners: list[tuple[StagePrediction, int]] = []  # each stage and the number of its device in ready
+    gathered: list[float] = []   # ... its ZeRO parameter all-gathers under the first forwards (overlap)
+    gather_exposed: list[float] = []   # ... by how much they delay its end of the schedule
     events: list | None = [] if timeline else None
     pipes: list[PipelinePrediction] = []
     slowest, slowest_t = 0, -1.0
@@ -269,11 +284,19 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                     p2p.append(cm.p2p_time(s.group, nxt.group, mbs, same and s.group == nxt.group, streams,
                                            s.tp, nxt.tp))
         m = p.micro_batches
-        ptime, dev_ready = pipeline_ends(plan.schedule, fwd, bwd, p2p, m, v)
+        base = len(ready)
+        gathers = [sync.gathers[base + i] for i in range(phys)] if overlap else [0.0] * phys
+        floors = first_forward_floors(stages, fwd, gathers) if any(gathers) else None
+        ptime, dev_ready = pipeline_ends(plan.schedule, fwd, bwd, p2p, m, v, floors)
+        dev_gather = [0.0] * len(dev_ready)
+        if floors:   # what the gathers add to each device's schedule
+            dev_gather = [a - b for a, b in zip(dev_ready, pipeline_ends(plan.schedule, fwd, bwd, p2p, m, v)[1])]
         if len(dev_ready) != phys:  # an unchecked plan whose interleaving cannot apply
             dev_ready = [max(dev_ready[i::phys]) for i in range(phys)]
-        base = len(ready)
+            dev_gather = [max(dev_gather[i::phys]) for i in range(phys)]
         ready.extend(dev_ready)
+        gather_exposed.extend(dev_gather)
+        gathered.extend(gathers)
         # a device's last backward pass (its chunk 0's, interleaved): the gradients of its later
         # layers are final from its start, and reduced under the rest of it (hetero.runtime.overlap)
         hide.extend(bwd[i] if overlap else 0.0 for i in range(phys))
@@ -314,11 +337,13 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                                         micro_batch_size=mbs, pipeline_time_s=ptime))
         if ptime > slowest_t:
             slowest, slowest_t = pi, ptime
-    starts, ends = sync.spans(ready, hide, sends_after)
+    starts, ends = sync.spans(ready, hide if overlap else None, sends_after)
     synced = max(ends)
     for sp, i in owners:
         sp.schedule_end_s, sp.dp_sync_start_s, sp.dp_sync_end_s = ready[i], starts[i], ends[i]
-        sp.dp_sync_exposed_s = ends[i] - ready[i]
+        sp.param_gather_s, sp.param_gather_exposed_s = gathered[i], gather_exposed[i]
+        sp.dp_sync_in_step_s = sync.in_step[i] if overlap else sync.totals[i]
+        sp.dp_sync_exposed_s = ends[i] - ready[i] + gather_exposed[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
     it = synced + opt_max + overhead
@@ -341,6 +366,23 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     if timeline:
         pred.events = _trace(plan, pipes, synced, opt_max, overhead)
     return pred
+
+
+def first_forward_floors(stages, fwd, gathers) -> list[float]:
+    """Per virtual stage, the earliest end of its forward of micro-batch 0 when its device's ZeRO
+    parameter all-gathers (``gathers``, per physical stage, seconds from the start of the step) run
+    under the first forwards, as the runtime runs them (:mod:`hetero.runtime.zero`): the buckets
+    are gathered one after another in forward order (a device's chunks in turn), and a layer waits
+    for its parameters when it is first used. So a chunk's first forward ends no earlier than its
+    last bucket arrives plus the forward of one layer (its last)."""
+    phys = len(gathers)
+    floors = []
+    for k, s in enumerate(stages):
+        i = k % phys
+        mine = [st.num_layers for st in stages[i::phys]]
+        upto = sum(mine[:k // phys + 1])
+        floors.append(gathers[i] * upto / max(1, sum(mine)) + fwd[k] / max(1, s.num_layers))
+    return floors
 
 
 def _weighted_in_flight(model, stages, i: int, phys: int, schedule: str, m: int, v: int, mbs: int,
@@ -382,7 +424,9 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
         fwd = [s.forward_time_s for s in pp.stages]
         bwd = [s.backward_time_s for s in pp.stages]
         p2p = [s.p2p_time_s for s in pp.stages[:-1]]
-        _, evs = simulate(plan.schedule, fwd, bwd, p2p, p.micro_batches, v, trace=True)
+        gathers = [s.param_gather_s for s in pp.stages[:phys]]
+        floors = first_forward_floors(p.stages, fwd, gathers) if any(gathers) else None
+        _, evs = simulate(plan.schedule, fwd, bwd, p2p, p.micro_batches, v, trace=True, floors=floors)
         for d, kind, j, vs, start, end, ready in evs:
             name = f"{kind}{j}" + (f".c{vs // phys}" if v > 1 else "")
             out.append({"ph": "X", "name": name, "cat": "forward" if kind == "F" else "backward",
@@ -396,6 +440,10 @@ def _trace(plan, pipes, synced: float, opt_max: float, overhead: float) -> list[
                             "args": {"from_stage": src % phys}})
         for i in range(phys):
             sp = pp.stages[i]
+            if sp.param_gather_s > 0:   # ZeRO's all-gather of the previous step, under the first forwards
+                out.append({"ph": "X", "name": "param all-gather", "cat": "dp", "pid": pi, "tid": 2 * i + 1,
+                            "ts": 0.0, "dur": sp.param_gather_s * us,
+                            "args": {"exposed_s": sp.param_gather_exposed_s}})
             spans = (("wait for DP peers", sp.schedule_end_s, sp.dp_sync_start_s),
                      ("dp grad sync", sp.dp_sync_start_s, sp.dp_sync_end_s),
                      ("grad-norm all-reduce", sp.dp_sync_end_s, synced))

@@ -128,7 +128,11 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         d = stage_nodes.setdefault((pi, k), {})
         d[gn] = plan.physical_stages(plan.pipelines[pi])[k].tp
     node_load: dict[tuple[str, int], float] = {}
+    node_later: dict[tuple[str, int], float] = {}   # of node_load: parameter all-gathers that can run later
     own: dict[tuple[int, int], float] = {}
+    own_later: dict[tuple[int, int], float] = {}     # of own: the same
+    later: dict[frozenset, float] = {}   # holder stages -> seconds of their parameter all-gather (ZeRO, not
+    # across vendors) that the runtime runs under the next step's forward (hetero.runtime.zero.ShardedAdamW)
     crossed: dict[tuple[int, int], set] = {}
     held: dict[frozenset, float] = {}   # holder stages -> seconds of their all-reduces
     tail: dict[frozenset, float] = {}   # holder stages -> of those, seconds the backward cannot hide
@@ -152,7 +156,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         tps = {h[3] for h in holders}
         if len(tps) == 1:
             # whole tensors are not split: x tp, so that their 1/tp in the ring is all of them
-            parts = [(split_bytes + whole_bytes * tps.pop(), False, 0.0, 1)]
+            parts = [(split_bytes + whole_bytes * next(iter(tps)), False, 0.0, 1)]
         elif zs >= 1:
             parts = [(split_bytes + whole_bytes, True, split_bytes, 1)]
         else:
@@ -160,30 +164,40 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             rest = sum(b for size, b in split.items() if size % T)
             # a rank of the lowest degree sums each of its T / t_min chunks in turn
             parts = [(split_bytes - rest, False, 0.0, T // min(tps)), (whole_bytes + rest, True, rest, 1)]
-        t, touched = 0.0, set()
+        across = len({cm._dev[h[2]].vendor for h in holders}) > 1
+        # ZeRO: the reduce-scatter and the parameter all-gather each move half of what the rings cost
+        # (one vendor); the all-gather can run under the next step's forward, as the runtime runs it
+        # at tp 1 (into the parameters' own vector) and not across vendors
+        defer = zs >= 1 and not across and tps == {1}
+        t, ag, touched = 0.0, 0.0, set()
         for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
                 # the tp gathers run side by side in each holder's group; the sum waits for the slowest
                 t += max(cm._gather_time(g, tp, gathered) for _, _, g, tp, _ in holders) if gathered else 0.0
-                t += rings(holders, nb, full, touched, calls)
+                r = rings(holders, nb, full, touched, calls, defer)
+                t += r
+                ag += r / 2 if defer else 0.0
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
+        later[stages_held] = later.get(stages_held, 0.0) + ag
         held[stages_held] = held.get(stages_held, 0.0) + t
         # the part of the sum that waits for the end of the backward: the last bucket (the first
         # layer's, the embedding); under ZeRO also the all-gather after the optimizer (half of t)
         late, total = last_bytes.get(tuple(holders), (0.0, 0.0))
         phi = min(1.0, late / total) if total > 0 else 1.0
         tail[stages_held] = tail.get(stages_held, 0.0) + (t * (1 + phi) / 2 if zs >= 1 else t * phi)
-        bridged[stages_held] = bridged.get(stages_held, False) or len({cm._dev[h[2]].vendor for h in holders}) > 1
+        bridged[stages_held] = bridged.get(stages_held, False) or across
         for sk in stages_held:
             own[sk] = own.get(sk, 0.0) + t
+            own_later[sk] = own_later.get(sk, 0.0) + ag
             crossed.setdefault(sk, set()).update(touched)
 
-    def rings(holders, nbytes, full, touched, calls: int = 1) -> float:
+    def rings(holders, nbytes, full, touched, calls: int = 1, defer: bool = False) -> float:
         """Seconds of one sum of ``nbytes`` (as if every tp rank held them whole) over ``holders``:
         over every holder rank (``full``), else each tp rank over one rank per tp group (1/tp of the
         bytes; the lowest degree's); adds each node's NIC load and the nodes crossed to ``touched``.
         ``calls``: collectives the busiest rank runs in a row, each over its share of the bytes
-        (a ring's or tree's time is then that of one with ``calls`` x the latency)."""
+        (a ring's or tree's time is then that of one with ``calls`` x the latency). ``defer``: half of
+        each node's NIC time is a ZeRO parameter all-gather that can run after the step."""
         per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
             ranks, split = (r * tp, 1) if full else (r, tp)
@@ -216,6 +230,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
                      else comm.allreduce(b, n, link.bandwidth, lat)) * c
                 inner = max(inner, t)
                 node_load[gn] = node_load.get(gn, 0.0) + t
+                if defer:
+                    node_later[gn] = node_later.get(gn, 0.0) + t / 2
                 touched.add(gn)
         cross = 0.0
         if len(per_group) > 1:
@@ -290,14 +306,20 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
                         at_end.get(key, 0.0) + layered.get(key, 0.0)) for key in bucket_bytes}
     for holders, nbytes in bucket_bytes.items():
         ring(list(holders), nbytes)
-    out = {}
+    out, in_step, gathers = {}, {}, {}
     for pi, p in enumerate(plan.pipelines):
         for k in range(max(1, len(plan.physical_stages(p)))):
-            t = own.get((pi, k), 0.0)
-            for gn in crossed.get((pi, k), ()):
+            sk = (pi, k)
+            t, g = own.get(sk, 0.0), own_later.get(sk, 0.0)
+            t_in, g_out = t - g, g
+            for gn in crossed.get(sk, ()):
                 t = max(t, node_load[gn])
-            out[(pi, k)] = t
-    return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held), tail, bridged)
+                t_in = max(t_in, node_load[gn] - node_later.get(gn, 0.0))
+                if g > 0:   # its own gathers share the NICs they cross with the others' there
+                    g_out = max(g_out, node_later.get(gn, 0.0))
+            out[sk], in_step[sk], gathers[sk] = t, t_in, g_out
+    return out, SyncPlan(out, sync_buckets(groups, plan, placement, where, held), tail, bridged,
+                         later=later, in_step=in_step, gathers=gathers)
 
 
 def sync_buckets(groups: dict, plan, placement: str, where: dict, held: dict) -> list[tuple[frozenset, float]]:
@@ -371,10 +393,11 @@ class SyncPlan:
     """The data-parallel gradient sync of a plan's structure; stages are numbered in (pipeline,
     physical stage) order, the order of :attr:`stages`."""
 
-    __slots__ = ("stages", "buckets", "first", "totals", "tails", "bridged")
+    __slots__ = ("stages", "buckets", "first", "totals", "tails", "bridged", "later", "in_step", "gathers")
 
     def __init__(self, totals: dict, buckets: list[tuple[frozenset, float]], tails: dict | None = None,
-                 bridged: dict | None = None):
+                 bridged: dict | None = None, later: dict | None = None, in_step: dict | None = None,
+                 gathers: dict | None = None):
         self.stages = tuple(totals)
         """(pipeline, physical stage) of each stage number."""
         index = {sk: i for i, sk in enumerate(self.stages)}
@@ -394,6 +417,15 @@ class SyncPlan:
         """Per stage: its first bucket, or -1 (nothing to sum with anyone)."""
         self.totals = tuple(totals.values())
         """Per stage: seconds of its own sync (NIC sharing included)."""
+        self.later = tuple(min(t, tail, (later or {}).get(hs, 0.0)) for (hs, t), tail in zip(buckets, self.tails))
+        """Per bucket: seconds of its ZeRO parameter all-gather (part of its :attr:`tails`) that, with
+        overlap, run under the next step's forward instead (:mod:`hetero.runtime.zero`; not across
+        vendors)."""
+        self.in_step = tuple((in_step or totals)[sk] for sk in self.stages)
+        """Per stage: :attr:`totals` less those all-gathers."""
+        self.gathers = tuple((gathers or {}).get(sk, 0.0) for sk in self.stages)
+        """Per stage: seconds of its deferred parameter all-gathers (NIC sharing included), run one after
+        another from the end of the step on, under the next step's first forwards."""
 
     def spans(self, ready, hide=None, sends_after=None) -> tuple[list[float], list[float]]:
         """(start, end) of every stage's gradient sync (lists by stage number), the stages done
@@ -407,10 +439,15 @@ class SyncPlan:
         that long before its holders are done, but its :attr:`tails` part waits for the last of
         them to be done. A bucket across vendors waits for the end of the schedule on a stage that
         still sends a gradient after its last backward (``sends_after``, per stage: not a first
-        stage), since the runtime starts it after the rank's last point-to-point operation."""
+        stage), since the runtime starts it after the rank's last point-to-point operation. With
+        ``hide``, ZeRO's parameter all-gathers (:attr:`later`) are left to the next step's forward
+        (:attr:`gathers`, which the caller charges to the schedule)."""
         cur = list(ready) if hide is None else [r - h for r, h in zip(ready, hide)]
         began = []
-        for (hs, t), tail, bridged in zip(self.buckets, self.tails, self.bridged):
+        overlap = hide is not None
+        for (hs, t), tail, bridged, later in zip(self.buckets, self.tails, self.bridged, self.later):
+            if overlap and later:
+                t, tail = t - later, tail - later
             s = cur[hs[0]]
             done = ready[hs[0]]
             late = bridged and sends_after is not None   # the same for every holder of the bucket
@@ -426,7 +463,7 @@ class SyncPlan:
             for h in hs:
                 cur[h] = s
         starts = [ready[i] if j < 0 else began[j] for i, j in enumerate(self.first)]
-        ends = [e if e > s + t else s + t for e, s, t in zip(cur, starts, self.totals)]
+        ends = [e if e > s + t else s + t for e, s, t in zip(cur, starts, self.in_step if overlap else self.totals)]
         ends = [e if e > r else r for e, r in zip(ends, ready)]
         return starts, ends
 

@@ -100,16 +100,19 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
     return seqs
 
 
-def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: bool = False):
+def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: bool = False, floors=None):
     """Simulate one pipeline replica.
 
     ``fwd`` / ``bwd``: per (virtual) stage, seconds of one micro-batch; ``p2p``: seconds to send one
     micro-batch's activation (or gradient) from stage k to k+1, len = stages - 1. For
     ``interleaved``, stages are the p v virtual stages. Returns (time, events) where events (only
     with ``trace``) are tuples (device, kind, micro-batch, virtual stage, start, end, ready) with
-    ``ready`` the time the input arrived (None for ops without a transfer).
+    ``ready`` the time the input arrived (None for ops without a transfer). ``floors`` (per
+    virtual stage, or None): the earliest end of its first forward (micro-batch 0), which waits for
+    the stage's parameters (ZeRO's all-gather, run from the start of the step under overlap).
     """
-    t, _, events = _run(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave, trace)
+    t, _, events = _run(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave, trace,
+                        tuple(floors) if floors else None)
     return t, events
 
 
@@ -121,11 +124,12 @@ def executed_order(schedule: str, V: int, interleave: int) -> tuple[str, int]:
     return (schedule if v > 1 or schedule != "interleaved" else "gpipe"), v
 
 
-def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int, trace: bool):
+def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int, trace: bool,
+         floors: tuple | None = None):
     """(pipeline time, per-device ready times, trace events or None) of one replica."""
     kind, v = executed_order(schedule, len(fwd), interleave)
     prog, ndev, sends, nlinks = _compile(kind, len(fwd), m, v)
-    return _evaluate(prog, ndev, sends, nlinks, fwd + bwd, p2p + (0.0,), trace)
+    return _evaluate(prog, ndev, sends, nlinks, fwd + bwd, p2p + (0.0,), trace, floors)
 
 
 def device_orders(schedule: str, stages: int, m: int,
@@ -311,9 +315,10 @@ def _ready(free, arrive, sends) -> tuple:
     return tuple(ready)
 
 
-def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool):
+def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool, floors: tuple | None = None):
     """(pipeline time, per-device ready times, trace events or None). A message leaves when its
-    producer ends and its link is free (``link``: when each link's last message arrives)."""
+    producer ends and its link is free (``link``: when each link's last message arrives).
+    ``floors``: per virtual stage, the earliest end of its forward of micro-batch 0."""
     end = [0.0] * (len(durs) * (len(prog) // len(durs) + 1))
     free = [0.0] * ndev
     link = [0.0] * nlinks
@@ -335,6 +340,8 @@ def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool):
                 t = r
         start = t
         t += durs[di]
+        if floors is not None and j == 0 and kind == "F" and floors[vs] > t:
+            t = floors[vs]
         end[slot] = t
         free[d] = t
         if trace:
@@ -343,15 +350,17 @@ def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _ends(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int) -> tuple[float, tuple]:
-    return _run(schedule, fwd, bwd, p2p, m, interleave, False)[:2]
+def _ends(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: int,
+          floors: tuple | None = None) -> tuple[float, tuple]:
+    return _run(schedule, fwd, bwd, p2p, m, interleave, False, floors)[:2]
 
 
-def pipeline_ends(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> tuple[float, tuple]:
+def pipeline_ends(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, floors=None) -> tuple[float, tuple]:
     """(time of one replica's micro-batches through the pipeline, per physical device the time it
     is done with the schedule: its last op ended and its last sends arrived), memoised on the
-    stage times. Device i runs (virtual) stages i, i + p, ... (p devices)."""
-    return _ends(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave)
+    stage times. Device i runs (virtual) stages i, i + p, ... (p devices). ``floors``: see
+    :func:`simulate`."""
+    return _ends(schedule, tuple(fwd), tuple(bwd), tuple(p2p), m, interleave, tuple(floors) if floors else None)
 
 
 def pipeline_time(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1) -> float:

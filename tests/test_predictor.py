@@ -1109,3 +1109,47 @@ def test_the_gradient_sync_runs_under_the_last_backward_and_the_planner_counts_i
             for ov in (True, False)}
     assert best[True][0].tokens_per_s > best[False][0].tokens_per_s
     assert any("under its last backward" in r for r in best[True].reasons)
+
+
+def test_zero_parameter_gathers_run_under_the_next_steps_first_forwards():
+    """ZeRO with overlap: the all-gather after the optimizer (half of a one-vendor holder set's sync)
+    leaves the sync and runs from the start of the step under the first forwards, which wait for it
+    layer by layer: the schedule grows by less than the gather, the step shrinks, and predict, the
+    timeline and the planner's reasons say so. Without overlap it stays in the sync."""
+    import functools
+
+    cluster, model = hetero.load_cluster(A100_MI250X), hetero.load_model(LLAMA_7B)
+    plan = hetero.load_plan({"global_batch_size": 256, "micro_batch_size": 1, "zero_stage": 1, "pipelines": [
+        {"replicas": 16, "micro_batches": 16, "stages": [{"group": "mi250x", "layers": [0, 20]},
+                                                          {"group": "a100", "layers": [20, 32]}]}]})
+    on, off = predict(cluster, model, plan, timeline=True), predict(cluster, model, plan, overlap=False)
+    for s, t in zip(on.pipelines[0].stages, off.pipelines[0].stages):
+        assert s.param_gather_s == pytest.approx(s.dp_sync_time_s / 2) and t.param_gather_s == 0
+        # a later stage waits for the first stage's delayed activations, so its delay is that one
+        assert 0 <= s.param_gather_exposed_s < max(g.param_gather_s for g in on.pipelines[0].stages)
+        assert s.dp_sync_end_s - s.dp_sync_start_s < t.dp_sync_end_s - t.dp_sync_start_s - s.param_gather_s / 2
+    first = on.pipelines[0].stages[0]   # the first stage's first forward waits for its gather, less one forward
+    assert first.param_gather_exposed_s == pytest.approx(
+        first.param_gather_s + first.forward_time_s / 20 - first.forward_time_s, rel=1e-6)
+    assert on.pipelines[0].pipeline_time_s == pytest.approx(off.pipelines[0].pipeline_time_s + first.param_gather_exposed_s)
+    assert on.iteration_time_s < off.iteration_time_s - 0.5
+    events = on.timeline()["traceEvents"]
+    gathers = [e for e in events if e.get("name") == "param all-gather"]
+    forwards = [e for e in events if e.get("cat") == "forward" and e["name"] == "F0"]
+    assert len(gathers) == 2 and all(any(f["ts"] < g["ts"] + g["dur"] <= f["ts"] + f["dur"] + 1 for f in forwards)
+                                     for g in gathers)
+    best = hetero.search(cluster, model, 256, top_k=1)
+    assert any("parameter all-gather" in r and "next step's first forwards" in r for r in best.reasons)
+    plain = hetero.search(cluster, model, 256, top_k=1, predict_fn=functools.partial(predict, overlap=False))
+    assert best[0].tokens_per_s > plain[0].tokens_per_s
+
+
+@pytest.mark.xfail(strict=True, reason="94.2% of the upper bound with the parameter all-gather under the next "
+                                       "forward (docs/performance.md: what remains)")
+def test_the_a100_mi250x_case_reaches_95_percent_of_its_upper_bound():
+    """The bar of the A100 + MI250X case (docs/performance.md, "Predictor and planner"): the best
+    plan's predicted tokens/s at least 0.95 of the upper bound the same search computes. Strict:
+    when a change of the runtime and predictor meets it, this test fails until the mark goes."""
+    cluster, model = hetero.load_cluster(A100_MI250X), hetero.load_model(LLAMA_7B)
+    results = hetero.search(cluster, model, 256, top_k=1)
+    assert results[0].tokens_per_s >= 0.95 * results.upper_bound_tokens_per_s

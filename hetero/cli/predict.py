@@ -109,8 +109,11 @@ def run(args) -> int:
                       _ms(s.backward_time_s), send, memtxt,
                       f"{_ms(s.dp_sync_time_s)} ({_ms(s.dp_sync_exposed_s)} exposed)", mark)
         out.print(t)
+    gather = max(s.param_gather_exposed_s for s in pred.pipelines[bp].stages)
     out.print(f"[bold]iteration[/bold] {pred.iteration_time_s:.4f} s  (slowest pipeline "
-              f"{pred.pipelines[bp].pipeline_time_s:.4f} s + DP sync not hidden by the backward "
+              f"{pred.pipelines[bp].pipeline_time_s:.4f} s"
+              + (f", {gather:.4f} s of it waiting for ZeRO's parameter all-gather" if gather > 0 else "")
+              + " + DP sync not hidden by the backward "
               f"{pred.dp_sync_time_s:.4f} s + optimizer "
               f"{pred.optimizer_time_s:.4f} s + overhead {pred.overhead_time_s:.4f} s)")
     out.print(f"[bold]throughput[/bold] {pred.tokens_per_s:,.0f} tokens/s, {pred.samples_per_s:,.2f} samples/s, "

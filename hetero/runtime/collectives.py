@@ -200,6 +200,20 @@ class Collectives:
         return Pending(self, "reduce_scatter", ranks, work, label,
                        (lambda: output.copy_(out)) if out is not output else None)
 
+    def all_gather_into_async(self, flat: torch.Tensor, part: torch.Tensor, ranks: Iterable[int],
+                              label: str = "") -> "Pending":
+        """:meth:`all_gather_into` started; the returned :class:`Pending` completes it."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            flat.copy_(part.reshape(flat.shape))
+            return Pending(self, "all_gather", ranks, None, label)
+        out, inp = self._there(flat), self._there(part)
+        if self.hc is not None:
+            work = self.hc.all_gather_into_tensor(out, inp, group=self._hgroups[ranks], async_op=True)
+        else:
+            work = dist.all_gather_into_tensor(out, inp, group=self.group(ranks), async_op=True)
+        return Pending(self, "all_gather", ranks, work, label, (lambda: flat.copy_(out)) if out is not flat else None)
+
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor, ranks: Iterable[int]) -> list[torch.Tensor]:
         """``parts[i]`` gets the ``tensor`` of the i-th of ``ranks`` in ascending order (all the same
         size); a single rank copies its own."""

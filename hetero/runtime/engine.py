@@ -79,6 +79,9 @@ class NativeEngine:
         self._buffers: dict = {}
         self.reducer = self._overlapped_reduction() if opts.overlap else None
         """Buckets reduced under the backward (:mod:`hetero.runtime.overlap`); None: after the schedule."""
+        if self.sharded and opts.overlap:   # ZeRO's parameter all-gathers run under the next forward
+            self.module.before_use = self.sharded.wait_parameters
+            self.executor.comm_wait = lambda: self.sharded.wait_s
         self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None
@@ -139,6 +142,12 @@ class NativeEngine:
         """Sum every gradient over the ranks holding its parameter (ZeRO: each its slice), then the
         global norm over all ranks; returns (norm, whether it is finite: fp16 unscaled first).
         The norm pass's compute is counted with the optimizer step, where the predictor charges it."""
+        if self.sharded:   # the last step's parameter all-gathers, waited for under this step's forward
+            self.settle()
+            for p, asked, got in self.sharded.gathered:   # the gather, and where the forward waited for it
+                timings.events += [("G", int(p.label[1:]), p.started, max(0.0, p.finished - p.started)),
+                                   ("W", int(p.label[1:]), asked, got - asked)]
+            self.sharded.gathered.clear()
         buffers = self._buffers
         if self.reducer is not None:   # wait for the buckets started under the backward, start the rest
             grads = self.reducer.finish({})
@@ -171,9 +180,14 @@ class NativeEngine:
         _, t_opt, seconds = timed(step, self.ctx.slowdown, waiter(self.device))
         timings.optimizer_s += seconds
         timings.events.append(("O", -1, t_opt, seconds))
-        if self.sharded:
+        if self.sharded:   # communication: counted with the gradient sync
             with timings.span("sync_s"):
-                self.sharded.gather_parameters()
+                # with overlap: started, and completed under the next step's forward (tp 1: into the
+                # parameters' own vector, no copy held meanwhile; not across vendors)
+                self.sharded.gather_parameters(
+                    (lambda s: s.flat is not None and not self.comm.crosses_vendors(s.ranks))
+                    if self.reducer is not None else None)
+                self.sharded.gathered.clear()   # those gathered at once are the sync's
 
     def _overlapped_reduction(self):
         """The :class:`~hetero.runtime.overlap.OverlappedReduction` of this rank's buckets: the plain
@@ -193,6 +207,12 @@ class NativeEngine:
         return OverlappedReduction(self.module, self.buckets, begin, chunk_of_params(self.module),
                                    lambda b: self.comm.crosses_vendors(b.peers or b.ranks))
 
+    def settle(self) -> None:
+        """Complete ZeRO's parameter all-gathers still in flight (before anything reads the parameters
+        outside the forward: a checkpoint, an evaluation, the end of a run)."""
+        if self.sharded:
+            self.sharded.wait_parameters()
+
     def zero_grad(self) -> None:
         if self.sharded:
             self.sharded.zero_grad()
@@ -209,6 +229,7 @@ class NativeEngine:
     def save(self, path: str, step: int) -> None:
         from hetero.runtime.checkpoint import save_checkpoint
 
+        self.settle()
         save_checkpoint(path, self.module, self.sharded or self.optimizer, self.holders, self.ctx.rank, step,
                         loss_scale=self.scaler.scale if self.scaler else None)
 
@@ -216,6 +237,7 @@ class NativeEngine:
         from hetero.hf import hf_dir_of
         from hetero.runtime.checkpoint import load_checkpoint
 
+        self.settle()
         if hf_dir_of(path) is not None:   # a Hugging Face folder: this rank's slices of its weights, step 0
             from hetero.hf.weights import load_stage_weights
 

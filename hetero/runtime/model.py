@@ -168,6 +168,11 @@ class StageModel(nn.Module):
         self.chunks = tuple(tuple(c) for c in chunks) if chunks else (tuple(layers),)
         self.start, self.end = self.chunks[0][0], self.chunks[-1][1]
         self.recompute = "none"
+        self.before_use = None
+        """Called with a submodule's name (``wte``, ``layers.<i>``, ``final_norm``, ``head``) before the
+        forward first uses it: ZeRO's parameter all-gathers run under the forward and are waited for
+        there (:meth:`hetero.runtime.zero.ShardedAdamW.wait_parameters`). Outside the compiled blocks,
+        so no hook enters their graphs."""
         h = spec.hidden_size
         tied = bool(spec.tie_embeddings)
         if first or (last and tied):
@@ -194,7 +199,11 @@ class StageModel(nn.Module):
         """Tokens (B, T) into the first stage, else hidden states (B, T, h); returns hidden states,
         or logits (B, T, vocab) out of the last stage (under tensor parallelism a DTensor sharded on
         the vocabulary, for :func:`loss_fn`). ``chunk``: which model chunk to run."""
+        wait = self.before_use
         if self.first and chunk == 0:
+            if wait is not None:
+                wait("wte")
+                wait("wpe")
             tokens = x
             w = self.wte.weight
             x = vocab_parallel_lookup(tokens, w) if isinstance(w, DTensor) else self.wte(tokens)
@@ -203,11 +212,16 @@ class StageModel(nn.Module):
         a, b = self.chunks[chunk]
         for i in range(a, b):
             block = self.layers[str(i)]
+            if wait is not None:
+                wait(f"layers.{i}")
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)  # keep only each block's input
             else:
                 x = block(x)
         if self.last and chunk == len(self.chunks) - 1:
+            if wait is not None:
+                for name in ("final_norm", "head", "wte"):
+                    wait(name)
             x = self.final_norm(x)
             if hasattr(self, "head"):
                 x = self.head(x)

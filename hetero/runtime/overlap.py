@@ -22,6 +22,9 @@ gradients, and runs while the backward goes on through the earlier layers:
 * a bucket of holders at several tp degrees gathers full tensors inside its tp group (a
   collective of its own) and starts after the schedule, in order.
 
+ZeRO's all-gather of the updated parameters, after the optimizer, is overlapped with the next
+step's forward instead (:meth:`hetero.runtime.zero.ShardedAdamW.gather_parameters`).
+
 What the overlap hides and what stays exposed is what the predictor models
 (:meth:`hetero.predictor.placement.SyncPlan.spans`).
 """

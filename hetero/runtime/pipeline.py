@@ -91,21 +91,27 @@ def stage_peers(layout, me, vstage: int | None = None, num_virtual: int | None =
 
 
 def timed(fn: Callable[[], object], slowdown: float = 1.0,
-          wait: Callable[[], None] | None = None) -> tuple[object, float, float]:
+          wait: Callable[[], None] | None = None,
+          comm_wait: Callable[[], float] | None = None) -> tuple[object, float, float]:
     """Run ``fn`` as a device ``slowdown`` times slower would: really compute, then wait
     ``(slowdown - 1) x`` the compute time. Returns (result, start wall time, duration with the wait).
     ``wait``: blocks until the device has run what was queued, called before and after ``fn`` so
-    that asynchronous (accelerator) work is timed, not its queuing."""
+    that asynchronous (accelerator) work is timed, not its queuing. ``comm_wait``: seconds this rank
+    has waited for communication so far (a forward waiting for ZeRO's parameter all-gather), which
+    is not compute and is not slowed."""
     if wait:
         wait()
+    waited = comm_wait() if comm_wait else 0.0
     wall = time.time()
     t0 = time.perf_counter()
     out = fn()
     if wait:
         wait()
     dt = time.perf_counter() - t0
+    if comm_wait:
+        dt -= comm_wait() - waited
     if slowdown > 1.0:
-        time.sleep((slowdown - 1.0) * dt)
+        time.sleep((slowdown - 1.0) * max(0.0, dt))
     return out, wall, time.perf_counter() - t0
 
 
@@ -150,10 +156,12 @@ class StageExecutor:
         self.slowdown = slowdown
         self.autocast_dtype = autocast_dtype
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.comm_wait: Callable[[], float] | None = None
+        """Seconds waited for communication inside the compute so far (see :func:`timed`)."""
         """Where the stage computes: received activations and gradients are placed there."""
 
     def _compute(self, fn: Callable[[], object]):
-        return timed(fn, self.slowdown, waiter(self.device))
+        return timed(fn, self.slowdown, waiter(self.device), self.comm_wait)
 
     def _send(self, tensor: torch.Tensor, targets: list[tuple[int, int, int]], tag: int) -> None:
         """Each target its slice of ``tensor`` (flattened)."""

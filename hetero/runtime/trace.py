@@ -3,7 +3,8 @@
 A run's trace has one process per rank and one complete event per forward (F) or backward (B)
 of a micro-batch, then per step the gradient sync and the optimizer; on a second row ("gradient sync")
 one event per bucket of gradients, from the start of its collective to its completion, so a reduction
-overlapped with the backward shows under it. Event times are wall-clock (``time.time()``) on the ranks, so the traces of an
+overlapped with the backward shows under it, and under ZeRO with overlap one per parameter all-gather
+of the previous step ("param gather"), which runs under the step's first forwards. Event times are wall-clock (``time.time()``) on the ranks, so the traces of an
 elastic run's attempts line up on one time axis: :func:`merge_traces` puts them in one file, each
 attempt's ranks as processes of their own, with a marker at each reconfiguration.
 """
@@ -33,13 +34,17 @@ def trace_dict(layout, events_by_rank: list) -> dict:
                                      + (f" tp{info.tp_rank}" if info.tp_size > 1 else "")}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": info.rank, "tid": 0,
                     "args": {"sort_index": info.rank}})
-        if any(e[0] == "R" for e in events_by_rank[info.rank]):
+        if any(e[0] in ("R", "G", "W") for e in events_by_rank[info.rank]):
             out.append({"name": "thread_name", "ph": "M", "pid": info.rank, "tid": 1,
                         "args": {"name": "gradient sync"}})
         for kind, mb, step, t, d in events_by_rank[info.rank]:
-            if kind == "R":   # a bucket's all-reduce (ZeRO: reduce-scatter), from its start to its completion
-                out.append({"name": f"bucket {mb}", "cat": "dp", "ph": "X", "pid": info.rank, "tid": 1,
-                            "ts": (t - t0) * 1e6, "dur": d * 1e6, "args": {"step": step, "bucket": mb}})
+            if kind in ("R", "G", "W"):   # a bucket's all-reduce (ZeRO: reduce-scatter), or ZeRO's parameter
+                # all-gather of the previous step run under this one's forward, from its start to its
+                # completion, and where the forward first used its parameters and waited for it (W)
+                name = {"R": "bucket", "G": "param gather", "W": "forward waits for param gather"}[kind]
+                out.append({"name": f"{name} {mb}", "cat": "wait" if kind == "W" else "dp", "ph": "X",
+                            "pid": info.rank, "tid": 1, "ts": (t - t0) * 1e6, "dur": d * 1e6,
+                            "args": {"step": step, "bucket": mb}})
                 continue
             name, cat = _KINDS.get(kind, (None, "other"))
             out.append({"name": name or f"{kind}{mb}", "cat": cat, "ph": "X",

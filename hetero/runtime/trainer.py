@@ -145,6 +145,7 @@ class Trainer:
             if float(flag[0]) > 0:
                 self._pause = False
                 break
+        getattr(self.engine, "settle", lambda: None)()   # ZeRO's last parameter all-gathers
         return self.state
 
     def save(self, path: str) -> None:

@@ -10,7 +10,11 @@ one slice:
 2. the squared global norm is the sum over ranks of |slice gradient|^2, each element weighed by
    1 / (the number of ranks that own a copy of it);
 3. one AdamW step updates every rank's slice (its moments exist for the slice only);
-4. the updated slices are all-gathered back into every holder's parameters.
+4. the updated slices are all-gathered back into every holder's parameters: at once, or with
+   overlap started asynchronously and waited for when the next step's forward first uses each
+   submodule (:meth:`ShardedAdamW.gather_parameters`), except across vendors, where a gather on the
+   host bridge's ordered thread would hold up the forward's point-to-point operations behind it,
+   and at tp > 1, where the gathered vector is a copy that would be held until the forward.
 
 Which ranks, which tensors. As in the plain sync (:mod:`hetero.runtime.grads`):
 - every holder at one tp degree (replicas of one stage shape, Megatron's data parallelism; tp 1
@@ -45,6 +49,7 @@ input: no end-to-end copy of them.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +165,22 @@ class ShardedAdamW:
                     shard.master = self._flat_params(shard)[slice(*shard.span)].clone()
             self.shards.append(shard)
         self.optimizer = make_optimizer([s.master for s in self.shards] + self.local, lr, weight_decay)
+        self._gathers: dict[int, object] = {}
+        """Shard index -> ``finish()`` of its parameter all-gather, started and not yet waited for."""
+        self._users: dict[str, list[int]] = {}
+        """Submodule name (``layers.<i>``, ``wte``, ...) -> the shards holding its parameters."""
+        for i, shard in enumerate(self.shards):
+            for name in shard.bucket.names:
+                parts = name.split(".")
+                key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+                if i not in self._users.setdefault(key, []):
+                    self._users[key].append(i)
+        self.wait_s = 0.0
+        """Seconds waited for parameter all-gathers so far (not compute: an emulated device does
+        not slow them, :func:`hetero.runtime.pipeline.timed`)."""
+        self.gathered: list = []
+        """The all-gathers waited for since the caller last emptied this list, for the trace: (its
+        :class:`~hetero.runtime.collectives.Pending`, when the wait began, when it ended)."""
 
     # ------------------------------------------------------------------ a step
     def bind_gradient_buffers(self) -> None:
@@ -233,21 +254,54 @@ class ShardedAdamW:
         """What the AdamW step updates (for scaling their gradients)."""
         return [s.master for s in self.shards] + self.local
 
-    def gather_parameters(self) -> None:
-        """All-gather the updated slices into every holder's parameters (after the AdamW step)."""
+    def gather_parameters(self, later=None) -> None:
+        """All-gather the updated slices into every holder's parameters (after the AdamW step).
+
+        ``later`` (a predicate on a :class:`_Shard`, or None): the shards it accepts are only started,
+        asynchronously and in forward order (the reverse of the buckets' agreed order, so every
+        group's members issue them in one order), and completed when the next forward first uses
+        their parameters (:meth:`wait_parameters`, from :attr:`StageModel.before_use`), as
+        Megatron-LM's ``overlap_param_gather`` does. The others are gathered at once, first."""
         with torch.no_grad():
-            for shard in self.shards:
-                part = shard.master.detach().clone()   # an input must not alias the output it gathers into
-                if shard.flat is not None:
-                    self.comm.all_gather_into(shard.flat, part, shard.ranks)
-                    continue
-                flat = torch.empty(shard.padded, dtype=torch.float32, device=part.device)
-                self.comm.all_gather_into(flat, part, shard.ranks)
-                for p, value in shard.pieces(flat):
-                    if shard.own:
-                        local_part(p).copy_(value)
-                    else:
-                        copy_full_into(p, value)
+            deferred = [i for i, s in enumerate(self.shards) if later is not None and later(s)]
+            for i, shard in enumerate(self.shards):
+                if i not in deferred:
+                    self._begin_gather(shard, "")()
+            for i in reversed(deferred):
+                self._gathers[i] = self._begin_gather(self.shards[i], f"G{i}")
+
+    def _begin_gather(self, shard: _Shard, label: str):
+        """Start all-gathering ``shard``'s updated slice into its parameters; returns ``finish()``."""
+        part = shard.master.detach().clone()   # an input must not alias the output it gathers into
+        flat = shard.flat if shard.flat is not None else torch.empty(shard.padded, dtype=torch.float32,
+                                                                     device=part.device)
+        pending = self.comm.all_gather_into_async(flat, part, shard.ranks, label)
+
+        def finish() -> None:
+            asked = time.time()
+            pending.wait()
+            got = time.time()
+            self.gathered.append((pending, asked, got))
+            self.wait_s += got - asked
+            if shard.flat is None:   # tp > 1: the parameters are DTensors, not views of the vector
+                with torch.no_grad():
+                    for p, value in shard.pieces(flat):
+                        if shard.own:
+                            local_part(p).copy_(value)
+                        else:
+                            copy_full_into(p, value)
+        return finish
+
+    def wait_parameters(self, module: str | None = None) -> None:
+        """Complete the started all-gathers of the parameters of submodule ``module`` (``layers.3``,
+        ``wte``, ...; None: of every parameter). Anything that reads the parameters outside the
+        forward (the next step's gradient sync, checkpoints, the end of a run) waits for all first."""
+        if not self._gathers:
+            return
+        for i in list(self._gathers) if module is None else self._users.get(module, ()):
+            finish = self._gathers.pop(i, None)
+            if finish is not None:
+                finish()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -270,6 +324,7 @@ class ShardedAdamW:
         One gathered moment of one holder set is on the device at a time: the full states of every
         parameter this rank holds, gathered together, would be the unsharded state again (a tp
         rank's, that of all its tp ranks together), as the checkpoint is written."""
+        self.wait_parameters()
         keep = keep or (lambda name: True)
         out: dict[str, dict[str, torch.Tensor]] = {}
         names = {id(p): n for n, p in self.module.named_parameters()}
@@ -299,6 +354,7 @@ class ShardedAdamW:
     def load_full_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take this rank's slices of full per-parameter states (a checkpoint's) and re-take the tp
         masters from the parameters just loaded (tp ranks of a stage call it together)."""
+        self.wait_parameters()
         names = {id(p): n for n, p in self.module.named_parameters()}
         with torch.no_grad():
             for shard in self.shards:
