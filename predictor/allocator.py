@@ -81,3 +81,67 @@ def held_out_errors(kind: str) -> list[dict]:
     coefficients(kind)   # the same check of ``kind``
     rows = _stages()
     return [_errors(r, kind, *_fit(rows[:i] + rows[i + 1:], kind)) for i, r in enumerate(rows)]
+
+
+# ---------------------------------------------------------------------------- the step's own requests
+REPLAY_DEPTH = 4
+"""Chunks of up to this many layers are recorded whole; deeper ones are recorded at this depth and
+one layer less, and the reservation is extrapolated from the two (:func:`simulated_caching_bytes`)."""
+
+_REPLAYS: dict = {}
+
+
+def _stage_key(model, plan, pipeline: int, stage: int) -> tuple:
+    """Everything of ``plan`` that decides what physical stage ``stage`` of ``pipeline`` requests,
+    in which order: stages of different plans that agree on it share one replay."""
+    from hetero.memplan.record import stage_of
+    from hetero.predictor.memory import zero_degrees
+
+    w = stage_of(plan, pipeline, stage)
+    degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
+    return (model, plan.schedule, plan.recompute, plan.zero_stage, degree, stage, w["physical_stages"],
+            w["micro_batches"], w["virtual"], w["micro_batch_size"], w["tp"], w["first"], w["last"],
+            tuple(b - a for a, b in w["chunks"]), sum(p.replicas for p in plan.pipelines),
+            all(s.tp == 1 for p in plan.pipelines for s in p.stages))
+
+
+def _replay(model, plan, pipeline: int, stage: int, chunks) -> int:
+    from hetero.memplan.caching import simulate_caching_allocator
+    from hetero.memplan.record import record_stage
+
+    return simulate_caching_allocator(record_stage(model, plan, pipeline, stage, chunks=chunks)).reserved_bytes
+
+
+def simulated_caching_bytes(model, plan, pipeline: int, stage: int) -> int | None:
+    """What PyTorch's caching allocator reserves for physical stage ``stage`` of ``pipeline``: the
+    step's requests in the runtime's order (its stage model, schedule, autocast, gradient buffers
+    and sum, AdamW, run on fake tensors by :func:`hetero.memplan.record.record_stage`, two steps)
+    replayed through :mod:`hetero.memplan.caching`; tensors only (no framework overhead).
+
+    A stage whose chunks hold more than :data:`REPLAY_DEPTH` layers is recorded with its deepest
+    chunk cut to ``REPLAY_DEPTH - 1`` and ``REPLAY_DEPTH`` layers (the others cut by as many), and
+    the reservation extended by the difference per further layer: every layer repeats the same
+    requests, so past the first layers each adds the same segments. Memoised per stage signature
+    (:func:`_stage_key`). None where the stage cannot be recorded (the caller falls back to the
+    fitted ratio, :func:`reserved_bytes`)."""
+    key = _stage_key(model, plan, pipeline, stage)
+    if key in _REPLAYS:
+        return _REPLAYS[key]
+    from hetero.memplan.record import stage_of
+
+    chunks = stage_of(plan, pipeline, stage)["chunks"]
+    deepest = max(b - a for a, b in chunks)
+    try:
+        if deepest <= REPLAY_DEPTH:
+            out = _replay(model, plan, pipeline, stage, None)
+        else:
+            lo, hi = (_replay(model, plan, pipeline, stage,
+                              [(a, a + max(1, b - a - (deepest - d))) for a, b in chunks])
+                      for d in (REPLAY_DEPTH - 1, REPLAY_DEPTH))
+            out = hi + (deepest - REPLAY_DEPTH) * (hi - lo)
+    except Exception:  # noqa: BLE001 - a model the recorder cannot run: the ratio model answers
+        out = None
+    if len(_REPLAYS) > 4096:
+        _REPLAYS.clear()
+    _REPLAYS[key] = out
+    return out

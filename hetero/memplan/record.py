@@ -86,14 +86,15 @@ class AllocationRecorder:
 
 
 def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2, progress=None,
-                 fake: bool = True) -> AllocationTrace:
+                 fake: bool = True, chunks=None) -> AllocationTrace:
     """The allocation trace of physical stage ``stage`` of ``plan``'s pipeline ``pipeline`` over
     ``steps`` training iterations, from building the stage on: its parameters, then per step the
     schedule's forwards and backwards (inputs, activations, gradients), the AdamW step (its moments
     appear in the first) and ``zero_grad`` (gradients set to None, as the runtime does).
     ``progress``: an optional callable ``progress(done, total)`` over the schedule's actions.
     ``fake=False`` runs the same steps on real CPU tensors (small models only: the check that the
-    fake run allocates what a real one does)."""
+    fake run allocates what a real one does). ``chunks``: the stage's layer ranges in place of the
+    plan's (fewer layers per chunk: what :mod:`hetero.predictor.allocator` extrapolates from)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -104,6 +105,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     from hetero.runtime.pipeline import schedule_actions
 
     where = stage_of(plan, pipeline, stage)
+    if chunks is not None:
+        where["chunks"] = tuple(tuple(c) for c in chunks)
     chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
     # which gradients the runtime sums with other ranks: the predictor's rule, so both count one buffer
