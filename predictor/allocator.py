@@ -85,8 +85,8 @@ def held_out_errors(kind: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------- the step's own requests
 REPLAY_DEPTH = 4
-"""Chunks of up to this many layers are recorded whole; deeper ones are recorded at this depth and
-one layer less, and the reservation is extrapolated from the two (:func:`simulated_caching_bytes`)."""
+"""Chunks of up to this many layers are recorded whole; deeper ones are recorded with this many
+and their requests deepened by :func:`hetero.memplan.expand.expand_layers`."""
 
 _REPLAYS: dict = {}
 
@@ -105,43 +105,37 @@ def _stage_key(model, plan, pipeline: int, stage: int) -> tuple:
             all(s.tp == 1 for p in plan.pipelines for s in p.stages))
 
 
-def _replay(model, plan, pipeline: int, stage: int, chunks) -> int:
-    from hetero.memplan.caching import simulate_caching_allocator
-    from hetero.memplan.record import record_stage
+def simulated_trace(model, plan, pipeline: int, stage: int):
+    """The requests physical stage ``stage`` of ``pipeline`` makes over two training steps, in the
+    runtime's order (:class:`hetero.memplan.trace.AllocationTrace`): its stage model, schedule,
+    autocast, gradient buffers and sum and AdamW run on fake tensors
+    (:func:`hetero.memplan.record.record_stage`), every chunk cut to :data:`REPLAY_DEPTH` layers at
+    most, then deepened back to the plan's layers by repeating a middle layer's requests
+    (:func:`hetero.memplan.expand.expand_layers`): the cost of recording does not grow with depth."""
+    from hetero.memplan.expand import expand_layers
+    from hetero.memplan.record import record_stage, stage_of
 
-    return simulate_caching_allocator(record_stage(model, plan, pipeline, stage, chunks=chunks)).reserved_bytes
+    chunks = stage_of(plan, pipeline, stage)["chunks"]
+    if max(b - a for a, b in chunks) <= REPLAY_DEPTH:
+        return record_stage(model, plan, pipeline, stage)
+    cut = [(a, min(b, a + REPLAY_DEPTH)) for a, b in chunks]
+    trace = record_stage(model, plan, pipeline, stage, chunks=cut, marks=True)
+    return expand_layers(trace.events, cut, {a: b - a for a, b in chunks})
 
 
 def simulated_caching_bytes(model, plan, pipeline: int, stage: int) -> int | None:
     """What PyTorch's caching allocator reserves for physical stage ``stage`` of ``pipeline``: the
-    step's requests in the runtime's order (its stage model, schedule, autocast, gradient buffers
-    and sum, AdamW, run on fake tensors by :func:`hetero.memplan.record.record_stage`, two steps)
-    replayed through :mod:`hetero.memplan.caching`; tensors only (no framework overhead).
-
-    A stage whose chunks hold more than :data:`REPLAY_DEPTH` layers is recorded with its deepest
-    chunk cut to ``REPLAY_DEPTH - 1`` and ``REPLAY_DEPTH`` layers (the others cut by as many), and
-    the reservation extended by the difference per further layer: every layer repeats the same
-    requests, so past the first layers each adds the same segments. Memoised per stage signature
-    (:func:`_stage_key`). None where the stage cannot be recorded (the caller falls back to the
-    fitted ratio, :func:`reserved_bytes`)."""
+    :func:`simulated_trace` of its requests replayed through :mod:`hetero.memplan.caching`; tensors
+    only (no framework overhead). Memoised per stage signature (:func:`_stage_key`). None where the
+    stage cannot be recorded or deepened (the caller falls back to :func:`reserved_bytes`)."""
     key = _stage_key(model, plan, pipeline, stage)
-    if key in _REPLAYS:
-        return _REPLAYS[key]
-    from hetero.memplan.record import stage_of
+    if key not in _REPLAYS:
+        from hetero.memplan.caching import simulate_caching_allocator
 
-    chunks = stage_of(plan, pipeline, stage)["chunks"]
-    deepest = max(b - a for a, b in chunks)
-    try:
-        if deepest <= REPLAY_DEPTH:
-            out = _replay(model, plan, pipeline, stage, None)
-        else:
-            lo, hi = (_replay(model, plan, pipeline, stage,
-                              [(a, a + max(1, b - a - (deepest - d))) for a, b in chunks])
-                      for d in (REPLAY_DEPTH - 1, REPLAY_DEPTH))
-            out = hi + (deepest - REPLAY_DEPTH) * (hi - lo)
-    except Exception:  # noqa: BLE001 - a model the recorder cannot run: the ratio model answers
-        out = None
-    if len(_REPLAYS) > 4096:
-        _REPLAYS.clear()
-    _REPLAYS[key] = out
-    return out
+        try:
+            _REPLAYS[key] = simulate_caching_allocator(simulated_trace(model, plan, pipeline, stage)).reserved_bytes
+        except (ValueError, RuntimeError, NotImplementedError):   # a model the recorder cannot run
+            _REPLAYS[key] = None
+        if len(_REPLAYS) > 4096:
+            _REPLAYS.pop(next(iter(_REPLAYS)))
+    return _REPLAYS[key]

@@ -123,6 +123,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     seq, hidden = model.seq_length, model.hidden_size
     with FakeTensorMode() if fake else contextlib.nullcontext(), recorder, torch.device("cpu"):
         module = StageModel(model, chunks[0], where["first"], where["last"], chunks)
+        if marks and tp > 1:   # the whole weights the local shards replace are their layer's too
+            _own_layers(module, list(module.parameters()), None, recorder.events.append, hooks=False)
         _take_local_shards(module, tp)
         module.set_recompute(plan.recompute)
         params = list(module.parameters())
@@ -226,7 +228,7 @@ def _note(note, event) -> None:
         note(event)
 
 
-def _own_layers(module, params, shards, note) -> list:
+def _own_layers(module, params, shards, note, hooks: bool = True) -> list:
     """The layer of each parameter (None: embedding, head, final norm); with ``note``, mark each
     parameter's (and ZeRO shard copy's) storage as its layer's and every block's forward and
     backward as a segment of its layer (hetero.memplan.expand reads these marks)."""
@@ -237,7 +239,10 @@ def _own_layers(module, params, shards, note) -> list:
         for t, owner in zip(tensors, owners):
             if owner is not None:
                 note(("own", t.untyped_storage()._cdata, owner))
-    for name, block in module.layers.items():
+    for name, t in module.named_buffers():   # RoPE's tables: one pair per block
+        if name.startswith("layers."):
+            note(("own", t.untyped_storage()._cdata, int(name.split(".")[1])))
+    for name, block in module.layers.items() if hooks else ():
         block.register_forward_pre_hook(functools.partial(_enter, note, int(name)))
         block.register_forward_hook(functools.partial(_leave, note, int(name)))
     return owners
