@@ -84,7 +84,8 @@ DEEP_CASES = {
 
 def deep_rows(name: str) -> list[dict]:
     """Per stage of a deep case: the replay of its full recording against the predictor's
-    (allocator.simulated_caching_bytes: shallower recordings, extrapolated), with the time of each."""
+    (allocator.simulated_caching_bytes: recorded at 4 layers per chunk, deepened by repeating a layer's
+    requests), with the time of each."""
     from hetero.predictor.allocator import _REPLAYS, simulated_caching_bytes
 
     arch, layers, over, plan_d = DEEP_CASES[name]
@@ -165,7 +166,8 @@ def main() -> int:
         out.write_text(json.dumps({"method": "per stage: the caching allocator's replay of the stage's full "
                                    "recording (hetero.memplan.record, two steps) against "
                                    "hetero.predictor.allocator.simulated_caching_bytes (the same stage recorded "
-                                   "at REPLAY_DEPTH - 1 and REPLAY_DEPTH layers per chunk, extrapolated); "
+                                   "at REPLAY_DEPTH layers per chunk at most, deepened by "
+                                   "hetero.memplan.expand.expand_layers); "
                                    "seconds on a shared 2-core CPU", **_summary(rows), "stages": rows}, indent=1))
         print(json.dumps(_summary(rows)))
         print(f"wrote {out}")

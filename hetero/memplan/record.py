@@ -122,7 +122,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     recorder = AllocationRecorder()
     seq, hidden = model.seq_length, model.hidden_size
     with FakeTensorMode() if fake else contextlib.nullcontext(), recorder, torch.device("cpu"):
-        module = StageModel(model, chunks[0], where["first"], where["last"], chunks)
+        with _marking_construction(recorder.events.append if marks else None, chunks):
+            module = StageModel(model, chunks[0], where["first"], where["last"], chunks)
         if marks and tp > 1:   # the whole weights the local shards replace are their layer's too
             _own_layers(module, list(module.parameters()), None, recorder.events.append, hooks=False)
         _take_local_shards(module, tp)
@@ -221,6 +222,31 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
         events = list(recorder.events)   # what stays live (parameters, moments) lives to the end
     return AllocationTrace(events, source=f"recorded: pipeline {pipeline} stage {stage} "
                                                    f"({where['group']}, tp {tp}), {steps} steps")
+
+
+@contextlib.contextmanager
+def _marking_construction(note, chunks):
+    """With ``note``, each block's construction (its weights, RoPE's tables and their temporaries)
+    is a segment of its layer: StageModel builds its blocks in the order of its chunks' layers."""
+    if note is None:
+        yield
+        return
+    from hetero.runtime.model import Block
+
+    layers = iter([i for a, b in chunks for i in range(a, b)])
+    init = Block.__init__
+
+    def marked(self, *args, **kwargs):
+        layer = next(layers)
+        note(("seg", layer, 1))
+        init(self, *args, **kwargs)
+        note(("seg", layer, -1))
+
+    Block.__init__ = marked
+    try:
+        yield
+    finally:
+        Block.__init__ = init
 
 
 def _note(note, event) -> None:
