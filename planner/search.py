@@ -188,6 +188,8 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
             if any(v <= 0 for v in ub_by_group.values()):
                 ub = None   # a group that cannot hold the model alone adds 0: the sum bounds nothing
     fitting = [x for x in scored if x[0] > 0]
+    if allocator == "caching" and predict_fn is None:
+        fitting = _confirm_by_replay(cluster, model, calibration, cost_model, fitting, top_k)
     if not fitting:
         raise PlannerError(infeasible_message(cluster, model, B, opts, cost_model, calibration))
     results = SearchResults()
@@ -205,6 +207,29 @@ def search(cluster, model, global_batch_size: int, top_k: int = 5, calibration=N
     if results:
         results[0].reasons = list(results.reasons)
     return results
+
+
+REPLAY_CHECKS = 4
+"""With ``--allocator caching`` the search screens by the fitted ratio and replays the stages of at
+most this many times ``top_k`` of its best plans (:func:`_confirm_by_replay`)."""
+
+
+def _confirm_by_replay(cluster, model, calibration, cost_model, fitting: list, top_k: int) -> list:
+    """The best plans the ratio admits, each predicted again with its stages' caching reservation
+    replayed from their own requests (:func:`hetero.predictor.allocator.simulated_caching_bytes`,
+    seconds per new stage signature: too slow for every candidate), kept where they still fit, until
+    ``top_k`` are confirmed or ``REPLAY_CHECKS * top_k`` were tried."""
+    from hetero.predictor import predict
+
+    out = []
+    for _s, plan, _pred, c in fitting[: REPLAY_CHECKS * top_k]:
+        pred = predict(cluster, model, plan, calibration, cost_model=cost_model, check=False, replay=True)
+        if pred.fits_memory:
+            out.append((_score(pred), plan, pred, c))
+            if len(out) == top_k:
+                break
+    out.sort(key=lambda x: -x[0])
+    return out
 
 
 NOTATION = ("plan notation: '2x' two data-parallel replicas of the pipeline; 'a100:16' group a100, 16 devices "
