@@ -100,9 +100,24 @@ def _stage_key(model, plan, pipeline: int, stage: int) -> tuple:
     w = stage_of(plan, pipeline, stage)
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
     return (model, plan.schedule, plan.recompute, plan.zero_stage, degree, stage, w["physical_stages"],
-            w["micro_batches"], w["virtual"], w["micro_batch_size"], w["tp"], w["first"], w["last"],
+            _micro_batches(plan, w, stage), w["virtual"], w["micro_batch_size"], w["tp"], w["first"], w["last"],
             tuple(b - a for a, b in w["chunks"]), sum(p.replicas for p in plan.pipelines),
             all(s.tp == 1 for p in plan.pipelines for s in p.stages))
+
+
+STEADY_MICRO_BATCHES = 2
+"""Under 1F1B a stage is recorded with at most this many micro-batches more than it holds at once."""
+
+
+def _micro_batches(plan, where: dict, stage: int) -> int:
+    """The micro-batches to record: under 1F1B (one chunk per device) the stage's warm-up and
+    :data:`STEADY_MICRO_BATCHES` of its steady state, where each further micro-batch repeats the
+    steady state's requests on blocks of the same sizes freed just before, and reserves nothing
+    new; every micro-batch otherwise (GPipe and interleaved hold more of them)."""
+    m = where["micro_batches"]
+    if plan.schedule != "1f1b" or where["virtual"] > 1:
+        return m
+    return min(m, where["physical_stages"] - stage + STEADY_MICRO_BATCHES)
 
 
 def simulated_trace(model, plan, pipeline: int, stage: int):
@@ -111,15 +126,18 @@ def simulated_trace(model, plan, pipeline: int, stage: int):
     autocast, gradient buffers and sum and AdamW run on fake tensors
     (:func:`hetero.memplan.record.record_stage`), every chunk cut to :data:`REPLAY_DEPTH` layers at
     most, then deepened back to the plan's layers by repeating a middle layer's requests
-    (:func:`hetero.memplan.expand.expand_layers`): the cost of recording does not grow with depth."""
+    (:func:`hetero.memplan.expand.expand_layers`): the cost of recording does not grow with depth;
+    under 1F1B with the micro-batches :func:`_micro_batches` gives (the step's requests repeat
+    beyond them: what they reserve does not change, the trace is shorter)."""
     from hetero.memplan.expand import expand_layers
     from hetero.memplan.record import record_stage, stage_of
 
-    chunks = stage_of(plan, pipeline, stage)["chunks"]
+    where = stage_of(plan, pipeline, stage)
+    chunks, m = where["chunks"], _micro_batches(plan, where, stage)
     if max(b - a for a, b in chunks) <= REPLAY_DEPTH:
-        return record_stage(model, plan, pipeline, stage)
+        return record_stage(model, plan, pipeline, stage, micro_batches=m)
     cut = [(a, min(b, a + REPLAY_DEPTH)) for a, b in chunks]
-    trace = record_stage(model, plan, pipeline, stage, chunks=cut, marks=True)
+    trace = record_stage(model, plan, pipeline, stage, chunks=cut, marks=True, micro_batches=m)
     return expand_layers(trace.events, cut, {a: b - a for a, b in chunks})
 
 

@@ -67,3 +67,20 @@ def test_deepening_refuses_what_it_cannot_repeat():
     # plain events, without the layer marks: nothing tells the layers apart
     with pytest.raises(ValueError, match="alike"):
         expand_layers(record_stage(model, plan, 0, 0, chunks=[(0, 4)]).events, [(0, 4)], {0: 6})
+
+
+@pytest.mark.parametrize("name", ["gpt bf16 selective mbs2", "llama zero1 x2"])
+def test_1f1b_stages_reserve_what_their_first_steady_micro_batches_reserve(name):
+    # more micro-batches than a 1F1B stage's warm-up and two steady ones repeat the same requests on
+    # freed blocks of the same sizes: the replay reserves the same, so the predictor records no more
+    from hetero.predictor.allocator import STEADY_MICRO_BATCHES
+
+    arch, layers, over, plan_kw = CASES[name]
+    model = _model(arch, layers, **over)
+    plan = _plan(**{**plan_kw, "m": 8})
+    for stage in range(len(plan.physical_stages(plan.pipelines[0]))):
+        short = plan.physical_stages(plan.pipelines[0]).__len__() - stage + STEADY_MICRO_BATCHES
+        assert short < 8
+        whole = simulate_caching_allocator(record_stage(model, plan, 0, stage)).reserved_bytes
+        assert simulate_caching_allocator(simulated_trace(model, plan, 0, stage)).reserved_bytes == whole
+        assert len(simulated_trace(model, plan, 0, stage).events) < len(record_stage(model, plan, 0, stage).events)

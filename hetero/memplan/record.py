@@ -86,7 +86,8 @@ class AllocationRecorder:
 
 
 def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2, progress=None,
-                 fake: bool = True, chunks=None, marks: bool = False) -> AllocationTrace:
+                 fake: bool = True, chunks=None, marks: bool = False,
+                 micro_batches: int | None = None) -> AllocationTrace:
     """The allocation trace of physical stage ``stage`` of ``plan``'s pipeline ``pipeline`` over
     ``steps`` training iterations, from building the stage on: its parameters, then per step the
     schedule's forwards and backwards (inputs, activations, gradients), the AdamW step (its moments
@@ -95,6 +96,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     ``fake=False`` runs the same steps on real CPU tensors (small models only: the check that the
     fake run allocates what a real one does). ``chunks``: the stage's layer ranges in place of the
     plan's (fewer layers per chunk: what :mod:`hetero.predictor.allocator` extrapolates from).
+    ``micro_batches``: that many micro-batches per step in place of the plan's.
     ``marks``: the events also say which layer each request belongs to, for
     :func:`hetero.memplan.expand.expand_layers` (the format is that module's)."""
     import torch
@@ -109,6 +111,8 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     where = stage_of(plan, pipeline, stage)
     if chunks is not None:
         where["chunks"] = tuple(tuple(c) for c in chunks)
+    if micro_batches is not None:
+        where["micro_batches"] = micro_batches
     chunks, tp, mbs = where["chunks"], where["tp"], where["micro_batch_size"]
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
     # which gradients the runtime sums with other ranks: the predictor's rule, so both count one buffer
