@@ -141,6 +141,16 @@ def simulated_trace(model, plan, pipeline: int, stage: int):
     return expand_layers(trace.events, cut, {a: b - a for a, b in chunks})
 
 
+def replay_layer_passes(plan, pipeline: int, stage: int) -> int:
+    """The layer forwards and backwards one recorded step of :func:`simulated_trace` runs: what
+    its cost grows with (a few milliseconds each on fake tensors)."""
+    from hetero.memplan.record import stage_of
+
+    w = stage_of(plan, pipeline, stage)
+    layers = sum(min(b - a, REPLAY_DEPTH) for a, b in w["chunks"])
+    return 2 * _micro_batches(plan, w, stage) * layers
+
+
 def simulated_caching_bytes(model, plan, pipeline: int, stage: int) -> int | None:
     """What PyTorch's caching allocator reserves for physical stage ``stage`` of ``pipeline``: the
     :func:`simulated_trace` of its requests replayed through :mod:`hetero.memplan.caching`; tensors
