@@ -3,6 +3,7 @@ fragmentation model (predictor/allocator.py) is fitted on.
 
     python benchmarks/bench_fragmentation.py [OUT.json]   (default predictor/data/caching_fragmentation.json)
     python benchmarks/bench_fragmentation.py --fit         (writes benchmarks/results/allocator_fit.json)
+    python benchmarks/bench_fragmentation.py --deep        (writes benchmarks/results/caching_replay_deep.json)
 
 Method: the runtime's stages at full width (GPT-2-large, GPT-3 1.3B, Llama-2-7B cut to 4-6 layers;
 fp32 / bf16 / fp16, tp 2, ZeRO-1, no / selective / full recomputation, 1F1B / GPipe / interleaved,
@@ -63,6 +64,47 @@ CASES = {
 }
 
 
+DEEP_CASES = {
+    # stages deeper than the predictor records (allocator.REPLAY_DEPTH): its reservation is extrapolated
+    "gpt2-large bf16 x16": ("gpt2-large", 16, {"dtype": "bf16"}, _even(16, 2)),
+    "gpt2-large fp32 mbs2 full x12": ("gpt2-large", 12, {}, _even(12, 2, mbs=2, recompute="full")),
+    "gpt2-large bf16 mbs4 selective x12": ("gpt2-large", 12, {"dtype": "bf16"},
+                                           _even(12, 2, mbs=4, recompute="selective")),
+    "llama2-7b bf16 tp2 x14": ("llama2-7b", 14, {"seq_length": 2048}, _even(14, 2, tp=2)),
+    "llama2-7b zero1 x2 seq512 x14": ("llama2-7b", 14, {"seq_length": 512},
+                                      _even(14, 2, replicas=2, zero_stage=1)),
+    "llama2-7b full x2 seq512 x12": ("llama2-7b", 12, {"seq_length": 512}, _even(12, 2, replicas=2, recompute="full")),
+    "llama2-7b bf16 selective mbs2 x12": ("llama2-7b", 12, {"seq_length": 2048},
+                                          _even(12, 2, mbs=2, recompute="selective")),
+    "gpt3-1.3b fp16 gpipe x16": ("gpt3-1.3b", 16, {}, _even(16, 2, schedule="gpipe")),
+    "gpt3-1.3b bf16 interleaved x36": ("gpt3-1.3b", 36, {"dtype": "bf16"},
+                                       {**_even(36, 6), "schedule": "interleaved", "interleave": 2}),
+}
+
+
+def deep_rows(name: str) -> list[dict]:
+    """Per stage of a deep case: the replay of its full recording against the predictor's
+    (allocator.simulated_caching_bytes: recorded at 4 layers per chunk, deepened by repeating a layer's
+    requests), with the time of each."""
+    from hetero.predictor.allocator import _REPLAYS, simulated_caching_bytes
+
+    arch, layers, over, plan_d = DEEP_CASES[name]
+    model, plan = _sized(arch, layers, **over), hetero.load_plan(plan_d)
+    rows = []
+    for stage in range(len(plan.physical_stages(plan.pipelines[0]))):
+        t0 = time.perf_counter()
+        replay = simulate_caching_allocator(record_stage(model, plan, 0, stage)).reserved_bytes
+        t1 = time.perf_counter()
+        _REPLAYS.clear()
+        predicted = simulated_caching_bytes(model, plan, 0, stage)
+        t2 = time.perf_counter()
+        rows.append({"case": name, "stage": stage, "caching_reserved_bytes": replay,
+                     "predicted_reserved_bytes": predicted, "error": predicted / replay - 1,
+                     "record_seconds": t1 - t0, "predict_seconds": t2 - t1})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def stage_rows(name: str, cluster) -> list[dict]:
     arch, layers, over, plan_d = CASES[name]
     from hetero.predictor.memory import FRAMEWORK_OVERHEAD
@@ -118,6 +160,18 @@ def write_fit(out: Path) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--deep"]:
+        rows = [r for name in DEEP_CASES for r in deep_rows(name)]
+        out = ROOT / "benchmarks/results/caching_replay_deep.json"
+        out.write_text(json.dumps({"method": "per stage: the caching allocator's replay of the stage's full "
+                                   "recording (hetero.memplan.record, two steps) against "
+                                   "hetero.predictor.allocator.simulated_caching_bytes (the same stage recorded "
+                                   "at REPLAY_DEPTH layers per chunk at most, deepened by "
+                                   "hetero.memplan.expand.expand_layers); "
+                                   "seconds on a shared 2-core CPU", **_summary(rows), "stages": rows}, indent=1))
+        print(json.dumps(_summary(rows)))
+        print(f"wrote {out}")
+        return 0
     if sys.argv[1:] == ["--fit"]:
         write_fit(ROOT / "benchmarks/results/allocator_fit.json")
         return 0

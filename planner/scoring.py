@@ -27,7 +27,9 @@ class _Scorer:
             from hetero.predictor import cost_model_for, predict
 
             self.fn = predict
-            self.extra = {"cost_model": cost_model or cost_model_for(cluster, model, calibration), "check": False}
+            self.extra = {"cost_model": cost_model or cost_model_for(cluster, model, calibration), "check": False,
+                          # fit by the fitted ratio: recording every candidate's stages would take seconds each
+                          "replay": False}
 
     def __call__(self, plan: Plan):
         key = repr(plan.to_dict())

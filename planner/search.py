@@ -197,6 +197,8 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
             if any(v <= 0 for v in ub_by_group.values()):
                 ub = None   # a group that cannot hold the model alone adds 0: the sum bounds nothing
     fitting = [x for x in scored if x[0] > 0]
+    if allocator == "caching" and predict_fn is None:
+        fitting = _confirm_by_replay(cluster, model, calibration, cost_model, fitting, top_k)
     if not fitting:
         raise PlannerError(infeasible_message(cluster, model, B, opts, cost_model, calibration))
     results = SearchResults()
@@ -214,6 +216,38 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
     if results:
         results[0].reasons = list(results.reasons)
     return results
+
+
+REPLAY_CHECKS = 4
+"""With ``--allocator caching`` the search screens by the fitted ratio and replays the stages of at
+most this many times ``top_k`` of its best plans (:func:`_confirm_by_replay`)."""
+
+REPLAY_BUDGET = 256
+"""A plan is confirmed by replay only where each of its stages records at most this many layer
+passes per step (:func:`hetero.predictor.allocator.replay_layer_passes`); beyond, the ratio's
+verdict stands: the replay would take minutes."""
+
+
+def _confirm_by_replay(cluster, model, calibration, cost_model, fitting: list, top_k: int) -> list:
+    """The best plans the ratio admits, each predicted again with its stages' caching reservation
+    replayed from their own requests (:func:`hetero.predictor.allocator.simulated_caching_bytes`,
+    seconds per new stage signature: too slow for every candidate), kept where they still fit, until
+    ``top_k`` are confirmed or ``REPLAY_CHECKS * top_k`` were tried. A plan whose stages would
+    record more than :data:`REPLAY_BUDGET` layer passes keeps the ratio's prediction."""
+    from hetero.predictor import predict
+    from hetero.predictor.allocator import replay_layer_passes
+
+    out = []
+    for _s, plan, pred, c in fitting[: REPLAY_CHECKS * top_k]:
+        if all(replay_layer_passes(plan, pi, i) <= REPLAY_BUDGET for pi, p in enumerate(plan.pipelines)
+               for i in range(len(plan.physical_stages(p)))):
+            pred = predict(cluster, model, plan, calibration, cost_model=cost_model, check=False, replay=True)
+        if pred.fits_memory:
+            out.append((_score(pred), plan, pred, c))
+            if len(out) == top_k:
+                break
+    out.sort(key=lambda x: -x[0])
+    return out
 
 
 NOTATION = ("plan notation: '2x' two data-parallel replicas of the pipeline; 'a100:16' group a100, 16 devices "

@@ -81,3 +81,89 @@ def held_out_errors(kind: str) -> list[dict]:
     coefficients(kind)   # the same check of ``kind``
     rows = _stages()
     return [_errors(r, kind, *_fit(rows[:i] + rows[i + 1:], kind)) for i, r in enumerate(rows)]
+
+
+# ---------------------------------------------------------------------------- the step's own requests
+REPLAY_DEPTH = 4
+"""Chunks of up to this many layers are recorded whole; deeper ones are recorded with this many
+and their requests deepened by :func:`hetero.memplan.expand.expand_layers`."""
+
+_REPLAYS: dict = {}
+
+
+def _stage_key(model, plan, pipeline: int, stage: int) -> tuple:
+    """Everything of ``plan`` that decides what physical stage ``stage`` of ``pipeline`` requests,
+    in which order: stages of different plans that agree on it share one replay."""
+    from hetero.memplan.record import stage_of
+    from hetero.predictor.memory import zero_degrees
+
+    w = stage_of(plan, pipeline, stage)
+    degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
+    return (model, plan.schedule, plan.recompute, plan.zero_stage, degree, stage, w["physical_stages"],
+            _micro_batches(plan, w, stage), w["virtual"], w["micro_batch_size"], w["tp"], w["first"], w["last"],
+            tuple(b - a for a, b in w["chunks"]), sum(p.replicas for p in plan.pipelines),
+            all(s.tp == 1 for p in plan.pipelines for s in p.stages))
+
+
+STEADY_MICRO_BATCHES = 2
+"""Under 1F1B a stage is recorded with at most this many micro-batches more than it holds at once."""
+
+
+def _micro_batches(plan, where: dict, stage: int) -> int:
+    """The micro-batches to record: under 1F1B (one chunk per device) the stage's warm-up and
+    :data:`STEADY_MICRO_BATCHES` of its steady state, where each further micro-batch repeats the
+    steady state's requests on blocks of the same sizes freed just before, and reserves nothing
+    new; every micro-batch otherwise (GPipe and interleaved hold more of them)."""
+    m = where["micro_batches"]
+    if plan.schedule != "1f1b" or where["virtual"] > 1:
+        return m
+    return min(m, where["physical_stages"] - stage + STEADY_MICRO_BATCHES)
+
+
+def simulated_trace(model, plan, pipeline: int, stage: int):
+    """The requests physical stage ``stage`` of ``pipeline`` makes over two training steps, in the
+    runtime's order (:class:`hetero.memplan.trace.AllocationTrace`): its stage model, schedule,
+    autocast, gradient buffers and sum and AdamW run on fake tensors
+    (:func:`hetero.memplan.record.record_stage`), every chunk cut to :data:`REPLAY_DEPTH` layers at
+    most, then deepened back to the plan's layers by repeating a middle layer's requests
+    (:func:`hetero.memplan.expand.expand_layers`): the cost of recording does not grow with depth;
+    under 1F1B with the micro-batches :func:`_micro_batches` gives (the step's requests repeat
+    beyond them: what they reserve does not change, the trace is shorter)."""
+    from hetero.memplan.expand import expand_layers
+    from hetero.memplan.record import record_stage, stage_of
+
+    where = stage_of(plan, pipeline, stage)
+    chunks, m = where["chunks"], _micro_batches(plan, where, stage)
+    if max(b - a for a, b in chunks) <= REPLAY_DEPTH:
+        return record_stage(model, plan, pipeline, stage, micro_batches=m)
+    cut = [(a, min(b, a + REPLAY_DEPTH)) for a, b in chunks]
+    trace = record_stage(model, plan, pipeline, stage, chunks=cut, marks=True, micro_batches=m)
+    return expand_layers(trace.events, cut, {a: b - a for a, b in chunks})
+
+
+def replay_layer_passes(plan, pipeline: int, stage: int) -> int:
+    """The layer forwards and backwards one recorded step of :func:`simulated_trace` runs: what
+    its cost grows with (a few milliseconds each on fake tensors)."""
+    from hetero.memplan.record import stage_of
+
+    w = stage_of(plan, pipeline, stage)
+    layers = sum(min(b - a, REPLAY_DEPTH) for a, b in w["chunks"])
+    return 2 * _micro_batches(plan, w, stage) * layers
+
+
+def simulated_caching_bytes(model, plan, pipeline: int, stage: int) -> int | None:
+    """What PyTorch's caching allocator reserves for physical stage ``stage`` of ``pipeline``: the
+    :func:`simulated_trace` of its requests replayed through :mod:`hetero.memplan.caching`; tensors
+    only (no framework overhead). Memoised per stage signature (:func:`_stage_key`). None where the
+    stage cannot be recorded or deepened (the caller falls back to :func:`reserved_bytes`)."""
+    key = _stage_key(model, plan, pipeline, stage)
+    if key not in _REPLAYS:
+        from hetero.memplan.caching import simulate_caching_allocator
+
+        try:
+            _REPLAYS[key] = simulate_caching_allocator(simulated_trace(model, plan, pipeline, stage)).reserved_bytes
+        except (ValueError, RuntimeError, NotImplementedError):   # a model the recorder cannot run
+            _REPLAYS[key] = None
+        if len(_REPLAYS) > 4096:
+            _REPLAYS.pop(next(iter(_REPLAYS)))
+    return _REPLAYS[key]

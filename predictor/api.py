@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 from hetero.specs.units import plural
 
-from .allocator import reserved_bytes
+from .allocator import reserved_bytes, simulated_caching_bytes
 from .costs import StageCostModel
 from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches,
                      summed_params, zero_degrees)
@@ -230,9 +230,21 @@ def cost_model_for(cluster, model, calibration=None, allocator: str | None = Non
     return cm
 
 
+def _reserved(allocator, br, replay: bool, model, plan, pipeline: int, stage: int) -> int | None:
+    """What ``allocator`` reserves for a stage whose predicted peak is ``br``: for ``caching`` (with
+    ``replay``) the replay of the stage's requests plus the framework overhead, else the fitted ratio."""
+    if allocator is None:
+        return None
+    if allocator == "caching" and replay:
+        tensors = simulated_caching_bytes(model, plan, pipeline, stage)
+        if tensors is not None:
+            return int(tensors + br.overhead)
+    return int(reserved_bytes(allocator, br))
+
+
 def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
             timeline: bool = False, check: bool = True, placement: str = "packed",
-            allocator: str | None = None, overlap: bool = True) -> Prediction:
+            allocator: str | None = None, overlap: bool = True, replay: bool = True) -> Prediction:
     """Predict one training iteration of ``plan``; raises SpecError if the plan breaks a rule.
 
     ``placement``: how ranks map to nodes (:mod:`hetero.predictor.placement`): ``packed``, the
@@ -243,7 +255,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     ``allocator`` (``caching`` | ``planned``; default: ``cost_model``'s): fit is judged by the bytes
     that allocator reserves for each stage's peak (:mod:`hetero.predictor.allocator`) rather than
     the peak itself. ``overlap``: the runtime reduces gradient
-    buckets under the backward (its default); False: after the schedule (``hetero launch --no-overlap``)."""
+    buckets under the backward (its default); False: after the schedule (``hetero launch --no-overlap``).
+    ``replay``: with ``allocator="caching"``, each stage's reservation is the caching allocator's
+    replay of the stage's own requests (:func:`.allocator.simulated_caching_bytes`); False: the
+    fitted ratio (what the planner screens with: no recording per candidate)."""
     if check:
         check_plan(plan, cluster, model)
     cm = cost_model or cost_model_for(cluster, model, calibration, allocator)
@@ -329,7 +344,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
                 peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
                 memory_breakdown=br, allocator=allocator,
-                reserved_memory_bytes=None if allocator is None else int(reserved_bytes(allocator, br)), in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
+                reserved_memory_bytes=_reserved(allocator, br, replay, cm.model, plan, pi, i), in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
                 optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0,
                 layer_dispatch_s=dispatch, layer_device_s=device))
             owners.append((stage_preds[-1], base + i))

@@ -6,7 +6,8 @@ import math
 import pytest
 
 import hetero
-from hetero.predictor.allocator import DATA, coefficients, fit_errors, held_out_errors, reserved_bytes
+from hetero.predictor.allocator import (DATA, coefficients, fit_errors, held_out_errors, reserved_bytes,
+                                       simulated_caching_bytes)
 from hetero.predictor.memory import MemoryBreakdown
 
 from test_planned_allocator import CLUSTER, GPT, PLAN, tight_cluster
@@ -23,8 +24,12 @@ def test_no_allocator_keeps_the_live_peak_and_the_default_predictions():
         assert other.iteration_time_s == default.iteration_time_s
         for a, b in zip(default.pipelines[0].stages, other.pipelines[0].stages):
             assert b.peak_memory_bytes == a.peak_memory_bytes
-            assert b.reserved_memory_bytes == int(reserved_bytes(kind, b.memory_breakdown))
             assert b.to_dict()["allocator"] == kind
+        # caching: the replay of each stage's own requests; planned: the fitted arena
+        for i, b in enumerate(other.pipelines[0].stages):
+            want = (simulated_caching_bytes(model, plan, 0, i) + b.memory_breakdown.overhead if kind == "caching"
+                    else reserved_bytes(kind, b.memory_breakdown))
+            assert b.reserved_memory_bytes == int(want)
 
 
 def test_the_reservation_models_are_fitted_on_the_replays():
@@ -61,12 +66,30 @@ def test_the_caching_model_beats_the_live_peak_on_stages_it_was_not_fitted_on():
                for r in rows)
 
 
-@pytest.mark.xfail(strict=True, reason="the caching allocator's fragmentation depends on the order of "
-                   "the step's requests, which the aggregate model does not see (docs/memory-planning.md)")
-def test_the_predicted_caching_reservation_is_within_5_percent_of_the_replay_on_every_stage():
-    # held out: each stage with the coefficients fitted on the other stages
+def test_the_fitted_ratio_alone_misses_5_percent_on_stages_it_was_not_fitted_on():
+    # why predict replays each stage's requests instead: the aggregate model, which the planner
+    # still screens with, misses the replay by more than 5% on some stage held out of its fit
     worst = max(held_out_errors("caching"), key=lambda e: abs(e["error"]))
-    assert abs(worst["error"]) <= 0.05, worst
+    assert abs(worst["error"]) > 0.05, worst
+
+
+def test_the_predicted_caching_reservation_is_within_5_percent_of_the_replay_on_every_stage(tmp_path):
+    # predict's reservation of a stage deeper than it records (5 layers per stage, recorded with 4 and
+    # deepened) against the caching replay of the stage's whole recording
+    from hetero.memplan.caching import simulate_caching_allocator
+    from hetero.memplan.record import record_stage
+
+    from test_caching_replay import _model, _plan
+
+    cluster, model = hetero.load_cluster(CLUSTER), _model("gpt", 10, dtype="bf16")
+    plan = _plan(10, 2, mbs=2, recompute="selective")
+    plan = hetero.load_plan({**plan.to_dict(), "pipelines": [
+        {**p, "stages": [{**s, "group": g} for s, g in zip(p["stages"], ("fast", "slow"))]}
+        for p in plan.to_dict()["pipelines"]]})
+    pred = hetero.predict(cluster, model, plan, allocator="caching")
+    for i, s in enumerate(pred.pipelines[0].stages):
+        replay = simulate_caching_allocator(record_stage(model, plan, 0, i)).reserved_bytes
+        assert abs((s.reserved_memory_bytes - s.memory_breakdown.overhead) / replay - 1) <= 0.05
 
 
 def test_the_planner_spends_what_the_arena_saves():
