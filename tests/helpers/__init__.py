@@ -26,7 +26,7 @@ timeout ends its whole tree), fails the test if a process of the run outlives it
 process training the whole model (``reference(model)``), to ``RTOL``.
 
 Processes (:mod:`helpers.processes`): ``with_communicator(fn, vendors=[...], args)`` runs
-``fn(comm, rank, *args)`` in one process per vendor tag, each with a ``hetero.comm.Communicator``;
+``fn(comm, *args)`` in one process per vendor tag, each with a ``hetero.comm.Communicator``;
 ``assert_no_leftover(run_dir, files=[...])`` fails when a process of the run is alive or an output
 (or a half-written one beside it) exists; ``leftover(run_dir)`` lists those processes. They build on
 ``tests/_spawn.py`` (``spawn``, ``run_launcher``, ``end_launcher``), re-exported here.

@@ -48,16 +48,17 @@ def _communicator_rank(rank: int, world_size: int, fn: Callable[..., Any], vendo
 
     dist.init_process_group("gloo")   # env://: _spawn set the rendezvous on 127.0.0.1
     comm = Communicator.from_vendors(vendors, bridge=bridge, timeout=comm_timeout)
-    return fn(comm, rank, *args)
+    return fn(comm, *args)
 
 
 def with_communicator(fn: Callable[..., Any], vendors: Sequence[str], args: Sequence[Any] = (), *,
                       bridge: str = "gloo", comm_timeout: float = 30.0, timeout: float = 120.0,
                       **spawn_options: Any) -> list[Any]:
-    """Run ``fn(comm, rank, *args)`` in one process per entry of ``vendors`` (rank r has vendor tag
+    """Run ``fn(comm, *args)`` in one process per entry of ``vendors`` (rank r has vendor tag
     ``vendors[r]``), each after ``torch.distributed`` is initialised over Gloo and a
     :class:`hetero.comm.Communicator` is built from ``vendors`` (``bridge``, ``comm_timeout``: its
-    own timeout for a collective). Returns each rank's result, by rank.
+    own timeout for a collective); ``comm.rank`` and ``comm.world_size`` say which rank runs. Returns
+    each rank's result, by rank.
 
     ``fn`` lives at module level (it is pickled to the ranks). ``timeout`` bounds the whole run: the
     ranks still running then are named in the :class:`_spawn.SpawnError`, and every rank is ended
