@@ -225,8 +225,7 @@ def test_run_layout_is_checked_against_the_group_nodes():
     narrower one is modelled as such, a wider one than every group's nodes is an error naming the
     row, the column and the group's value."""
     two = hetero.load_cluster({**CLUSTER, "groups": [
-        {"name": "narrow", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 4},
-        {"name": "wide", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8}]})
+        group_dict("narrow", "A100-SXM4-80GB", 4, 4), group_dict("wide", "A100-SXM4-80GB", 2, 8)]})
     run = Run(device="A100-SXM4-80GB", devices_per_node=8, num_devices=16, global_batch_size=16, micro_batch_size=1,
               hidden_size=512, num_attention_heads=8, num_layers=8, seq_length=512, vocab_size=51200, dtype="fp16",
               recompute="full", tp=8, dp=2, pp=1, iteration_time_ms=1.0, row=7, source="runs.csv")
