@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["spawn", "free_port", "SpawnError", "run_launcher", "end_launcher"]
+__all__ = ["spawn", "free_port", "SpawnError", "run_launcher", "end_launcher", "processes_naming"]
 
 
 class SpawnError(RuntimeError):
@@ -122,7 +122,7 @@ def _load(path: str):
         return pickle.load(f)
 
 
-def _naming(marker: str) -> list[int]:
+def processes_naming(marker: str) -> list[int]:
     """The live processes (not zombies) whose command line holds ``marker`` (a run directory), this
     process and its ancestors aside."""
     mine, pid = set(), os.getpid()
@@ -168,7 +168,7 @@ def end_launcher(proc: subprocess.Popen, marker: str | None = None, grace: float
             pass
     deadline = time.monotonic() + 10.0   # then until none is left (a killed process takes a moment to go)
     while marker and time.monotonic() < deadline:
-        pids = _naming(marker)
+        pids = processes_naming(marker)
         if not pids:
             break
         for pid in pids:

@@ -8,15 +8,15 @@ import sys
 import pytest
 
 from conftest import REPO, run_cli
+from helpers import cluster_dict, group_dict, link_dict, network_dict
 
 import hetero
 from hetero.predictor.calibration import (ALL, RUN_PLACEMENT, Calibration, CalibrationError, Run, calibrate, evaluate,
                                           load_calibration, predict_calibrated, read_runs, run_setup)
 from hetero.predictor.factors import CalibrationFactors
 
-CLUSTER = {"name": "lab", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 8,
-                                      "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}}],
-           "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": "10 us"}}}
+CLUSTER = cluster_dict(group_dict("a100", "A100-SXM4-80GB", 4, 8, intra_node=link_dict("300 GB/s", "5 us")), name="lab",
+                       network=network_dict(inter_node=link_dict("100 GB/s", "10 us")))
 COLUMNS = ["device", "devices_per_node", "num_devices", "global_batch_size", "micro_batch_size", "hidden_size",
            "num_attention_heads", "num_layers", "seq_length", "vocab_size", "dtype", "recompute", "tp", "dp", "pp",
            "iteration_time_ms"]
@@ -225,8 +225,7 @@ def test_run_layout_is_checked_against_the_group_nodes():
     narrower one is modelled as such, a wider one than every group's nodes is an error naming the
     row, the column and the group's value."""
     two = hetero.load_cluster({**CLUSTER, "groups": [
-        {"name": "narrow", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 4},
-        {"name": "wide", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8}]})
+        group_dict("narrow", "A100-SXM4-80GB", 4, 4), group_dict("wide", "A100-SXM4-80GB", 2, 8)]})
     run = Run(device="A100-SXM4-80GB", devices_per_node=8, num_devices=16, global_batch_size=16, micro_batch_size=1,
               hidden_size=512, num_attention_heads=8, num_layers=8, seq_length=512, vocab_size=51200, dtype="fp16",
               recompute="full", tp=8, dp=2, pp=1, iteration_time_ms=1.0, row=7, source="runs.csv")

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from _spawn import SpawnError, spawn
+from helpers import with_communicator
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]   # every test starts processes
 
@@ -146,14 +147,13 @@ def _check_group(comm, g, ref_pg, rank, vendors):
                 assert torch.equal(buf, torch.arange(6, dtype=torch.int64).view(2, 3).t())
 
 
-def _worker(rank, world_size, vendors):
+def _worker(comm, vendors):
     import torch
     import torch.distributed as dist
 
-    from hetero.comm import Communicator, emulated_backend_name
+    from hetero.comm import emulated_backend_name
 
-    dist.init_process_group("gloo")
-    comm = Communicator.from_vendors(vendors, bridge="gloo", timeout=30)
+    rank, world_size = comm.rank, comm.world_size
     # the emulated vendors really are third-party backends, one per vendor tag
     if comm.world.vendor_pg is not None:
         assert dist.get_backend(comm.world.vendor_pg) == emulated_backend_name(vendors[rank])
@@ -208,18 +208,16 @@ def _worker(rank, world_size, vendors):
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_collectives_match_flat(split):
     vendors = SPLITS[split]
-    results = spawn(_worker, len(vendors), args=(vendors,), timeout=100)
+    results = with_communicator(_worker, vendors, args=(vendors,), timeout=100)
     assert [r["rank"] for r in results] == list(range(len(vendors)))
 
 
-def _missing_worker(rank, world_size, absent, timeout):
+def _missing_worker(comm, absent, timeout):
     import torch
-    import torch.distributed as dist
 
-    from hetero.comm import Communicator, HeteroCommError, HeteroCommTimeout
+    from hetero.comm import HeteroCommError, HeteroCommTimeout
 
-    dist.init_process_group("gloo")
-    comm = Communicator.from_vendors(["emu-a", "emu-a", "emu-b"], timeout=timeout)
+    rank = comm.rank
     comm.all_reduce(torch.ones(4))  # everyone takes part once
     if rank == absent:  # never joins the next collective; leaves after the others have given up
         time.sleep(timeout + 3)
@@ -244,7 +242,8 @@ def _missing_worker(rank, world_size, absent, timeout):
 @pytest.mark.parametrize("absent", [2, 1])  # a vendor leader / a non-leader
 def test_missing_rank_times_out_naming_it(absent):
     timeout = 2.0
-    results = spawn(_missing_worker, 3, args=(absent, timeout), timeout=60)
+    results = with_communicator(_missing_worker, ["emu-a", "emu-a", "emu-b"], args=(absent, timeout),
+                                comm_timeout=timeout, timeout=60)
     for rank, r in enumerate(results):
         if rank == absent:
             continue

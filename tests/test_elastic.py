@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from _spawn import end_launcher
-from test_runtime import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, _assert_matches, _launch, _leftover, _plan, _write
+from helpers import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, local_cluster
+from helpers import assert_matches_reference as _assert_matches, launch as _launch, leftover as _leftover
+from helpers import plan_dict as _plan, write_yaml as _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                                    {"group": "slow", "layers": [2, 4]}]}])
@@ -339,8 +341,8 @@ def test_zero_runs_take_in_devices_that_join(tmp_path):
 
 # ---------------------------------------------------------------------------- devices that come and go on purpose
 
-ONE_FAST = {**CLUSTER, "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1}]}
-TWO_FAST = {**CLUSTER, "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2}]}
+ONE_FAST = local_cluster(devices=(1, 0))
+TWO_FAST = local_cluster(devices=(2, 0))
 
 
 def _watch(tmp_path, loaded: dict, printed: list):

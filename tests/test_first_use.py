@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from conftest import CONFIGS
+from helpers import cluster_dict, emulated_device, group_dict, local_cluster
 
 
 def _cli(capsys, *argv: str):
@@ -21,8 +22,8 @@ def _cli(capsys, *argv: str):
     out = capsys.readouterr()
     return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
-TINY_MEMORY = {"name": "small", "devices": {"tinyemu": {"base": "cpu", "vendor": "emu-a", "memory": "1 MiB"}},
-               "groups": [{"name": "fast", "device": "tinyemu", "nodes": 1, "devices_per_node": 2}]}
+TINY_MEMORY = cluster_dict(group_dict("fast", "tinyemu", 1, 2), name="small",
+                           devices={"tinyemu": emulated_device("emu-a", memory="1 MiB")})
 PLAN = {"global_batch_size": 8, "micro_batch_size": 4,
         "pipelines": [{"replicas": 2, "micro_batches": 1, "stages": [{"group": "fast", "layers": [0, 4]}]}]}
 
@@ -67,7 +68,7 @@ def test_a_dry_run_over_machines_without_hosts_shows_commands_each_machine_can_r
     file at its path, or the `hetero launch --node-rank R` call (this call's options) for its slot."""
     import sys
 
-    gpus = {"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 2}]}
+    gpus = cluster_dict(group_dict("a100", "A100-SXM4-80GB", 2, 2), name="gpus")
     plan = {**PLAN, "micro_batch_size": 2,
             "pipelines": [{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]}]}
     cluster, plan_file = _write(tmp_path / "c.yaml", gpus), _write(tmp_path / "p.yaml", plan)
@@ -99,14 +100,9 @@ def test_node_slots_on_loopback_hosts_each_started_by_a_call_of_their_own_train_
     import time
 
     from _spawn import end_launcher, free_port, run_launcher
-    from test_runtime import GPT, ROOT, _leftover
+    from helpers import GPT, ROOT, leftover as _leftover
 
-    cluster = {"name": "loop", "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"},
-                                           "cpu-emu-b": {"base": "cpu", "vendor": "emu-b"}},
-               "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1,
-                           "hosts": ["127.0.0.1"]},
-                          {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1,
-                           "hosts": ["127.0.0.2"]}]}
+    cluster = local_cluster(devices=1, slowdown=None, hosts=(["127.0.0.1"], ["127.0.0.2"]), name="loop")
     plan = {"global_batch_size": 8, "micro_batch_size": 2,
             "pipelines": [{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
                                                           {"group": "slow", "layers": [2, 4]}]}]}
@@ -173,7 +169,7 @@ def test_tensor_parallelism_over_whole_nodes_is_predicted_over_the_network_and_n
     launch refuses it before anything starts; tp 12 (not whole nodes) stays an error."""
     import hetero
 
-    cluster = {"name": "h16", "groups": [{"name": "h100", "device": "H100-SXM5-80GB", "nodes": 2, "devices_per_node": 8}]}
+    cluster = cluster_dict(group_dict("h100", "H100-SXM5-80GB", 2, 8), name="h16")
     plan = {"global_batch_size": 16, "micro_batch_size": 1,
             "pipelines": [{"micro_batches": 16, "stages": [{"group": "h100", "tp": 16, "layers": [0, 32]}]}]}
     c, p = _write(tmp_path / "c.yaml", cluster), _write(tmp_path / "p.yaml", plan)

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from test_runtime import CLUSTER, ROOT, _leftover   # two emulated vendors, two CPU devices each
+from helpers import CLUSTER, ROOT, assert_no_leftover, leftover as _leftover   # CLUSTER: 2 vendors x 2 CPUs
 
 VOCAB = 300
 PP2_TP2 = {"global_batch_size": 2, "micro_batch_size": 1,
@@ -277,7 +277,7 @@ def _fails(capsys, *argv: str) -> str:
 
 
 def _nothing_written(out: Path) -> None:
-    assert not out.exists() and not Path(str(out) + ".partial").exists()
+    assert_no_leftover(files=[out])   # nor OUT.partial, the folder a conversion stages into
 
 
 def test_a_folder_without_config_json(models, tmp_path, capsys):

@@ -22,6 +22,7 @@ from hetero.specs.device import catalog_raw, load_catalog
 from hetero.specs.plan import check_plan
 
 from conftest import run_cli
+from helpers import cluster_dict, group_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ROOT / "configs" / "clusters"
@@ -81,12 +82,11 @@ def test_predict_json_adds_objectives_and_keeps_the_prediction_fields(tmp_path):
 
 
 def _priceless_cluster():
-    return hetero.load_cluster({
-        "name": "own", "devices": {"mygpu": {"vendor": "nvidia", "memory": "40 GiB", "memory_bandwidth": "1.5 TB/s",
-                                             "peak_flops": {"fp32": "19.5 TFLOPS", "bf16": "312 TFLOPS"},
-                                             "peak_flops_vector": {"fp32": "19.5 TFLOPS"}}},
-        "groups": [{"name": "a", "device": "A100-SXM4-40GB", "nodes": 1, "devices_per_node": 8},
-                   {"name": "b", "device": "mygpu", "nodes": 1, "devices_per_node": 8}]})
+    return hetero.load_cluster(cluster_dict(
+        group_dict("a", "A100-SXM4-40GB", 1, 8), group_dict("b", "mygpu", 1, 8), name="own",
+        devices={"mygpu": {"vendor": "nvidia", "memory": "40 GiB", "memory_bandwidth": "1.5 TB/s",
+                           "peak_flops": {"fp32": "19.5 TFLOPS", "bf16": "312 TFLOPS"},
+                           "peak_flops_vector": {"fp32": "19.5 TFLOPS"}}}))
 
 
 def test_objective_names_and_catalog_data_are_checked():
@@ -269,7 +269,7 @@ def test_plan_objectives_names_a_device_without_price(tmp_path):
 
 
 def test_a_cluster_file_sets_its_own_price_and_power():
-    base = {"name": "own", "groups": [{"name": "a", "device": "A100-SXM4-40GB", "nodes": 1, "devices_per_node": 8}]}
+    base = cluster_dict(group_dict("a", "A100-SXM4-40GB", 1, 8), name="own")
     own = dict(base, devices={"A100-SXM4-40GB": {"price_per_hour": 1.0, "tdp": "200 W", "idle_power": "20 W"}})
     model = hetero.load_model(MODELS / "gpt3-1.3b.yaml")
     plan = hetero.search(hetero.load_cluster(base), model, 64, top_k=1, upper_bound=False)[0].plan

@@ -14,6 +14,8 @@ from hetero.predictor.opmodel import OpModel, Records, default_model, device_fro
 from hetero.predictor.opmodel.specs import shared_data_dir
 from hetero.specs.device import DeviceType
 
+from helpers import cluster_dict, group_dict
+
 V100_SPEC = {"Device": "Tesla V100-PCIE-32GB", "Dev_Mem": 32, "Mem_Bw": 900, "Num_Sm": 80,
              "Core_Per_SM": 64, "Freq": 1370, "SingleFLOPs": 14029, "L2Cache": 6}
 MI100_SPEC = {"Device": "AMD Instinct MI100", "Dev_Mem": 32, "Mem_Bw": 1230, "Num_Sm": 120, "Core_Per_SM": 4,
@@ -313,9 +315,8 @@ def test_provenance_says_what_the_model_knows_of_each_gpu():
     extrapolates from specs (with the leave-one-GPU-out error stored beside the model)."""
     import hetero
 
-    cluster = hetero.load_cluster({"name": "two", "groups": [
-        {"name": "a", "device": "A100-SXM4-40GB", "nodes": 1, "devices_per_node": 1},
-        {"name": "h", "device": "H100-SXM5-80GB", "nodes": 1, "devices_per_node": 1}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("a", "A100-SXM4-40GB"), group_dict("h", "H100-SXM5-80GB"),
+                                               name="two"))
     from pathlib import Path
 
     model = hetero.load_model(Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml")
@@ -328,8 +329,7 @@ def test_provenance_says_what_the_model_knows_of_each_gpu():
     assert 0.05 < lodo < 0.5
     assert f"leave-one-GPU-out operator MAPE {lodo:.0%}" in prov["H100-SXM5-80GB"]["note"]
     assert prov["H100-SXM5-80GB"]["note"].startswith("a GPU it was not fitted on")
-    catalog = hetero.load_cluster({"name": "npu", "groups": [
-        {"name": "n", "device": "Ascend-910B", "nodes": 1, "devices_per_node": 1}]}).device_type("n")
+    catalog = hetero.load_cluster(cluster_dict(group_dict("n", "Ascend-910B"), name="npu")).device_type("n")
     assert default_model().accuracy_note(catalog).startswith("a device it was not fitted on")   # an NPU
 
 

@@ -13,6 +13,8 @@ import pytest
 from hetero.memplan import fragmentation
 from hetero.memplan.serve import place_cyclic, plan_step
 
+from helpers import local_cluster, tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,13 +121,8 @@ def test_a_moe_layer_with_varying_expert_sizes_is_served_by_the_fallback_and_cou
 
 # ------------------------------------------------------------------ hetero launch --allocator planned
 
-CLUSTER = {"name": "local-cpu-test",
-           "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"},
-                       "cpu-emu-b": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
-           "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1},
-                      {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1}]}
-GPT = {"name": "tiny", "architecture": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-       "vocab_size": 512, "seq_length": 32, "dtype": "fp32", "tie_embeddings": True}
+CLUSTER = local_cluster(devices=1)
+GPT = tiny_model()
 PLAN = {"global_batch_size": 8, "micro_batch_size": 2, "schedule": "1f1b", "recompute": "selective",
         "pipelines": [{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 3]},
                                                       {"group": "slow", "layers": [3, 4]}]}]}

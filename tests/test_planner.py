@@ -23,16 +23,17 @@ from hetero.planner.blocks import Block, _last_fitting
 from hetero.planner.space import Segment
 from hetero.planner.split import min_max_split, min_max_split_dp, uniform_split
 
+from helpers import cluster_dict, group_dict, link_dict, network_dict
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ROOT / "configs" / "clusters"
 MODELS = ROOT / "configs" / "models"
 
 
 def small_cluster(a="A100-SXM4-40GB", b="V100-SXM2-32GB", na=4, nb=4, cross="25 GB/s"):
-    return hetero.load_cluster({
-        "name": "small", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": cross}},
-        "groups": [{"name": "fast", "device": a, "nodes": 1, "devices_per_node": na},
-                   {"name": "slow", "device": b, "nodes": 1, "devices_per_node": nb}]})
+    return hetero.load_cluster(cluster_dict(
+        group_dict("fast", a, 1, na), group_dict("slow", b, 1, nb), name="small",
+        network=network_dict(inter_node=link_dict("25 GB/s"), cross_group=link_dict(cross))))
 
 
 def small_model(layers=6, **kw):
@@ -46,10 +47,9 @@ def four_type_cluster(devices: int):
     per = devices // 4
     types = [("a100", "A100-SXM4-80GB"), ("h100", "H100-SXM5-80GB"), ("mi250x", "MI250X-GCD"),
              ("ascend", "Ascend-910B")]
-    return hetero.load_cluster({
-        "name": f"four-type-{devices}",
-        "groups": [{"name": n, "device": d, "nodes": per // 8, "devices_per_node": 8} for n, d in types],
-        "network": {"inter_node": {"bandwidth": "100 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}}})
+    return hetero.load_cluster(cluster_dict(
+        *(group_dict(n, d, per // 8, 8) for n, d in types), name=f"four-type-{devices}",
+        network=network_dict(inter_node=link_dict("100 GB/s"), cross_group=link_dict("25 GB/s"))))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -382,10 +382,9 @@ def test_the_tp_or_pp_reason_says_what_the_plan_does():
     """3 layers on 8 A100s (two nodes of 4) + 4 T4s: the best plan is data parallel on the A100s alone
     (8 one-stage replicas, tp1) while the slower T4s sit idle, so the A100 group is neither the slowest
     group nor pipelined."""
-    cluster = hetero.load_cluster({
-        "name": "a100-t4", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
-        "groups": [{"name": "fast", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 4},
-                   {"name": "slow", "device": "T4", "nodes": 1, "devices_per_node": 4}]})
+    cluster = hetero.load_cluster(cluster_dict(
+        group_dict("fast", "A100-SXM4-80GB", 2, 4), group_dict("slow", "T4", 1, 4), name="a100-t4",
+        network=network_dict(inter_node=link_dict("25 GB/s"), cross_group=link_dict("25 GB/s"))))
     results = hetero.search(cluster, small_model(3), global_batch_size=16, top_k=3)
     plan = results[0].plan
     assert {s.group for p in plan.pipelines for s in p.stages} == {"fast"}
@@ -398,9 +397,9 @@ def test_zero_twins_that_predict_the_same_tokens_per_s_are_listed_once():
     """One device: ZeRO 1 over a data-parallel degree of 1 shards nothing, so the ZeRO-0 plan and its
     ZeRO-1 twin predict the same tokens/s to the last bit. The list holds the plan once (ZeRO 0, the
     lowest stage) and the runner-up is a different plan, which the best does beat."""
-    cluster = hetero.load_cluster({
-        "name": "one", "network": {"inter_node": {"bandwidth": "25 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
-        "groups": [{"name": "g", "device": "A100-SXM4-80GB", "nodes": 1, "devices_per_node": 1}]})
+    cluster = hetero.load_cluster(cluster_dict(
+        group_dict("g", "A100-SXM4-80GB"), name="one",
+        network=network_dict(inter_node=link_dict("25 GB/s"), cross_group=link_dict("25 GB/s"))))
     results = hetero.search(cluster, small_model(4), global_batch_size=3, top_k=3)
     assert results[0].plan.zero_stage == 0
     bare = [{k: v for k, v in r.plan.to_dict().items() if k != "zero_stage"} for r in results]
@@ -595,13 +594,10 @@ def test_a_plan_well_below_the_upper_bound_says_where_its_step_goes():
     """A100 + MI250X at 25 GB/s with gpt3-1.3b (~92% of the sum of the groups alone): the bound's
     line splits the step into the slowest pipeline's schedule (its busiest device's compute and the
     rest), the gradient sync and the optimizer, each the prediction's own figure."""
-    cluster = hetero.load_cluster({
-        "name": "two-vendor", "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": "10 us"},
-                                          "cross_group": {"bandwidth": "25 GB/s", "latency": "20 us"}},
-        "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
-                    "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
-                   {"name": "mi250x", "device": "MI250X-GCD", "nodes": 2, "devices_per_node": 8,
-                    "intra_node": {"bandwidth": "100 GB/s", "latency": "5 us"}}]})
+    cluster = hetero.load_cluster(cluster_dict(
+        group_dict("a100", "A100-SXM4-80GB", 2, 8, intra_node=link_dict("300 GB/s", "5 us")),
+        group_dict("mi250x", "MI250X-GCD", 2, 8, intra_node=link_dict("100 GB/s", "5 us")), name="two-vendor",
+        network=network_dict(inter_node=link_dict("100 GB/s", "10 us"), cross_group=link_dict("25 GB/s", "20 us"))))
     results = hetero.search(cluster, hetero.load_model(MODELS / "gpt3-1.3b.yaml"), global_batch_size=512, top_k=2)
     pred = results[0].prediction
     assert pred.tokens_per_s < 0.95 * results.upper_bound_tokens_per_s

@@ -17,18 +17,14 @@ from hetero.predictor import ops as O
 from hetero.predictor.schedule import pipeline_time, simulate
 from hetero.specs.errors import SpecError
 
+from helpers import cluster_dict, emulated_device, group_dict, link_dict, network_dict
+
 REPO = Path(__file__).resolve().parents[1]
 
-CLUSTER = {
-    "name": "mix",
-    "groups": [
-        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
-         "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
-        {"name": "mi250", "device": "MI250X", "nodes": 1, "devices_per_node": 8,
-         "intra_node": {"bandwidth": "100 GB/s"}},
-    ],
-    "network": {"inter_node": {"bandwidth": "100 GB/s"}, "cross_group": {"bandwidth": "25 GB/s"}},
-}
+CLUSTER = cluster_dict(
+    group_dict("a100", "A100-SXM4-80GB", 2, 8, intra_node=link_dict("300 GB/s", "5 us")),
+    group_dict("mi250", "MI250X", 1, 8, intra_node=link_dict("100 GB/s")), name="mix",
+    network=network_dict(inter_node=link_dict("100 GB/s"), cross_group=link_dict("25 GB/s")))
 GPT = {"name": "gpt2-large", "architecture": "gpt", "num_layers": 36, "hidden_size": 1280,
        "num_attention_heads": 20, "vocab_size": 50257, "seq_length": 1024, "dtype": "bf16"}
 
@@ -774,9 +770,8 @@ def test_cpu_devices_use_local_profile(monkeypatch):
     fake = types.ModuleType("hetero.predictor.profiles")
     fake.local_op_model = lambda name: Local() if name == "cpu-slow" else None  # no plain "cpu" profile
     monkeypatch.setitem(sys.modules, "hetero.predictor.profiles", fake)
-    cluster = hetero.load_cluster({"name": "cpus", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
-                                   "groups": [{"name": "fast", "device": "cpu", "nodes": 1, "devices_per_node": 2},
-                                              {"name": "slow", "device": "cpu-slow", "nodes": 1, "devices_per_node": 2}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("fast", "cpu", 1, 2), group_dict("slow", "cpu-slow", 1, 2),
+                                               name="cpus", devices={"cpu-slow": emulated_device("emu-b", 2.0)}))
     model = hetero.load_model({**GPT, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                "seq_length": 32, "vocab_size": 100, "dtype": "fp32"})
     cm = StageCostModel(cluster, model)
@@ -957,8 +952,8 @@ def test_emulated_cpu_falls_back_to_the_cpu_profile(monkeypatch):
     fake = types.ModuleType("hetero.predictor.profiles")
     fake.local_op_model = lambda name: Local() if name == "cpu" else None
     monkeypatch.setitem(sys.modules, "hetero.predictor.profiles", fake)
-    cluster = hetero.load_cluster({"name": "cpus", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 3.0}},
-                                   "groups": [{"name": "slow", "device": "cpu-slow", "nodes": 1, "devices_per_node": 2}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("slow", "cpu-slow", 1, 2), name="cpus",
+                                               devices={"cpu-slow": emulated_device("emu-b", 3.0)}))
     model = hetero.load_model({**GPT, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                "seq_length": 32, "vocab_size": 100, "dtype": "fp32"})
     cm = StageCostModel(cluster, model)
@@ -968,10 +963,9 @@ def test_emulated_cpu_falls_back_to_the_cpu_profile(monkeypatch):
 
 
 def _four_node_run():
-    cluster = hetero.load_cluster({"name": "a100x4", "groups": [
-        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 4, "devices_per_node": 8,
-         "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}}],
-        "network": {"inter_node": {"bandwidth": "100 GB/s", "latency": "10 us"}}})
+    cluster = hetero.load_cluster(cluster_dict(
+        group_dict("a100", "A100-SXM4-80GB", 4, 8, intra_node=link_dict("300 GB/s", "5 us")), name="a100x4",
+        network=network_dict(inter_node=link_dict("100 GB/s", "10 us"))))
     model = hetero.load_model(GPT)
     # tp2 x pp4 x dp4 on 32 devices: packed, a node holds one whole replica (4 stages);
     # Megatron's order (tp, dp, pp), a node holds the 4 replicas of one stage
@@ -1071,13 +1065,10 @@ def test_fused_attention_keeps_no_scores_and_runs_no_separate_softmax():
     assert M.backward_transient_bytes(fused, b, s, t, "none") < M.backward_transient_bytes(base, b, s, t, "none")
 
 
-A100_MI250X = {"name": "a100-mi250x", "groups": [
-    {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 8,
-     "intra_node": {"bandwidth": "300 GB/s", "latency": "5 us"}},
-    {"name": "mi250x", "device": "MI250X", "nodes": 2, "devices_per_node": 8,
-     "intra_node": {"bandwidth": "100 GB/s", "latency": "5 us"}}],
-    "network": {"inter_node": {"bandwidth": "25 GB/s", "latency": "10 us"},
-                "cross_group": {"bandwidth": "25 GB/s", "latency": "20 us"}}}
+A100_MI250X = cluster_dict(
+    group_dict("a100", "A100-SXM4-80GB", 2, 8, intra_node=link_dict("300 GB/s", "5 us")),
+    group_dict("mi250x", "MI250X", 2, 8, intra_node=link_dict("100 GB/s", "5 us")), name="a100-mi250x",
+    network=network_dict(inter_node=link_dict("25 GB/s", "10 us"), cross_group=link_dict("25 GB/s", "20 us")))
 LLAMA_7B = {"name": "llama-7b", "architecture": "llama", "num_layers": 32, "hidden_size": 4096,
             "num_attention_heads": 32, "vocab_size": 32000, "seq_length": 4096, "dtype": "bf16"}
 

@@ -4,6 +4,7 @@ import csv
 import pytest
 
 from conftest import run_cli
+from helpers import cluster_dict, emulated_device, group_dict
 
 pytest.importorskip("torch")
 
@@ -137,8 +138,8 @@ def test_emulated_cpu_devices_use_the_cpu_profile(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
     profiles.write_records(profiles.cache_path("cpu"), _synthetic())
-    cluster = hetero.load_cluster({"name": "emu", "devices": {"cpu-slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
-                                   "groups": [{"name": "slow", "device": "cpu-slow", "nodes": 1, "devices_per_node": 2}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("slow", "cpu-slow", 1, 2), name="emu",
+                                               devices={"cpu-slow": emulated_device("emu-b", 2.0)}))
     dev = cluster.device_type("slow")
     model, prov = optime.op_model_for("cpu-slow", dev)
     assert prov == "profile"
@@ -227,8 +228,8 @@ def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypat
     assert stale.optimizer_time(2e6) is None
     assert stale.layer_ratio(model, 2, 128) == pytest.approx((1.5, 1.25))  # the block times still count
     # the cost model applies them; an emulated 2x device pays the slowdown on the optimizer too
-    cluster = hetero.load_cluster({"name": "emu", "devices": {"slow": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
-                                   "groups": [{"name": "g", "device": "slow", "nodes": 1, "devices_per_node": 1}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("g", "slow"), name="emu",
+                                               devices={"slow": emulated_device("emu-b", 2.0)}))
     cm = StageCostModel(cluster, model)
     f, b = cm.layer_compute_times("g", 1, 2, "none")
     from hetero.predictor import ops as O
@@ -248,8 +249,7 @@ def test_predict_sees_a_profile_cached_after_its_first_call(tmp_path, monkeypatc
     from hetero.predictor import profiles
 
     monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
-    cluster = hetero.load_cluster({"name": "one-cpu", "groups": [{"name": "c", "device": "cpu", "nodes": 1,
-                                                                  "devices_per_node": 1}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("c", "cpu"), name="one-cpu"))
     model = hetero.load_model({"name": "t", "architecture": "gpt", "num_layers": 2, "hidden_size": 64,
                                "num_attention_heads": 4, "vocab_size": 512, "seq_length": 32, "dtype": "fp32"})
     plan = hetero.load_plan({"global_batch_size": 4, "micro_batch_size": 2, "pipelines": [

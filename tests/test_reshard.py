@@ -9,18 +9,15 @@ import pytest
 import torch
 
 from _spawn import spawn
+from helpers import local_cluster
 
 # an odd vocabulary, so tp 2 splits the embedding unevenly (255 + 254 rows)
 MODEL = {"name": "reshard", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
          "vocab_size": 509, "seq_length": 16, "dtype": "fp32", "tie_embeddings": True}
-DEVICES = {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"}, "cpu-emu-b": {"base": "cpu", "vendor": "emu-b"}}
 
 
 def _cluster(fast: int, slow: int = 0) -> dict:
-    groups = [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": fast}]
-    if slow:
-        groups.append({"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": slow})
-    return {"name": "reshard-test", "devices": DEVICES, "groups": groups}
+    return local_cluster(devices=(fast, slow), slowdown=None, name="reshard-test")
 
 
 def _plan(*pipelines, gbs=8, mbs=1) -> dict:

@@ -14,89 +14,9 @@ import pytest
 import torch
 
 from _spawn import run_launcher
-
-ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = {
-    "name": "local-cpu-test",
-    "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"},
-                "cpu-emu-b": {"base": "cpu", "vendor": "emu-b", "slowdown": 2.0}},
-    "groups": [{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2},
-               {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 2}],
-}
-GPT = {"name": "tiny", "architecture": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-       "vocab_size": 512, "seq_length": 32, "dtype": "fp32", "tie_embeddings": True}
-LLAMA = {"name": "tiny-llama", "architecture": "llama", "num_layers": 4, "hidden_size": 64,
-         "num_attention_heads": 4, "num_kv_heads": 2, "vocab_size": 512, "seq_length": 32, "dtype": "fp32"}
-LR = 1e-2  # large enough that a wrong gradient shows in the losses within 5 steps
-STEPS = 5
-RTOL = 1e-3
-
-
-def _plan(pipelines, gbs=8, mbs=2, **kw):
-    return {"global_batch_size": gbs, "micro_batch_size": mbs, "pipelines": pipelines, **kw}
-
-
-def _write(tmp_path: Path, name: str, data: dict) -> str:
-    import yaml
-
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
-
-
-def _launch(tmp_path: Path, model: dict, plan: dict, *extra: str, timeout: float = 150, check: bool = True,
-            cluster: dict = CLUSTER):
-    summary = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", _write(tmp_path, "cluster.yaml", cluster),
-           "--model", _write(tmp_path, "model.yaml", model), "--plan", _write(tmp_path, "plan.yaml", plan),
-           "--steps", str(STEPS), "--seed", "0", "--lr", str(LR), "--summary", str(summary), "--timeout", "20",
-           "--run-dir", str(tmp_path / "run"), "--quiet", *extra]
-    t0 = time.time()
-    proc = run_launcher(cmd, timeout, marker=str(tmp_path / "run"), cwd=ROOT)   # a timeout ends the whole tree
-    proc.elapsed = time.time() - t0
-    assert not _leftover(tmp_path / "run"), "worker or launcher processes left behind"
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(summary.read_text()), proc
-    return None, proc
-
-
-def _leftover(run_dir: Path) -> list[int]:
-    """Processes whose command line mentions this run's directory (the run file lives there)."""
-    needle = str(run_dir).encode()
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in cmdline and state != "Z":
-            out.append(int(pid))
-    return out
-
-
-_REF: dict = {}
-
-
-def _reference(model: dict, gbs: int = 8):
-    key = (model["name"], gbs)
-    if key not in _REF:
-        from hetero.runtime.reference import reference_run
-
-        _REF[key] = reference_run(model, 0, STEPS, gbs, lr=LR)
-    return _REF[key]
-
-
-def _assert_matches(summary: dict, model: dict, gbs: int = 8):
-    losses, norms = _reference(model, gbs)
-    assert summary["steps"] == STEPS
-    assert summary["losses"] == pytest.approx(losses, rel=RTOL), (summary["losses"], losses)
-    assert summary["grad_norms"] == pytest.approx(norms, rel=RTOL), (summary["grad_norms"], norms)
+from helpers import CLUSTER, GPT, LLAMA, LR, ROOT, RTOL, STEPS, cluster_dict, group_dict, launching, local_cluster
+from helpers import assert_matches_reference as _assert_matches, launch as _launch, leftover as _leftover
+from helpers import plan_dict as _plan, reference as _reference, write_yaml as _write
 
 
 # ---------------------------------------------------------------------------- in-process units
@@ -407,8 +327,7 @@ def test_a_launch_over_several_machines_needs_an_address_and_has_a_fixed_port(tm
     arrive at the same rendezvous, so its port is fixed (29500 unless --master-port) and its
     address is node slot 0's host or --master-addr, never a loopback one; without either the
     launch says so (file, field, fix) before anything starts."""
-    gpus = {"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 2, "devices_per_node": 2},
-                                       {"name": "mi", "device": "MI250X", "nodes": 1, "devices_per_node": 2}]}
+    gpus = cluster_dict(group_dict("a100", "A100-SXM4-80GB", 2, 2), group_dict("mi", "MI250X", 1, 2), name="gpus")
     plan = _plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]},
                   {"replicas": 2, "micro_batches": 1, "stages": [{"group": "mi", "layers": [0, 4]}]}], gbs=12, mbs=2)
     out = _dry_run(tmp_path, gpus, plan, "--node-rank", "1")   # a dry run shows the address to fill in
@@ -445,7 +364,7 @@ def test_local_emulation_stays_on_the_loopback_interface_of_this_machine(tmp_pat
 
     plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
                                                    {"group": "slow", "layers": [2, 4]}]}])
-    named = {**CLUSTER, "groups": [{**g, "hosts": ["localhost"]} for g in CLUSTER["groups"]]}
+    named = local_cluster(hosts=(["localhost"], ["localhost"]))
     for cluster in (CLUSTER, named):
         out = _dry_run(tmp_path, cluster, plan)
         assert out.returncode == 0 and _rendezvous(out.stdout).startswith("127.0.0.1:"), out.stderr
@@ -649,9 +568,7 @@ def test_a_stage_boundary_moves_one_activation_in_equal_slices_whatever_the_tp_s
     from hetero.layout import build_layout
     from hetero.runtime.pipeline import stage_peers
 
-    cluster = hetero.load_cluster({"name": "c", "groups": [
-        {"name": "a", "device": "cpu", "nodes": 1, "devices_per_node": 4},
-        {"name": "b", "device": "cpu", "nodes": 1, "devices_per_node": 4}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("a", "cpu", 1, 4), group_dict("b", "cpu", 1, 4), name="c"))
     plan = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "a", "tp": tp_a, "layers": [0, 2]},
                                                                    {"group": "b", "tp": tp_b, "layers": [2, 4]}]}]))
     layout = build_layout(cluster, plan)
@@ -787,7 +704,6 @@ def test_deepspeed_zero2_unequal_micro_batches(tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("saved_by", ["1f1b", "interleaved"])
 def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
-    global STEPS
     a = tmp_path / "a"
     b = tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -801,14 +717,14 @@ def test_checkpoint_reloads_under_another_plan(tmp_path, saved_by):
             schedule="interleaved", interleave=2)
     plan_b = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "tp": 2, "layers": [0, 4]}]},
                     {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}])
-    old = STEPS
+    old = launching.STEPS
     try:
-        STEPS = 2
+        launching.STEPS = 2
         first, _ = _launch(a, GPT, plan_a, "--save", ckpt)
-        STEPS = 3
+        launching.STEPS = 3
         second, _ = _launch(b, GPT, plan_b, "--load", ckpt)
     finally:
-        STEPS = old
+        launching.STEPS = old
     losses, _ = _reference(GPT)
     assert first["losses"] + second["losses"] == pytest.approx(losses, rel=RTOL)
 
@@ -1005,8 +921,7 @@ def test_default_run_directories_are_removed_at_exit(tmp_path):
 def test_a_cuda_cluster_on_a_host_without_cuda_fails_before_any_worker_starts(tmp_path):
     """Only ``base: cpu`` device types are emulated: a group of A100s needs CUDA here, and says so
     before starting workers that would each die on their first CUDA call."""
-    cluster = {"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB", "nodes": 1,
-                                           "devices_per_node": 2}]}
+    cluster = cluster_dict(group_dict("a100", "A100-SXM4-80GB", 1, 2), name="gpus")
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}])
     t0 = time.time()
     proc, left = _launch_in(tmp_path / "tmp", GPT, plan, cluster=cluster)
@@ -1044,9 +959,8 @@ def test_node_slots_of_a_gpu_group_on_one_host_get_devices_of_their_own(tmp_path
     import hetero.runtime.ds_engine as ds_engine
 
     monkeypatch.setattr(ds_engine, "check_deepspeed_plan", lambda plan: None)   # deepspeed itself need not be here
-    cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
-                                                               "nodes": 2, "devices_per_node": 2,
-                                                               "hosts": ["localhost", socket.gethostname()]}]})
+    cluster = hetero.load_cluster(cluster_dict(
+        group_dict("a100", "A100-SXM4-80GB", 2, 2, hosts=["localhost", socket.gethostname()]), name="gpus"))
     plan = hetero.load_plan(_plan([{"replicas": 4, "micro_batches": 1, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
     model = hetero.load_model(GPT)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -1089,9 +1003,8 @@ def test_interleaving_two_gpu_stages_of_one_tagless_library_is_refused(tmp_path)
     from hetero.specs.errors import SpecError
     from hetero.runtime.spec import RunOptions
 
-    cluster = hetero.load_cluster({"name": "gpus", "groups": [
-        {"name": "a100", "device": "A100-SXM4-80GB", "nodes": 1, "devices_per_node": 4},
-        {"name": "mi", "device": "MI250X", "nodes": 1, "devices_per_node": 4}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("a100", "A100-SXM4-80GB", 1, 4),
+                                               group_dict("mi", "MI250X", 1, 4), name="gpus"))
     model = hetero.load_model({**GPT, "num_layers": 12})
 
     def interleaved(groups):
@@ -1148,8 +1061,7 @@ def test_every_rank_of_a_deepspeed_run_is_said_to_compute_on_the_cpu(tmp_path, m
     from hetero.runtime.spec import RunOptions
 
     monkeypatch.setattr(ds_engine, "check_deepspeed_plan", lambda plan: None)   # deepspeed itself need not be here
-    cluster = hetero.load_cluster({"name": "gpus", "groups": [{"name": "a100", "device": "A100-SXM4-80GB",
-                                                               "nodes": 1, "devices_per_node": 2}]})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("a100", "A100-SXM4-80GB", 1, 2), name="gpus"))
     plan = hetero.load_plan(_plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "a100", "layers": [0, 4]}]}]))
     launch = prepare(cluster, hetero.load_model(GPT), plan, RunOptions(engine="deepspeed"), run_dir=str(tmp_path))
     ctx = RunContext(launch.spec, 0)
@@ -1339,7 +1251,7 @@ def test_gradient_buckets_reduce_under_the_backward_and_match_the_reference(tmp_
                                            {"group": "slow", "tp": 2, "layers": [2, 4]}]}]}
     cluster = CLUSTER
     if shape == "tp2_pp2_zero2":   # 8 ranks: 4 of each device
-        cluster = {**CLUSTER, "groups": [{**g, "devices_per_node": 4} for g in CLUSTER["groups"]]}
+        cluster = local_cluster(devices=4)
     plan = _plan(plans[shape], zero_stage=2 if "zero2" in shape else 0)
     trace = tmp_path / "trace.json"
     extra = ("--bucket-mb", "0.05", "--trace", str(trace)) + (() if overlap else ("--no-overlap",))

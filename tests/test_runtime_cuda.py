@@ -12,19 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_runtime import GPT, RTOL, _assert_matches, _launch, _plan, _reference
+from helpers import GPT, RTOL, STEPS, cluster_dict, emulated_device, group_dict
+from helpers import assert_matches_reference as _assert_matches, launch as _launch, plan_dict as _plan
+from helpers import reference as _reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: torch sees none here (these runs check the native "
                                        "engine's device placement; CPU-only runs are in test_runtime.py)")]
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-CLUSTER = {
-    "name": "gpu-and-cpu",
-    "devices": {"cpu-emu-a": {"base": "cpu", "vendor": "emu-a"}},
-    "groups": [{"name": "gpu", "device": "H100-SXM5-80GB", "nodes": 1, "devices_per_node": max(1, min(GPUS, 2))},
-               {"name": "cpu", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2}],
-}
+CLUSTER = cluster_dict(group_dict("gpu", "H100-SXM5-80GB", 1, max(1, min(GPUS, 2))),
+                       group_dict("cpu", "cpu-emu-a", 1, 2), name="gpu-and-cpu",
+                       devices={"cpu-emu-a": emulated_device("emu-a")})
 
 
 def _devices(summary: dict) -> list[str]:
@@ -72,8 +71,6 @@ def test_a_gpu_pipeline_and_a_cpu_pipeline_of_another_shape_sum_their_gradients(
 def test_a_checkpoint_saved_from_the_gpu_resumes_on_the_cpu(tmp_path):
     """Checkpoints hold host tensors: one written by a GPU rank loads into a CPU plan (and the
     AdamW state follows its parameter's device), continuing the reference's losses."""
-    import test_runtime
-
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     ckpt = str(tmp_path / "ckpt")
@@ -83,7 +80,7 @@ def test_a_checkpoint_saved_from_the_gpu_resumes_on_the_cpu(tmp_path):
                                                      {"group": "gpu", "layers": [3, 4]}]}])
     losses, _ = _reference(GPT)
     first, _ = _launch(a, GPT, on_gpu, "--steps", "2", "--save", ckpt, cluster=CLUSTER, timeout=200)
-    second, _ = _launch(b, GPT, on_cpu, "--steps", str(test_runtime.STEPS - 2), "--load", ckpt,
+    second, _ = _launch(b, GPT, on_cpu, "--steps", str(STEPS - 2), "--load", ckpt,
                         cluster=CLUSTER, timeout=200)
     assert _devices(first) == ["cuda", "cpu"] and _devices(second) == ["cpu", "cuda"]
     assert first["losses"] + second["losses"] == pytest.approx(losses, rel=RTOL)

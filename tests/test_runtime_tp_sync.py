@@ -7,7 +7,8 @@ import pytest
 
 import hetero
 from hetero.layout import build_layout
-from test_runtime import CLUSTER, GPT, LLAMA, _assert_matches, _launch, _plan
+from helpers import CLUSTER, GPT, LLAMA, local_cluster
+from helpers import assert_matches_reference as _assert_matches, launch as _launch, plan_dict as _plan
 
 
 def _buckets(plan_dict, model=GPT, cluster=CLUSTER):
@@ -55,7 +56,7 @@ def test_peers_are_the_holders_at_the_same_tp_rank_only_when_tp_degrees_agree():
 
 
 # 4 + 2 CPU devices: a tp4 pipeline beside a tp2 one
-WIDE = {**CLUSTER, "groups": [{**CLUSTER["groups"][0], "devices_per_node": 4}, CLUSTER["groups"][1]]}
+WIDE = local_cluster(devices=(4, 2))
 TP4_BESIDE_TP2 = [{"micro_batches": 1, "stages": [{"group": "fast", "tp": 4, "layers": [0, 4]}]},
                   {"micro_batches": 3, "stages": [{"group": "slow", "tp": 2, "layers": [0, 4]}]}]
 

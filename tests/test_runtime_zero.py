@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_runtime import GPT, LLAMA, STEPS, _assert_matches, _launch, _plan, _reference, _write  # noqa: E402
-
-import test_runtime  # noqa: E402
+from helpers import CLUSTER, GPT, LLAMA, STEPS, launching  # noqa: E402
+from helpers import assert_matches_reference as _assert_matches, launch as _launch, plan_dict as _plan  # noqa: E402
+from helpers import reference as _reference, write_yaml as _write  # noqa: E402
 
 # Pipelines of different shapes: stage boundaries staggered ([0,1) [1,4) vs [0,2) [2,4)), so the
 # holder sets chain across pipelines, and a tp2 stage beside an unsplit one (tp ranks keep a copy
@@ -31,7 +31,7 @@ PLANS = {
 def _predicted_optimizer_bytes(tmp_path, plan: dict, model: dict = GPT) -> dict[tuple[int, int], float]:
     import hetero
 
-    p = hetero.predict(hetero.load_cluster(_write(tmp_path, "pc.yaml", test_runtime.CLUSTER)),
+    p = hetero.predict(hetero.load_cluster(_write(tmp_path, "pc.yaml", CLUSTER)),
                        hetero.load_model(_write(tmp_path, "pm.yaml", model)),
                        hetero.load_plan(_write(tmp_path, "pp.yaml", plan)))
     return {(pi, si): s.memory_breakdown.optimizer for pi, pp in enumerate(p.pipelines)
@@ -73,15 +73,15 @@ def _save_then_resume(tmp_path, save_plan: dict, resumes: dict[str, dict]) -> No
     ``resumes``: each continues the single-device reference."""
     ckpt = str(tmp_path / "ckpt")
     runs = {}
-    old = test_runtime.STEPS
+    old = launching.STEPS
     try:
         for name, steps, plan, extra in (("save", 2, save_plan, ("--save", ckpt)),
                                          *((n, 3, p, ("--load", ckpt)) for n, p in resumes.items())):
             (tmp_path / name).mkdir()
-            test_runtime.STEPS = steps
+            launching.STEPS = steps
             runs[name], _ = _launch(tmp_path / name, GPT, plan, *extra)
     finally:
-        test_runtime.STEPS = old
+        launching.STEPS = old
     losses, _ = _reference(GPT)
     assert len(losses) == STEPS == 5
     for name in resumes:
