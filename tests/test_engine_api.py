@@ -10,7 +10,8 @@ import pytest
 
 import hetero
 from hetero.layout import build_layout
-from test_runtime import CLUSTER, GPT, _plan
+from helpers import CLUSTER, GPT
+from helpers import plan_dict as _plan
 
 
 def _missing(cls, protocol) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers import CLUSTER, GPT, LLAMA, STEPS, launching  # noqa: E402
+from helpers import CLUSTER, GPT, LLAMA, STEPS, launching, local_cluster  # noqa: E402
 from helpers import assert_matches_reference as _assert_matches, launch as _launch, plan_dict as _plan  # noqa: E402
 from helpers import reference as _reference, write_yaml as _write  # noqa: E402
 
@@ -201,7 +201,7 @@ def test_parameter_gathers_run_under_the_next_forward_and_match_the_reference(tm
     losses and gradient norms stay the reference's (fp32, 1e-3)."""
     import json
 
-    cluster = {**test_runtime.CLUSTER, "groups": [{**g, "devices_per_node": 4} for g in test_runtime.CLUSTER["groups"]]}
+    cluster = local_cluster(devices=4)
     trace = tmp_path / "trace.json"
     summary, _ = _launch(tmp_path, model, _plan(plan, zero_stage=zero_stage), "--bucket-mb", "0.05",
                          "--trace", str(trace), cluster=cluster, timeout=220)
