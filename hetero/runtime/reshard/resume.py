@@ -1,0 +1,194 @@
+"""A worker's side of an in-process elastic reconfiguration: survive a lost peer and train on.
+
+``hetero launch --elastic`` (native engine, ``zero_stage: 0``, one launching machine) starts every
+worker itself, with the port of the launcher's coordinator store in :data:`RECONFIG_ENV`
+(:mod:`hetero.runtime.elastic_live`). The worker then forms its first world on that store
+(generation 0, :meth:`LiveReconfig.first_world`) instead of torchrun's, and when a step fails
+because a peer's process ended, :meth:`LiveReconfig.recover`
+
+1. reads its live state as regions of the virtual parameter space (no copy),
+2. drops the broken world: the unified communicator, every process group and the DTensor mesh,
+   so the peers blocked on this rank are woken by its closed connections,
+3. checks in with the coordinator, takes its decision and exchanges the intersections
+   (:func:`hetero.runtime.reshard.live.reconfigure`) in the new generation's world,
+4. when the new plan leaves it out: it has served its state and leaves (``recover`` returns False);
+   else, when others leave, the members form a world of their own,
+5. rebuilds everything the new plan gives it: the run context (rank, stage, layers, tp degree),
+   the communicator with its vendor groups, host bridge, holder and peer sets, the tp mesh, the
+   stage module and AdamW around the exchanged tensors (:func:`~.transfer.rebuild_stage`), and the
+   engine (buckets, schedule, data slice),
+
+and the trainer goes on from the step the state is at, with the same global batch and the same
+global sample indices, so the losses are those of a run that lost nothing. What each phase took
+is put in the store for the launcher's ``reconfigurations`` entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import time
+
+RECONFIG_ENV = "HETERO_RECONFIG_PORT"
+"""The coordinator store's port (127.0.0.1): set by the launcher for the in-process path."""
+FAIL_IN_RESHARD_ENV = "HETERO_TEST_FAIL_IN_RESHARD"
+"""Testing: ``<rank>``: that rank (its rank before the reconfiguration) exits hard right after
+checking in, so a peer is lost during the reshard itself."""
+
+
+def timing_key(gen: int, me: int) -> str:
+    return f"hetero/reconfig/gen{gen}/timing/{me}"
+
+
+class LiveReconfig:
+    """The worker's link to the coordinator and its place across generations."""
+
+    def __init__(self, port: int, rank: int, world: int, timeout_s: float):
+        from hetero.runtime.reshard.live import connect
+
+        self.store = connect(port, timeout_s)
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.gen = 0
+
+    @classmethod
+    def from_env(cls, rank: int, world: int, timeout_s: float) -> "LiveReconfig | None":
+        port = os.environ.get(RECONFIG_ENV)
+        return cls(int(port), rank, world, timeout_s) if port else None
+
+    def first_world(self) -> None:
+        """Generation 0's world on the coordinator's store (the Trainer then finds it formed)."""
+        from hetero.runtime.reshard.live import regroup
+
+        regroup(self.store, 0, self.rank, self.world, self.timeout_s)
+
+    @staticmethod
+    def applies(error: BaseException) -> bool:
+        """Whether ``error`` is a lost peer (a closed connection, a timeout waiting on one), not a
+        failure of this rank's own work, which ends the run as without --elastic."""
+        from hetero.errors import lost_connection
+
+        text = str(error).lower()
+        return lost_connection(text) or "timed out" in text or "timeout" in text
+
+    def recover(self, trainer, detected_at: float) -> bool:
+        """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
+        the new plan and goes on; False: the new plan leaves this rank out (its state was served)."""
+        from hetero.runtime.reshard.live import reconfigure, regroup
+        from hetero.runtime.reshard.space import ParameterSpace
+        from hetero.runtime.reshard.transfer import live_state
+
+        ctx, engine = trainer.ctx, trainer.engine
+        space = ParameterSpace(ctx.model)
+        live = live_state(engine.module, engine.optimizer, space.rank_regions(ctx.plan, ctx.me))
+        scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
+        _drop_world(trainer)
+        self.gen += 1
+        gen, me = self.gen, self.rank
+        fail = os.environ.get(FAIL_IN_RESHARD_ENV)
+        place = reconfigure(self.store, gen, me, live, timeout_s=self.timeout_s, applied_step=trainer.applied_step,
+                            detected_at=detected_at, meshes=False,
+                            on_checked_in=(lambda: os._exit(19)) if fail is not None and int(fail) == me else None)
+        del live
+        t0 = time.perf_counter()
+        timing = {"detected_at": detected_at, **place.timings, "bytes_sent": place.stats.bytes_sent,
+                  "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
+                  "member": place.member, "pid": os.getpid(), "rank_after": place.rank}
+        if not place.member:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.store.set(timing_key(gen, me), json.dumps({**timing, "rebuild_s": 0.0, "ready_at": time.time()}))
+            return False
+        members = len(place.layout.ranks)
+        if place.world > members:   # survivors the new plan leaves out served their state: a world without them
+            regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
+        self._adopt(trainer, place, scale)
+        self.rank, self.world = place.rank, members
+        timing["rebuild_s"] = time.perf_counter() - t0
+        timing["ready_at"] = time.time()
+        self.store.set(timing_key(gen, me), json.dumps(timing))
+        return True
+
+    def _adopt(self, trainer, place, scale) -> None:
+        """``trainer`` rebuilt for ``place`` (its rank in the new plan, the exchanged state)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from hetero.runtime.collectives import Collectives
+        from hetero.runtime.engine import NativeEngine, RunContext
+        from hetero.runtime.reshard.transfer import rebuild_stage
+        from hetero.runtime.spec import RunSpec, describe_rank
+
+        old = trainer.ctx
+        layout, rank = place.layout, place.rank
+        opts = dataclasses.replace(old.options, inject_failure=None, load=None,
+                                   run_dir=os.path.join(_root_run_dir(old.options.run_dir), f"gen{self.gen}"))
+        os.makedirs(opts.run_dir, exist_ok=True)
+        spec = RunSpec(cluster=place.cluster, model=old.spec.model, plan=place.plan.to_dict(),
+                       layout=[r.to_dict() for r in layout.ranks],
+                       nodes=[dataclasses.asdict(n) for n in layout.nodes], options=opts)
+        ctx = RunContext(spec, rank)
+        comm = Collectives.init(rank, len(layout.ranks), opts.timeout_s,
+                                describe=lambda r: describe_rank(ctx.layout.ranks[r]),
+                                vendors=[r.vendor for r in layout.ranks], device=ctx.device,
+                                device_types=ctx.device_types)
+        comm.create_groups(NativeEngine.rank_sets(ctx), mesh_sets=NativeEngine.mesh_sets(ctx))
+        mesh = None
+        if ctx.me.tp_size > 1:
+            tp_ranks = layout.stage_ranks(ctx.me.pipeline, ctx.me.replica, ctx.me.stage)
+            mesh = DeviceMesh.from_group(comm.mesh_group(tp_ranks), ctx.device.type)
+        stage = rebuild_stage(ctx.model, ctx.plan, ctx.me, place.state, mesh=mesh, device=ctx.device,
+                              lr=opts.lr, weight_decay=opts.weight_decay)
+        engine = NativeEngine(ctx, comm, stage=stage)
+        if mesh is not None:
+            engine.mesh = mesh
+        if scale is not None and engine.scaler is not None:
+            engine.scaler.scale = scale
+        trainer.ctx, trainer.comm, trainer.engine = ctx, comm, engine
+        trainer.rank, trainer.world = rank, len(layout.ranks)
+        _rewind(trainer, place.step)
+
+
+def _root_run_dir(run_dir: str) -> str:
+    """The run directory of generation 0 (later generations' are ``gen<g>`` inside it)."""
+    base = os.path.basename(run_dir.rstrip(os.sep))
+    return os.path.dirname(run_dir.rstrip(os.sep)) if base.startswith("gen") and base[3:].isdigit() else run_dir
+
+
+def _rewind(trainer, step: int) -> None:
+    """The trainer at ``step`` (the state's): later results dropped; a step whose update was applied
+    but whose closing all-reduce was lost keeps a place with no loss (NaN: null in the summary)."""
+    from hetero.runtime.trainer import StepResult
+
+    results = [r for r in trainer.state.results if r.step <= step]
+    for s in range(len(results) + 1, step + 1):
+        results.append(StepResult(step=s, loss=math.nan, time_s=math.nan, grad_norm=math.nan, forward_s=[],
+                                  backward_s=[]))
+    trainer.state.results = results
+    trainer.state.events = [e for e in trainer.state.events if e[2] <= step]
+    trainer.step = trainer.applied_step = step
+
+
+def _drop_world(trainer) -> None:
+    """Leave the broken world: the communicator's worker thread stopped, every group and mesh
+    released, the default group destroyed (its connections close, which wakes the peers blocked
+    on this rank)."""
+    import torch.distributed as dist
+
+    comm = trainer.comm
+    try:
+        if comm.hc is not None:
+            comm.hc.close()
+    except Exception:  # noqa: BLE001 - a broken communicator is being dropped anyway
+        pass
+    comm._groups.clear()
+    comm._mesh_groups.clear()
+    comm._hgroups.clear()
+    comm._pending.clear()
+    comm.hc = None
+    trainer.engine.executor = None
+    trainer.engine.reducer = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
