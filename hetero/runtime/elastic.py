@@ -244,7 +244,7 @@ def reconfiguration_table(reconfigurations: list[dict]):
 
     table = Table(title="reconfigurations")
     for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
-                 "event -> first step s", "new plan predicted tok/s"):
+                 "event -> first step s", "transfer s (predicted)", "MB moved", "new plan predicted tok/s"):
         table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
 
     def sec(v):
@@ -254,6 +254,9 @@ def reconfiguration_table(reconfigurations: list[dict]):
         table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
                       f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", sec(rc.get("handoff_time_s")),
                       sec(rc.get("replan_time_s")), sec(rc.get("restart_time_s")), sec(rc.get("reshard_time_s")),
+                      # in-process reshards: the measured transfer beside the predictor's
+                      f"{sec(rc.get('transfer_s'))} ({sec(rc.get('predicted_downtime_s'))})",
+                      "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
                       f"{rc['predicted_tokens_per_s']:,.0f}")
     return table
 

@@ -129,15 +129,9 @@ class LiveRun:
 
     def _plan_ahead(self) -> None:
         """The plan for every single loss, made while the workers start and train."""
-        from hetero.layout import build_layout
-        from hetero.runtime.elastic import replan, without_devices
-
-        now = self.now
-        for info in now.layout.ranks:
+        for info in self.now.layout.ranks:
             try:
-                left = without_devices(now.cluster, [info])
-                result = replan(left, self.model, now.plan)
-                self._ahead.setdefault(frozenset([info.rank]), _Ahead(left, result, build_layout(left, result.plan)))
+                self._ahead.setdefault(frozenset([info.rank]), self._replan({info.rank}))
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
 
@@ -278,11 +272,13 @@ class LiveRun:
         checkpoint = self._checkpoint()
         transition = self._transition(now, ahead, members, survivors)
         if transition.missing and not checkpoint:
-            _, region = transition.missing[0]
+            names = sorted({reg.name for _, reg in transition.missing})
+            region = next((reg for _, reg in transition.missing if reg.name.startswith("layers.")),
+                          transition.missing[0][1])
             holders = [i for i in now.layout.ranks if region.name in self._space().rank_regions(now.plan, i)]
             where = "; ".join(describe_rank(i) for i in holders[:3])
             raise HeteroError(f"elastic: no surviving rank holds a whole copy of {_layer_of(region.name)} "
-                              f"({region.name}, and {len(transition.missing) - 1} more regions), held only by {where}: "
+                              f"({region.name}; {len(names)} parameter(s) in all), held only by {where}: "
                               f"the live state cannot be rebuilt (fix: a plan whose stages have data-parallel "
                               f"replicas, 'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
         from hetero.runtime.reshard.live import decision_for
@@ -293,9 +289,9 @@ class LiveRun:
             checkpoint if transition.missing else None))
         decided = time.time()
         replan_s = time.perf_counter() - t0
-        self.print_fn(f"elastic: {len(survivors)} rank(s) survived at step {step}; in-process reshard onto "
-                      f"{ahead.cluster.num_devices} device(s): {ahead.result.one_line} (predicted "
-                      f"{ahead.result.tokens_per_s:,.0f} tokens/s)")
+        self.print_fn(f"elastic: replanned on {ahead.cluster.num_devices} device(s) in {replan_s:.2f} s: "
+                      f"{ahead.result.one_line} (predicted {ahead.result.tokens_per_s:,.0f} tokens/s); "
+                      f"{len(survivors)} surviving rank(s) at step {step} reshard in-process")
         rc = {"step": step + 1, "reason": reason, "world_size_before": now.layout.world_size,
               "world_size_after": ahead.layout.world_size, "devices_left": ahead.cluster.num_devices,
               "devices_added": 0, "devices_removed": len(lost_ranks), "_failed_at": failed_at,
@@ -322,12 +318,32 @@ class LiveRun:
             self.on_new_plan(self.now)
 
     def _replan(self, lost_ranks) -> _Ahead:
+        """The planner's best plan on the devices left; when it puts ranks on devices that run no
+        process (idle under the plan before), the plan for the survivors' devices alone: the
+        survivors carry on in their processes, and nothing new is started after a failure."""
+        from types import SimpleNamespace
+
         from hetero.layout import build_layout
         from hetero.runtime.elastic import replan, without_devices
 
-        left = without_devices(self.now.cluster, [self.now.layout.ranks[r] for r in sorted(lost_ranks)])
-        result = replan(left, self.model, self.now.plan)
-        return _Ahead(left, result, build_layout(left, result.plan))
+        now = self.now
+        left = without_devices(now.cluster, [now.layout.ranks[r] for r in sorted(lost_ranks)])
+        result = replan(left, self.model, now.plan)
+        layout = build_layout(left, result.plan)
+        held: dict[str, int] = {}
+        for info in now.layout.ranks:
+            if info.rank not in lost_ranks:
+                held[info.group] = held.get(info.group, 0) + 1
+        wanted: dict[str, int] = {}
+        for info in layout.ranks:
+            wanted[info.group] = wanted.get(info.group, 0) + 1
+        if any(n > held.get(g, 0) for g, n in wanted.items()):
+            idle = [SimpleNamespace(group=g.name, node=0) for g in left.groups if g.nodes == 1
+                    for _ in range(g.devices_per_node - held.get(g.name, 0))]
+            left = without_devices(left, idle)
+            result = replan(left, self.model, now.plan)
+            layout = build_layout(left, result.plan)
+        return _Ahead(left, result, layout)
 
     def _space(self):
         from hetero.runtime.reshard.space import ParameterSpace
