@@ -191,6 +191,7 @@ class LiveRun:
                                       f"{'at step %s' % e.get('step') if e.get('phase') == 'training' else 'while ' + str(e.get('phase'))}: "
                                       f"{e.get('message')}")
                 if lost:
+                    self._stop_schedules(lost)
                     self._recover(lost)
                     continue
                 if all(c == 0 for c in codes.values()):
@@ -317,6 +318,17 @@ class LiveRun:
         if self.on_new_plan:
             self.on_new_plan(self.now)
 
+    def _stop_schedules(self, lost) -> None:
+        """Tell every other worker at once that a peer is lost (:data:`~.reshard.resume.PEER_LOST_SIGNAL`):
+        one in the middle of its schedule stops there, instead of computing the rest of the step
+        before its next operation with the lost rank fails."""
+        from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL
+
+        gone = {r for r, _ in lost}
+        for r, p in self.now.procs.items():
+            if r not in gone and p.poll() is None:
+                _signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+
     def _replan(self, lost_ranks) -> _Ahead:
         """The planner's best plan on the devices left; when it puts ranks on devices that run no
         process (idle under the plan before), the plan for the survivors' devices alone: the
@@ -399,7 +411,7 @@ class LiveRun:
         rc = pend["rc"]
         ready = max(x["ready_at"] for x in t)
         rc.update(detect_s=max(x["detected_at"] for x in t) - rc["_failed_at"],
-                  agree_replan_s=max(x["agree_replan_s"] for x in t), regroup_s=max(x["regroup_s"] for x in t),
+                  leave_s=max(x["leave_s"] for x in t), agree_replan_s=max(x["agree_replan_s"] for x in t), regroup_s=max(x["regroup_s"] for x in t),
                   transfer_s=max(x["transfer_s"] for x in t), rebuild_s=max(x["rebuild_s"] for x in t),
                   bytes_moved=sum(x["bytes_sent"] for x in t), bytes_received=sum(x["bytes_received"] for x in t),
                   restart_time_s=ready - pend["decided"], reshard_time_s=ready - rc["_failed_at"],

@@ -129,6 +129,8 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
     if live is not None:
         live.first_world()
     trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
+    if live is not None:
+        live.watch(trainer)
     step_box["trainer"] = trainer
     opts = spec.options
     if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)
@@ -154,7 +156,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
         except InjectedFailure:
             raise
         except Exception as e:  # noqa: BLE001 - a lost peer is survived in-process; anything else ends the run
-            if live is None or not live.applies(e):
+            if live is None or not (live.aborted or live.applies(e)):
                 raise
             detected = time.time()
         # out of the handler: its traceback's frames hold the broken world's groups, which must be

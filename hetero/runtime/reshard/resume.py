@@ -38,6 +38,16 @@ FAIL_IN_RESHARD_ENV = "HETERO_TEST_FAIL_IN_RESHARD"
 checking in, so a peer is lost during the reshard itself."""
 
 
+PEER_LOST_SIGNAL = "SIGUSR1"
+"""The signal the launcher sends every survivor the moment it sees a worker's process end: a
+survivor in the middle of its pipeline schedule (compute for seconds before its next operation with
+the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watch`)."""
+
+
+class PeerLost(RuntimeError):
+    """Raised in the schedule when the launcher says a peer's process ended."""
+
+
 def timing_key(gen: int, me: int) -> str:
     return f"hetero/reconfig/gen{gen}/timing/{me}"
 
@@ -54,8 +64,45 @@ class LiveReconfig:
 
     @classmethod
     def from_env(cls, rank: int, world: int, timeout_s: float) -> "LiveReconfig | None":
+        """The worker's link when the launcher runs the in-process path (else None); from here on
+        :data:`PEER_LOST_SIGNAL` stops the schedule instead of ending the process."""
         port = os.environ.get(RECONFIG_ENV)
-        return cls(int(port), rank, world, timeout_s) if port else None
+        if not port:
+            return None
+        self = cls(int(port), rank, world, timeout_s)
+        import signal
+
+        signal.signal(getattr(signal, PEER_LOST_SIGNAL), self._on_peer_lost)
+        return self
+
+    interruptible = False
+    aborted = False
+    """Whether the launcher said a peer is lost since the last reconfiguration."""
+
+    def _on_peer_lost(self, _signum, _frame) -> None:
+        # only inside the schedule (forward and backward: nothing of the training state changes
+        # there); elsewhere, the next operation with the lost rank fails anyway (an optimizer step
+        # is never cut in half)
+        self.aborted = True
+        if self.interruptible:
+            self.interruptible = False
+            raise PeerLost("a peer's process ended (the launcher said so)")
+
+    def watch(self, trainer) -> None:
+        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s pipeline schedule (its engine's executor)."""
+        executor = trainer.engine.executor
+        run = executor.run
+
+        def interruptible_run(*args, **kwargs):
+            if self.aborted:
+                raise PeerLost("a peer's process ended (the launcher said so)")
+            self.interruptible = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.interruptible = False
+
+        executor.run = interruptible_run
 
     def first_world(self) -> None:
         """Generation 0's world on the coordinator's store (the Trainer then finds it formed)."""
@@ -70,7 +117,7 @@ class LiveReconfig:
         from hetero.errors import lost_connection
 
         text = str(error).lower()
-        return lost_connection(text) or "timed out" in text or "timeout" in text
+        return isinstance(error, PeerLost) or lost_connection(text) or "timed out" in text or "timeout" in text
 
     def recover(self, trainer, detected_at: float) -> bool:
         """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
@@ -86,13 +133,14 @@ class LiveReconfig:
         _drop_world(trainer)
         self.gen += 1
         gen, me = self.gen, self.rank
+        leave_s = time.time() - detected_at   # live state read, broken world dropped
         fail = os.environ.get(FAIL_IN_RESHARD_ENV)
         place = reconfigure(self.store, gen, me, live, timeout_s=self.timeout_s, applied_step=trainer.applied_step,
                             detected_at=detected_at, meshes=False,
                             on_checked_in=(lambda: os._exit(19)) if fail is not None and int(fail) == me else None)
         del live
         t0 = time.perf_counter()
-        timing = {"detected_at": detected_at, **place.timings, "bytes_sent": place.stats.bytes_sent,
+        timing = {"detected_at": detected_at, "leave_s": leave_s, **place.timings, "bytes_sent": place.stats.bytes_sent,
                   "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
                   "member": place.member, "pid": os.getpid(), "rank_after": place.rank}
         if not place.member:
@@ -106,6 +154,8 @@ class LiveReconfig:
             regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
         self._adopt(trainer, place, scale)
         self.rank, self.world = place.rank, members
+        self.aborted = False
+        self.watch(trainer)
         timing["rebuild_s"] = time.perf_counter() - t0
         timing["ready_at"] = time.time()
         self.store.set(timing_key(gen, me), json.dumps(timing))
