@@ -177,7 +177,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 if why_not_live is None:   # survivors reshard in-process (hetero.runtime.elastic_live)
                     now = LiveRun(launch, attempt.cluster, model, attempt.plan, reconfigurations, print_fn,
                                   on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
-                                  else None).run()
+                                  else None, watch=watch).run()
                     attempt = dataclasses.replace(attempt, cluster=now.cluster, plan=now.plan, run_dir=now.run_dir)
                     launch.layout = now.layout
                     holders = param_holders(model, now.plan, now.layout)

@@ -97,12 +97,13 @@ class _Ahead:
 class LiveRun:
     """Run one launch with in-process reconfiguration; see the module docstring."""
 
-    def __init__(self, launch, cluster, model, plan, reconfigurations: list, print_fn=print, on_new_plan=None):
+    def __init__(self, launch, cluster, model, plan, reconfigurations: list, print_fn=print, on_new_plan=None,
+                 watch=None):
         from hetero.runtime.reshard.live import Coordinator
 
         self.launch, self.model, self.print_fn = launch, model, print_fn
         self.options = launch.spec.options
-        self.reconfigurations, self.on_new_plan = reconfigurations, on_new_plan
+        self.reconfigurations, self.on_new_plan, self.watch = reconfigurations, on_new_plan, watch
         self.coordinator = Coordinator(timeout_s=max(60.0, self.options.timeout_s))
         self.gen_no = 0
         self.now = Generation(cluster, plan, launch.layout, self.options.run_dir, {})
@@ -194,6 +195,9 @@ class LiveRun:
                     self._stop_schedules(lost)
                     self._recover(lost)
                     continue
+                if self._paused_all():
+                    self._reshape()
+                    continue
                 if all(c == 0 for c in codes.values()):
                     for p in self.leaving:
                         try:
@@ -212,6 +216,7 @@ class LiveRun:
     # ---------------------------------------------------------------- a lost device
     def _recover(self, lost: list[tuple[int, dict | None]]) -> None:
         from hetero.runtime.elastic import MAX_RECONFIGURATIONS
+        from hetero.runtime.handoff import _layer_of
         from hetero.runtime.launcher import LaunchError
         from hetero.runtime.reshard.live import _key
         from hetero.runtime.spec import describe_rank
@@ -300,10 +305,15 @@ class LiveRun:
               "plan": ahead.result.plan.to_dict(), "predicted_tokens_per_s": ahead.result.tokens_per_s,
               "path": "in-process", "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(now, transition, members, survivors)}
+        self._switch(rc, gen, survivors, members, lost_ranks, ahead)
+
+    def _switch(self, rc: dict, gen: int, survivors: list[int], members: dict, lost_ranks, ahead) -> None:
+        """Record ``rc`` and make generation ``gen`` (``ahead``'s plan, ``members``' processes) current."""
+        now = self.now
         self.reconfigurations.append(rc)
-        self._pending = {"rc": rc, "gen": gen, "survivors": survivors, "decided": decided,
+        self._pending = {"rc": rc, "gen": gen, "survivors": survivors, "decided": rc["_launched_at"],
                          "pids": {r: now.procs[r].pid for r in survivors}}
-        # 3. the processes of the new plan: the same ones, under their new ranks
+        # the processes of the new plan: the same ones, under their new ranks
         for r in lost_ranks:
             if now.procs[r].poll() is None:
                 _signal(now.procs[r].pid, signal.SIGKILL)
@@ -317,6 +327,58 @@ class LiveRun:
         threading.Thread(target=self._plan_ahead, daemon=True).start()
         if self.on_new_plan:
             self.on_new_plan(self.now)
+
+    # ---------------------------------------------------------------- a change of the cluster file
+    def _paused_all(self) -> bool:
+        """Whether every rank paused for a pending change of the cluster file and checked in."""
+        from hetero.runtime.reshard.live import _key
+
+        if self.watch is None or self.watch.pending is None:
+            return False
+        return self.coordinator.store.check([_key(self.gen_no + 1, f"alive/{r}") for r in self.now.procs])
+
+    def _reshape(self) -> None:
+        """Every rank paused at a step boundary for the pending change: devices that leave (the new
+        plan's ranks all on devices that run a process) are taken out in-process, as after a failure
+        but with every rank serving its state; a change that needs new processes (devices that join)
+        is answered with a handoff: the ranks write their state and exit, and the launch restarts on
+        the new plan (:mod:`hetero.runtime.elastic`)."""
+        from hetero.layout import build_layout
+        from hetero.runtime.reshard.live import _key, decision_for
+
+        now, gen, store = self.now, self.gen_no + 1, self.coordinator.store
+        change = self.watch.pending
+        ranks = sorted(now.procs)
+        got = {r: json.loads(store.get(_key(gen, f"alive/{r}"))) for r in ranks}
+        checked_in = time.time()
+        step = max(g["applied_step"] for g in got.values())
+        layout = build_layout(change.cluster, change.result.plan)
+        try:
+            members = assign_ranks(now.layout, layout, ranks)
+        except HeteroError:   # ranks on devices that run no process: a join
+            self.coordinator.publish(gen, {}, {"handoff": True})
+            self.print_fn("elastic: the new plan puts ranks on devices that run no process: the ranks hand off "
+                          "their state and every worker restarts")
+            self.gen_no = gen
+            return
+        self.watch.take()
+        ahead = _Ahead(change.cluster, change.result, layout)
+        transition = self._transition(now, ahead, members, ranks)
+        self.coordinator.publish(gen, members, decision_for(
+            self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
+            (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None))
+        decided = time.time()
+        asked = change.seen_at + change.replan_time_s
+        self.print_fn(f"elastic: {now.layout.world_size} rank(s) paused after step {step}; in-process reshard onto "
+                      f"{change.result.one_line}")
+        rc = {"step": step + 1, "reason": change.reason, "world_size_before": now.layout.world_size,
+              "world_size_after": layout.world_size, "devices_left": change.cluster.num_devices,
+              "devices_added": change.added, "devices_removed": change.removed, "_failed_at": change.seen_at,
+              "_launched_at": decided, "handoff_time_s": checked_in - asked, "replan_time_s": change.replan_time_s,
+              "plan": change.result.plan.to_dict(), "predicted_tokens_per_s": change.result.tokens_per_s,
+              "path": "in-process", "intersection_bytes": transition.intersection_bytes,
+              "predicted_downtime_s": self._predict(now, transition, members, ranks)}
+        self._switch(rc, gen, ranks, members, set(), ahead)
 
     def _stop_schedules(self, lost) -> None:
         """Tell every other worker at once that a peer is lost (:data:`~.reshard.resume.PEER_LOST_SIGNAL`):
@@ -425,11 +487,6 @@ class LiveRun:
 
 def _sec(v) -> str:
     return "-" if v is None else f"{v:.2f}"
-
-
-def _layer_of(name: str) -> str:
-    parts = name.split(".")
-    return f"layer {parts[1]}" if parts[0] == "layers" and len(parts) > 1 else "the embedding or head"
 
 
 def _signal(pid: int, sig) -> None:

@@ -150,9 +150,9 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
     start = trainer.step
     end = start + opts.steps
     while True:
+        detected = None
         try:
             trainer.train(end - trainer.step, log=log)
-            break
         except InjectedFailure:
             raise
         except Exception as e:  # noqa: BLE001 - a lost peer is survived in-process; anything else ends the run
@@ -161,8 +161,14 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
             detected = time.time()
         # out of the handler: its traceback's frames hold the broken world's groups, which must be
         # freed for their connections to close (that wakes the peers blocked on this rank)
-        step_box["phase"] = "resharding after a lost peer"
-        if not live.recover(trainer, detected):
+        if detected is None and (trainer.step >= end or live is None):
+            break
+        step_box["phase"] = "resharding after a lost peer" if detected else "resharding (the cluster changed)"
+        # a pause (no failure): reshard in-process, or (None) hand off through the run directory below
+        outcome = live.recover(trainer, detected) if detected is not None else live.pause(trainer)
+        if outcome is None:
+            break
+        if not outcome:
             return "left"
         rank, opts = trainer.rank, trainer.ctx.options
         base = os.path.join(opts.run_dir, f"rank{rank}") if base else None

@@ -135,14 +135,16 @@ class NewPlace:
 
 def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0, max_bytes: int | None = None,
                 applied_step: int = 0, detected_at: float | None = None, meshes: bool = True,
-                on_checked_in=None) -> NewPlace:
+                on_checked_in=None, space=None, decision: dict | None = None) -> NewPlace:
     """Everything a survivor (rank ``me`` of the broken world, holding ``live``:
     :func:`hetero.runtime.reshard.transfer.live_state`) does after a failure, up to its new state:
     check in, take the coordinator's decision, rebuild the world, exchange the intersections. The
     caller rebuilds its stage from the result (:func:`~hetero.runtime.reshard.transfer.rebuild_stage`).
     ``detected_at``: when this rank saw the failure (told the coordinator); ``meshes``: build the new
     plan's tp meshes in the exchange's world (False: the caller builds them in its own);
-    ``on_checked_in``: called right after the check-in (tests lose a rank there)."""
+    ``on_checked_in``: called right after the check-in (tests lose a rank there); ``space``: the
+    model's :class:`~hetero.runtime.reshard.space.ParameterSpace`, made before the failure;
+    ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world)."""
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.reshard.space import ParameterSpace
@@ -150,10 +152,11 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     from hetero.runtime.reshard.transition import plan_transition
 
     t0 = time.perf_counter()
-    report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time())
-    if on_checked_in:
-        on_checked_in()
-    d = await_decision(store, gen, timeout_s)
+    if decision is None:
+        report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time())
+        if on_checked_in:
+            on_checked_in()
+    d = decision or await_decision(store, gen, timeout_s)
     members = d["members"]
     world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
     if me not in world_rank:
@@ -167,7 +170,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     regroup(store, gen, rank, world, timeout_s)
     mesh = _tp_meshes(layouts[1], rank) if meshes else None
     t2 = time.perf_counter()
-    space = ParameterSpace(model)
+    space = space or ParameterSpace(model)
     sources = {world_rank[r]: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in world_rank}
     targets = space.layout_regions(plans[1], layouts[1])
     vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}

@@ -89,7 +89,14 @@ class LiveReconfig:
             raise PeerLost("a peer's process ended (the launcher said so)")
 
     def watch(self, trainer) -> None:
-        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s pipeline schedule (its engine's executor)."""
+        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s pipeline schedule (its engine's executor);
+        and work out now, not in the downtime, the regions this rank holds."""
+        from hetero.runtime.reshard.space import ParameterSpace
+
+        ctx = trainer.ctx
+        if getattr(self, "space", None) is None:
+            self.space = ParameterSpace(ctx.model)
+        self.regions = self.space.rank_regions(ctx.plan, ctx.me)
         executor = trainer.engine.executor
         run = executor.run
 
@@ -119,16 +126,29 @@ class LiveReconfig:
         text = str(error).lower()
         return isinstance(error, PeerLost) or lost_connection(text) or "timed out" in text or "timeout" in text
 
-    def recover(self, trainer, detected_at: float) -> bool:
+    def pause(self, trainer) -> bool | None:
+        """Every rank paused at a step boundary for a change of the cluster file: check in (the world
+        still whole) and take the coordinator's decision: reshard in-process as :meth:`recover`
+        does (True / False as there), or None: hand off through the run directory and exit (the new
+        plan needs processes on devices that run none)."""
+        from hetero.runtime.reshard.live import await_decision, report_alive
+
+        gen, paused_at = self.gen + 1, time.time()
+        report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at)
+        d = await_decision(self.store, gen, self.timeout_s)
+        if d.get("handoff"):
+            self.gen = gen
+            return None
+        return self.recover(trainer, paused_at, decision=d)
+
+    def recover(self, trainer, detected_at: float, decision: dict | None = None) -> bool:
         """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
         the new plan and goes on; False: the new plan leaves this rank out (its state was served)."""
         from hetero.runtime.reshard.live import reconfigure, regroup
-        from hetero.runtime.reshard.space import ParameterSpace
         from hetero.runtime.reshard.transfer import live_state
 
-        ctx, engine = trainer.ctx, trainer.engine
-        space = ParameterSpace(ctx.model)
-        live = live_state(engine.module, engine.optimizer, space.rank_regions(ctx.plan, ctx.me))
+        engine = trainer.engine
+        live = live_state(engine.module, engine.optimizer, self.regions)
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
         _drop_world(trainer)
         self.gen += 1
@@ -136,7 +156,7 @@ class LiveReconfig:
         leave_s = time.time() - detected_at   # live state read, broken world dropped
         fail = os.environ.get(FAIL_IN_RESHARD_ENV)
         place = reconfigure(self.store, gen, me, live, timeout_s=self.timeout_s, applied_step=trainer.applied_step,
-                            detected_at=detected_at, meshes=False,
+                            detected_at=detected_at, meshes=False, space=self.space, decision=decision,
                             on_checked_in=(lambda: os._exit(19)) if fail is not None and int(fail) == me else None)
         del live
         t0 = time.perf_counter()
