@@ -92,6 +92,9 @@ class _Ahead:
     cluster: object
     result: object
     layout: object
+    transition: object = None
+    """The transition when every other rank survives (made ahead with the plan)."""
+    survivors: tuple = ()
 
 
 class LiveRun:
@@ -130,9 +133,15 @@ class LiveRun:
 
     def _plan_ahead(self) -> None:
         """The plan for every single loss, made while the workers start and train."""
-        for info in self.now.layout.ranks:
+        now, table = self.now, self._ahead   # this generation's (a later one starts its own)
+        for info in now.layout.ranks:
             try:
-                self._ahead.setdefault(frozenset([info.rank]), self._replan({info.rank}))
+                ahead = self._replan({info.rank}, now)
+                survivors = [r for r in range(now.layout.world_size) if r != info.rank]
+                members = assign_ranks(now.layout, ahead.layout, survivors)
+                ahead.transition = self._transition(now, ahead, members, survivors)
+                ahead.survivors = tuple(survivors)
+                table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
 
@@ -276,7 +285,8 @@ class LiveRun:
         ahead = self._ahead.get(frozenset(lost_ranks)) or self._replan(lost_ranks)
         members = assign_ranks(now.layout, ahead.layout, survivors)
         checkpoint = self._checkpoint()
-        transition = self._transition(now, ahead, members, survivors)
+        transition = (ahead.transition if ahead.survivors == tuple(survivors)
+                      else self._transition(now, ahead, members, survivors))
         if transition.missing and not checkpoint:
             names = sorted({reg.name for _, reg in transition.missing})
             region = next((reg for _, reg in transition.missing if reg.name.startswith("layers.")),
@@ -391,7 +401,7 @@ class LiveRun:
             if r not in gone and p.poll() is None:
                 _signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
 
-    def _replan(self, lost_ranks) -> _Ahead:
+    def _replan(self, lost_ranks, now=None) -> _Ahead:
         """The planner's best plan on the devices left; when it puts ranks on devices that run no
         process (idle under the plan before), the plan for the survivors' devices alone: the
         survivors carry on in their processes, and nothing new is started after a failure."""
@@ -400,7 +410,7 @@ class LiveRun:
         from hetero.layout import build_layout
         from hetero.runtime.elastic import replan, without_devices
 
-        now = self.now
+        now = now or self.now
         left = without_devices(now.cluster, [now.layout.ranks[r] for r in sorted(lost_ranks)])
         result = replan(left, self.model, now.plan)
         layout = build_layout(left, result.plan)
