@@ -501,28 +501,9 @@ def test_a_device_removed_from_the_file_is_drained_without_losing_a_step(tmp_pat
     assert (rc["world_size_before"], rc["world_size_after"]) == (2, 1)
     assert (rc["devices_added"], rc["devices_removed"]) == (0, 1)
     assert None not in summary["losses"]      # a pause loses no step result, unlike a failure
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_device_that_leaves_through_the_cluster_file_is_resharded_in_process(tmp_path):
-    """The cluster file loses a slow device mid-run: every rank pauses at a step boundary and the
-    ranks reshard in-process onto the new plan (no restart: the processes stay), every step kept."""
-    steps = 200
-
-    def drop_a_slow_device(run_dir, output):
-        _wait_for_step(output, 5)
-        less = {**CLUSTER, "groups": [CLUSTER["groups"][0], {**CLUSTER["groups"][1], "devices_per_node": 1}]}
-        _write(tmp_path, "cluster.yaml", less)
-
-    rc_, out, err = _launch_and_act(tmp_path, CLUSTER, REPLICATED, steps, "rank0.training", drop_a_slow_device,
-                                    lr=1e-3)
-    assert rc_ == 0, out[-2000:] + err[-2000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    (rc,) = summary["reconfigurations"]
-    assert rc["path"] == "in-process" and rc["pids_kept"] is True and rc["devices_removed"] == 1
+    # a device that leaves is taken out in-process: the processes stay, the state moves rank to rank
+    assert rc["path"] == "in-process" and rc["pids_kept"] is True
     assert rc["bytes_moved"] == rc["intersection_bytes"]
-    pids = {int((tmp_path / "run" / "attempt0" / f"rank{r}.pid").read_text()) for r in range(4)}
+    pids = {int((tmp_path / "run" / "attempt0" / f"rank{r}.pid").read_text()) for r in range(2)}
     assert {int(p) for p in rc["survivor_pids"].values()} == pids and summary["pid"] in pids
-    assert summary["steps"] == steps and None not in summary["losses"]
-    assert 5 < rc["step"] < steps
+
