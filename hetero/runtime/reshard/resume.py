@@ -44,6 +44,11 @@ survivor in the middle of its pipeline schedule (compute for seconds before its 
 the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watch`)."""
 
 
+WAKE_GRACE_S = 0.3
+"""How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its process groups are
+aborted under it (it is then blocked in a collective)."""
+
+
 class PeerLost(RuntimeError):
     """Raised in the schedule when the launcher says a peer's process ended."""
 
@@ -73,7 +78,41 @@ class LiveReconfig:
         import signal
 
         signal.signal(getattr(signal, PEER_LOST_SIGNAL), self._on_peer_lost)
+        self._start_waker()
         return self
+
+    recovering = False
+    """Set once this rank left the training loop for a reconfiguration."""
+
+    def _start_waker(self) -> None:
+        """A thread that sees :data:`PEER_LOST_SIGNAL` even while the main thread is blocked inside a
+        Gloo operation on a survivor (Python runs a signal's handler only between bytecodes): when
+        the main thread has not taken the signal within :data:`WAKE_GRACE_S`, it aborts this rank's
+        process groups, so the blocked operation fails at once instead of at the group's timeout."""
+        import signal
+        import threading
+
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        wanted = int(getattr(signal, PEER_LOST_SIGNAL))
+
+        def wake() -> None:
+            while True:
+                data = os.read(r, 64)
+                if wanted not in data:
+                    continue
+                generation = self.gen
+                time.sleep(WAKE_GRACE_S)
+                if self.gen == generation and not self.recovering:
+                    from torch.distributed import distributed_c10d
+
+                    try:
+                        distributed_c10d._abort_process_group()
+                    except Exception:  # noqa: BLE001 - nothing to wake, or already torn down
+                        pass
+
+        threading.Thread(target=wake, name="hetero-peer-lost-waker", daemon=True).start()
 
     interruptible = False
     aborted = False
@@ -151,6 +190,7 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import reconfigure, regroup
         from hetero.runtime.reshard.transfer import live_state
 
+        self.recovering = True
         engine = trainer.engine
         live = live_state(engine.module, engine.optimizer, self.regions)
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
@@ -178,7 +218,7 @@ class LiveReconfig:
             regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
         self._adopt(trainer, place, scale)
         self.rank, self.world = place.rank, members
-        self.aborted = False
+        self.aborted = self.recovering = False
         self.watch(trainer)
         timing["rebuild_s"] = time.perf_counter() - t0
         timing["ready_at"] = time.time()
@@ -264,5 +304,8 @@ def _drop_world(trainer) -> None:
     trainer.engine.executor = None
     trainer.engine.reducer = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - aborted under a blocked operation already
+            pass
     gc.collect()
