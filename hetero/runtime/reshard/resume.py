@@ -118,17 +118,20 @@ class LiveReconfig:
     aborted = False
     """Whether the launcher said a peer is lost since the last reconfiguration."""
 
+    critical = False
+    """Inside an optimizer step, up to the step counted as applied: never interrupted."""
+
     def _on_peer_lost(self, _signum, _frame) -> None:
-        # only inside the schedule (forward and backward: nothing of the training state changes
-        # there); elsewhere, the next operation with the lost rank fails anyway (an optimizer step
-        # is never cut in half)
+        # anywhere in a training step but its optimizer update (nothing of the training state
+        # changes elsewhere: an update is never cut in half, nor left uncounted); a wait on the
+        # unified communicator's thread, which Gloo's abort would not end, stops here too
         self.aborted = True
-        if self.interruptible:
+        if self.interruptible and not self.critical:
             self.interruptible = False
             raise PeerLost("a peer's process ended (the launcher said so)")
 
     def watch(self, trainer) -> None:
-        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s pipeline schedule (its engine's executor);
+        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s step anywhere but in its optimizer update;
         and work out now, not in the downtime, the regions this rank holds."""
         from hetero.runtime.reshard.space import ParameterSpace
 
@@ -136,19 +139,32 @@ class LiveReconfig:
         if getattr(self, "space", None) is None:
             self.space = ParameterSpace(ctx.model)
         self.regions = self.space.rank_regions(ctx.plan, ctx.me)
-        executor = trainer.engine.executor
-        run = executor.run
+        engine, optimizer = trainer.engine, trainer.engine.optimizer
+        train_step, optimizer_step = engine.train_step, optimizer.step
 
-        def interruptible_run(*args, **kwargs):
+        def guarded_optimizer_step(*args, **kwargs):
+            self.critical = True   # until the step is counted as applied (below)
+            return optimizer_step(*args, **kwargs)
+
+        def interruptible_step(step, *args, **kwargs):
             if self.aborted:
                 raise PeerLost("a peer's process ended (the launcher said so)")
-            self.interruptible = True
+            self.interruptible, self.critical = True, False
             try:
-                return run(*args, **kwargs)
-            finally:
+                out = train_step(step, *args, **kwargs)
+            except BaseException:
                 self.interruptible = False
+                raise
+            if self.critical:   # the update was applied: counted before anything may interrupt again
+                trainer.applied_step = step + 1
+            self.critical = False
+            if self.aborted:   # the signal came during the update
+                raise PeerLost("a peer's process ended (the launcher said so)")
+            return out
 
-        executor.run = interruptible_run
+        engine.train_step = interruptible_step
+        optimizer.step = guarded_optimizer_step
+        trainer.train = self._interruptible_train(trainer.train)
         # what exists now (torch, the model, the planner) never needs a cycle collection: frozen,
         # the collection that frees the broken world after a failure takes milliseconds, not the
         # 1.4-3.2 s a full one took on a loaded 2-core machine
@@ -168,6 +184,21 @@ class LiveReconfig:
 
         text = str(error).lower()
         return isinstance(error, PeerLost) or lost_connection(text) or "timed out" in text or "timeout" in text
+
+    def _interruptible_train(self, train):
+        """``trainer.train`` with the rest of a step (its metrics all-reduce, the pause decision)
+        interruptible too; a wrapped one is not wrapped again."""
+        train = getattr(train, "__wrapped_train__", train)
+
+        def interruptible_train(*args, **kwargs):
+            self.interruptible = True
+            try:
+                return train(*args, **kwargs)
+            finally:
+                self.interruptible = False
+
+        interruptible_train.__wrapped_train__ = train
+        return interruptible_train
 
     def pause(self, trainer) -> bool | None:
         """Every rank paused at a step boundary for a change of the cluster file: check in (the world
