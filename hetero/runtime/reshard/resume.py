@@ -238,13 +238,23 @@ class LiveReconfig:
         timing = {"detected_at": detected_at, "leave_s": leave_s, **place.timings, "bytes_sent": place.stats.bytes_sent,
                   "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
                   "member": place.member, "pid": os.getpid(), "rank_after": place.rank}
+        members = len(place.layout.ranks)
+        done = [f"hetero/reconfig/gen{gen}/exchanged/{r}" for r in range(members)]
         if not place.member:
+            import datetime
+
             import torch.distributed as dist
 
+            # leave only once every member is through the exchange: a helper gone before a member
+            # finished forming the exchange's world (nothing to send) broke that member's connect
+            try:
+                self.store.wait(done, datetime.timedelta(seconds=self.timeout_s))
+            except Exception:  # noqa: BLE001 - a member lost meanwhile: the launcher says so
+                pass
             dist.destroy_process_group()
             self.store.set(timing_key(gen, me), json.dumps({**timing, "rebuild_s": 0.0, "ready_at": time.time()}))
             return False
-        members = len(place.layout.ranks)
+        self.store.set(done[place.rank], "1")
         if place.world > members:   # survivors the new plan leaves out served their state: a world without them
             regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
         self._adopt(trainer, place, scale)
