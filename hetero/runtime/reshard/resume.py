@@ -345,6 +345,12 @@ def _drop_world(trainer) -> None:
     trainer.engine.executor = None
     trainer.engine.reducer = None
     if dist.is_initialized():
+        try:   # abort first: a destroy waits for an operation still in flight on the communicator's thread
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - nothing in flight to abort
+            pass
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - aborted under a blocked operation already
