@@ -28,6 +28,19 @@ rank and the survivors reshard rank to rank, against the same transition through
 torch.distributed.checkpoint and /dev/shm); writes benchmarks/results/elastic_live.json.
 
     .venv/bin/python benchmarks/bench_elastic.py --live [--rounds 3]
+
+With ``--launch-live``: the in-process path through the real ``hetero launch --elastic`` on the 109M
+GPT (8 layers, hidden 1024, vocab 8192, seq 64) with two replicas of a two-stage pipeline on
+local-cpu.yaml, rank 3 lost at step 3 of 6. Per round it reads the ``reconfigurations`` entry
+(detect, agree + replan, regroup, transfer, rebuild, downtime = failure -> last survivor ready,
+bytes moved vs the intersection volume, the predicted transfer), the launcher's peak RSS (VmHWM of
+the ``hetero launch`` process, read until it exits) and whether the survivors kept their process
+ids; the losses are compared with one run of the whole model on one device. The same transition
+through torch.distributed.checkpoint save + load via /dev/shm is timed in the same benchmark run
+(benchmarks/bench_reshard_live.py's rounds: the same model, plan and loss). Medians over the rounds;
+writes benchmarks/results/elastic_launch_live.json.
+
+    .venv/bin/python benchmarks/bench_elastic.py --launch-live [--rounds 3]
 """
 from __future__ import annotations
 
@@ -121,6 +134,108 @@ def medians(rows: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in (*TIMES, "tokens_per_s_after", "tokens_per_s_clean")}
 
 
+GPT109 = {"name": "gpt-109m", "architecture": "gpt", "num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16,
+          "vocab_size": 8192, "seq_length": 64, "dtype": "fp32", "tie_embeddings": True}
+PLAN109 = {"global_batch_size": 8, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "none", "zero_stage": 0,
+           "pipelines": [{"replicas": 2, "micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]},
+                                                                        {"group": "slow", "layers": [4, 8]}]}]}
+LIVE_KEYS = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s", "reshard_time_s",
+             "predicted_downtime_s")
+
+
+def _peak_rss_launch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd``; its own peak RSS in MB (VmHWM, read until it exits: not its children's)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    peak = 0.0
+    out_parts: list[str] = []
+    import threading
+
+    def drain(stream, into):
+        into.append(stream.read())
+    err_parts: list[str] = []
+    readers = [threading.Thread(target=drain, args=(proc.stdout, out_parts)),
+               threading.Thread(target=drain, args=(proc.stderr, err_parts))]
+    for r in readers:
+        r.start()
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        peak = max(peak, int(line.split()[1]) / 1024)
+        except OSError:
+            pass
+        time.sleep(0.05)
+    for r in readers:
+        r.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out_parts), "".join(err_parts)), peak
+
+
+def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_reshard_live
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model = tmp / "gpt109.yaml"
+        model.write_text(yaml.safe_dump(GPT109))
+        plan = tmp / "plan.yaml"
+        plan.write_text(yaml.safe_dump(PLAN109))
+        one_c, one_p = tmp / "one.yaml", tmp / "one-plan.yaml"
+        cluster = yaml.safe_load(CLUSTER.read_text())
+        cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
+        one_c.write_text(yaml.safe_dump(cluster))
+        one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
+            {"group": "fast", "layers": [0, 8]}]}]}))
+
+        def cmd(c, p, out, *extra):
+            return [sys.executable, "-m", "hetero", "launch", "--cluster", str(c), "--model", str(model), "--plan",
+                    str(p), "--steps", str(steps), "--lr", "1e-3", "--seed", "0", "--timeout", "120", "--quiet",
+                    "--summary", str(out), *extra]
+        ref_proc = subprocess.run(cmd(one_c, one_p, tmp / "ref.json"), capture_output=True, text=True, cwd=ROOT,
+                                  timeout=900)
+        if ref_proc.returncode:
+            sys.exit(f"single-device run failed:\n{ref_proc.stderr[-3000:]}")
+        ref = json.loads((tmp / "ref.json").read_text())
+        rows = []
+        for i in range(rounds):
+            out = tmp / f"live{i}.json"
+            proc, rss = _peak_rss_launch(cmd(CLUSTER, plan, out, "--elastic", "--inject-failure",
+                                             f"{fail_at}:{FAILED_RANK}"))
+            if proc.returncode:
+                sys.exit(f"elastic launch failed:\n{proc.stderr[-3000:]}")
+            summary = json.loads(out.read_text())
+            (rc,) = summary["reconfigurations"]
+            diffs = [abs(a - b) / abs(b) for a, b in zip(summary["losses"], ref["losses"])]
+            dcp = bench_reshard_live.one_round(i, tmp)   # the same transition through DCP and /dev/shm
+            r = {"round": i, **{k: rc.get(k) for k in LIVE_KEYS}, "bytes_moved": rc["bytes_moved"],
+                 "intersection_bytes": rc["intersection_bytes"], "pids_kept": rc["pids_kept"],
+                 "world_size_after": rc["world_size_after"], "launcher_peak_rss_mb": rss,
+                 "max_rel_loss_diff": max(diffs), "dcp_s": dcp["dcp_s"],
+                 "standalone_downtime_s": dcp["downtime_s"]}
+            r["dcp_over_downtime"] = r["dcp_s"] / r["reshard_time_s"]
+            rows.append(r)
+            print(f"round {i}: downtime {r['reshard_time_s']:.2f} s (detect {r['detect_s']:.2f}, agree+replan "
+                  f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
+                  f"[predicted {r['predicted_downtime_s']:.2f}], rebuild {r['rebuild_s']:.2f}); "
+                  f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
+                  f"launcher peak RSS {rss:.0f} MB; pids kept {r['pids_kept']}; losses vs one device "
+                  f"{r['max_rel_loss_diff']:.1e}; DCP via /dev/shm {r['dcp_s']:.2f} s", flush=True)
+    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_over_downtime", "standalone_downtime_s")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    print(f"\nin-process reshard through hetero launch --elastic, medians over {rounds} rounds (109M GPT, rank "
+          f"{FAILED_RANK} lost at step {fail_at} of {steps}):")
+    for k, v in med.items():
+        print(f"    {k:24s} {v:10.3f}")
+    exact = all(r["bytes_moved"] == r["intersection_bytes"] for r in rows)
+    worst = max(r["max_rel_loss_diff"] for r in rows)
+    print(f"    bytes moved == intersection volume: {exact}; pids kept: {all(r['pids_kept'] for r in rows)}; "
+          f"largest relative loss difference vs one device: {worst:.1e}")
+    return {"method": __doc__.strip(), "model": GPT109, "plan": PLAN109, "steps": steps, "fail_at": fail_at,
+            "failed_rank": FAILED_RANK, "rounds": rows, "medians": med, "bytes_exact": exact,
+            "max_rel_loss_diff": worst, "machine": "2 cores, shared with other jobs while measured"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -130,7 +245,15 @@ def main() -> int:
                     help="steps of the join runs: enough that the change lands mid-run (default 300)")
     ap.add_argument("--live", action="store_true",
                     help="the in-process reshard of a 109M GPT instead (benchmarks/bench_reshard_live.py)")
+    ap.add_argument("--launch-live", action="store_true",
+                    help="the in-process reshard of a 109M GPT through hetero launch --elastic")
     args = ap.parse_args()
+    if args.launch_live:
+        result = launch_live(args.rounds)
+        out = ROOT / "benchmarks/results/elastic_launch_live.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out.relative_to(ROOT)}")
+        return 0 if result["bytes_exact"] and result["max_rel_loss_diff"] <= 1e-3 else 1
     if args.live:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import bench_reshard_live

@@ -132,6 +132,7 @@ def one_round(i: int, tmp: Path) -> dict:
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.elastic import replan, without_devices
+    from hetero.runtime.elastic_live import assign_ranks
     from hetero.runtime.reshard.live import Coordinator, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s
     from hetero.runtime.reshard.space import ParameterSpace
@@ -164,7 +165,7 @@ def one_round(i: int, tmp: Path) -> dict:
         t0 = time.perf_counter()
         left, result = ahead[LOST]
         new_layout = build_layout(left, result.plan)
-        members = _members(layout, new_layout, sorted(got))
+        members = assign_ranks(layout, new_layout, sorted(got))
         coordinator.publish(1, members, decision_for(MODEL, (cluster_d, PLAN), (left.to_dict(), result.plan.to_dict()),
                                                      sorted(got), step=3))
         replan_s = time.perf_counter() - t0
@@ -200,23 +201,6 @@ def one_round(i: int, tmp: Path) -> dict:
           f"(intersection {row['intersection_bytes'] / 1e6:.0f} MB, kept {row['bytes_kept_local'] / 1e6:.0f} MB); "
           f"dcp via /dev/shm {row['dcp_s']:.2f} s; pids kept {row['pids_kept']}", flush=True)
     return row
-
-
-def _members(old, new, survivors: list[int]) -> dict[int, int]:
-    """Old rank -> new rank: a survivor keeps its device, so it takes the new rank on the same device
-    (the n-th device of its group among the survivors is the n-th of that group now)."""
-    by_group_new: dict[str, list[int]] = {}
-    for info in new.ranks:
-        by_group_new.setdefault(info.group, []).append(info.rank)
-    seen: dict[str, int] = {}
-    members = {}
-    for r in survivors:
-        g = old.ranks[r].group
-        k = seen.get(g, 0)
-        seen[g] = k + 1
-        if k < len(by_group_new.get(g, [])):
-            members[r] = by_group_new[g][k]
-    return members
 
 
 def run(rounds: int, tmp: Path) -> dict:

@@ -134,7 +134,45 @@ def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothin
     assert "elastic: replanned on 3 device(s)" in proc.stdout
     # the survivors say once, briefly, that they lost a peer: no timeout that was never waited for
     assert "timed out" not in proc.stderr and "within its timeout" not in proc.stderr, proc.stderr
-    _assert_merged_trace(tmp_path / "trace.json", rc["step"], ranks_before=3, ranks_after=rc["world_size_after"])
+    # in-process: the survivors kept their processes and moved exactly the transition's intersections
+    assert rc["path"] == "in-process" and rc["pids_kept"] is True
+    run = tmp_path / "run" / "attempt0"
+    pids = {r: int((run / f"rank{r}.pid").read_text()) for r in range(3)}
+    assert {int(p) for p in rc["survivor_pids"].values()} == set(pids.values())
+    assert summary["pid"] in pids.values()   # the new plan's rank 0 is a process of the first plan
+    for r in range(rc["world_size_after"]):   # each rank of the new plan: one of the first plan's processes
+        assert int((run / "gen1" / f"rank{r}.pid").read_text()) in pids.values()
+    assert rc["bytes_moved"] == rc["intersection_bytes"] > 0
+    for key in ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s"):
+        assert 0 <= rc[key] < rc["reshard_time_s"], (key, rc)
+    assert rc["predicted_downtime_s"] > 0
+    _assert_live_trace(tmp_path / "trace.json", rc["step"], ranks=rc["world_size_after"])
+
+
+def _assert_live_trace(path, step: int, ranks: int):
+    """--trace of an in-process reshard: the new plan's ranks (the same processes) with their events of
+    every step, and a marker at the reconfiguration."""
+    events = json.loads(path.read_text())["traceEvents"]
+    work = [e for e in events if e.get("ph") == "X"]
+    assert {e["args"]["step"] for e in work} == set(range(1, STEPS + 1))
+    assert len({e["pid"] for e in work}) == ranks
+    (mark,) = [e for e in events if e.get("ph") == "i"]
+    assert mark["name"].startswith(f"reconfiguration before step {step}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_lost_during_the_reshard_ends_the_run_naming_it(tmp_path, monkeypatch):
+    """Rank 0 checks in after rank 3's loss, then dies too: the run ends at once with an error that
+    names it, and no process is left behind (_launch checks)."""
+    from hetero.runtime.reshard.resume import FAIL_IN_RESHARD_ENV
+
+    monkeypatch.setenv(FAIL_IN_RESHARD_ENV, "0")
+    _, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "2:3", timeout=100, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 0 (group fast" in proc.stderr and "during the reconfiguration before step 2" in proc.stderr, \
+        proc.stderr
+    assert "Traceback" not in proc.stderr and proc.elapsed < 60
 
 
 def _assert_merged_trace(path, step: int, ranks_before: int, ranks_after: int):
@@ -465,3 +503,9 @@ def test_a_device_removed_from_the_file_is_drained_without_losing_a_step(tmp_pat
     assert (rc["world_size_before"], rc["world_size_after"]) == (2, 1)
     assert (rc["devices_added"], rc["devices_removed"]) == (0, 1)
     assert None not in summary["losses"]      # a pause loses no step result, unlike a failure
+    # a device that leaves is taken out in-process: the processes stay, the state moves rank to rank
+    assert rc["path"] == "in-process" and rc["pids_kept"] is True
+    assert rc["bytes_moved"] == rc["intersection_bytes"]
+    pids = {int((tmp_path / "run" / "attempt0" / f"rank{r}.pid").read_text()) for r in range(2)}
+    assert {int(p) for p in rc["survivor_pids"].values()} == pids and summary["pid"] in pids
+

@@ -101,6 +101,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     (the file ``cluster`` was read from), after each usable change of that file; returns the merged
     summary (docs/formats.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
     ``master_port``: the first attempt's (later ones take a free port)."""
+    from hetero.runtime.elastic_live import LiveRun, live_applies
     from hetero.runtime.grads import param_holders
     from hetero.runtime.launcher import RankFailure, prepare, run
     from hetero.specs.io import write_text_atomic
@@ -138,7 +139,20 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 watch.attach(attempt.run_dir, attempt.cluster, attempt.plan)
             k += 1
             try:
-                run(launch, print_fn=print_fn)
+                why_not_live = live_applies(attempt.plan, opts, launch)
+                if why_not_live is None:   # survivors reshard in-process (hetero.runtime.elastic_live)
+                    now = LiveRun(launch, attempt.cluster, model, attempt.plan, reconfigurations, print_fn,
+                                  on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
+                                  else None, watch=watch).run()
+                    attempt = dataclasses.replace(attempt, cluster=now.cluster, plan=now.plan, run_dir=now.run_dir)
+                    launch.layout = now.layout
+                    holders = param_holders(model, now.plan, now.layout)
+                else:
+                    if k == 1:
+                        print_fn(f"elastic: {why_not_live}: a lost device's state goes through the run directory "
+                                 f"and every worker restarts (the in-process reshard needs the native engine, "
+                                 f"zero_stage 0 and one launching machine)")
+                    run(launch, print_fn=print_fn)
             except RankFailure as failure:
                 _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)
                 if watch:   # a change the running plan absorbed without a pause is the cluster now
@@ -196,7 +210,7 @@ def reconfiguration_table(reconfigurations: list[dict]):
 
     table = Table(title="reconfigurations")
     for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
-                 "event -> first step s", "new plan predicted tok/s"):
+                 "event -> first step s", "transfer s (predicted)", "MB moved", "new plan predicted tok/s"):
         table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
 
     def sec(v):
@@ -206,6 +220,9 @@ def reconfiguration_table(reconfigurations: list[dict]):
         table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
                       f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", sec(rc.get("handoff_time_s")),
                       sec(rc.get("replan_time_s")), sec(rc.get("restart_time_s")), sec(rc.get("reshard_time_s")),
+                      # in-process reshards: the measured transfer beside the predictor's
+                      f"{sec(rc.get('transfer_s'))} ({sec(rc.get('predicted_downtime_s'))})",
+                      "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
                       f"{rc['predicted_tokens_per_s']:,.0f}")
     return table
 

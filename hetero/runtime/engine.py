@@ -26,7 +26,10 @@ class NativeEngine:
 
     name = "native"
 
-    def __init__(self, ctx: RunContext, comm):
+    def __init__(self, ctx: RunContext, comm, stage: tuple | None = None):
+        """``stage``: (module, optimizer) already built and holding their state (an in-process elastic
+        reshard, :mod:`hetero.runtime.reshard.resume`), tp-sharded on this rank's mesh; None: built
+        here from the seed."""
         self.ctx, self.comm = ctx, comm
         me, model, opts = ctx.me, ctx.model, ctx.options
         if ctx.plan.zero_stage >= 2 and me.rank == 0:
@@ -37,12 +40,12 @@ class NativeEngine:
         self.device = ctx.device
         # Built on the CPU (the same seeded initialisation as every other plan and the reference),
         # then moved to the rank's device before it is sharded and the optimizer sees it.
-        self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
-                                  me.chunk_layers(ctx.plan)).to(self.device)
+        self.module = stage[0] if stage is not None else build_stage(
+            model, me.layers, ctx.first, ctx.last, opts.seed, me.chunk_layers(ctx.plan)).to(self.device)
         self.module.set_recompute(ctx.plan.recompute)
         compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"
         self.mesh = ctx.parallel.tp_mesh(comm, self.device.type)
-        if self.mesh is not None:
+        if self.mesh is not None and stage is None:
             apply_tensor_parallel(self.module, self.mesh)
         self.compiled = compile_blocks(self.module) if compile_on else 0
         """How many transformer blocks run under torch.compile (0: eager)."""
@@ -60,6 +63,8 @@ class NativeEngine:
             self.sharded = ShardedAdamW(self.module, self.buckets, comm, rank=me.rank, tp_size=me.tp_size,
                                         lr=opts.lr, weight_decay=opts.weight_decay)
             self.optimizer = self.sharded.optimizer
+        elif stage is not None:
+            self.optimizer = stage[1]
         else:
             self.optimizer = make_optimizer(self.module.parameters(), opts.lr, opts.weight_decay)
         self.mbs = ctx.plan.mbs(ctx.pipeline)

@@ -50,13 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         _write(base + ".pid", str(os.getpid()))
     info = spec.rank_layout().ranks[rank]
-    step_box = {"step": 0, "phase": "setting up (model, process groups, --load)", "trainer": None}
+    step_box = {"step": 0, "phase": "setting up (model, process groups, --load)", "trainer": None, "base": base,
+                "info": info, "rank": rank}
+    live = None
     if spec.options.elastic:
-        _outlive_node_stop()
+        from hetero.runtime.reshard.resume import LiveReconfig
+
+        live = LiveReconfig.from_env(rank, len(spec.layout), spec.options.timeout_s)
+        if live is None:   # under torchrun: its stop signal must not end a survivor before its handoff
+            _outlive_node_stop()
     try:
-        paused = _train(spec, rank, base, step_box)
+        paused = _train(spec, rank, base, step_box, live)
+        base = step_box["base"]
         if base:
-            _write(base + ".done", "ok")
+            _write(base + (".left" if paused == "left" else ".done"), "ok")
+        if paused == "left":   # served its state to the new plan, which leaves it out
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if paused:   # the launcher starts the next plan now: skip the interpreter's teardown (~1 s)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -68,14 +79,15 @@ def main(argv: list[str] | None = None) -> int:
 
         injected = isinstance(e, InjectedFailure)
         msg = str(e) if injected else f"{type(e).__name__}: {e}"
-        if base and spec.options.elastic and not injected and step_box["phase"] == "training":
+        base, info, rank = step_box["base"], step_box["info"], step_box["rank"]
+        if base and spec.options.elastic and live is None and not injected and step_box["phase"] == "training":
             _hand_off(base, step_box["trainer"], describe_rank(info))
         if base:
             _write(base + ".error.json", json.dumps({
                 "rank": rank, "time": time.time(), "step": step_box["step"] + 1, "phase": step_box["phase"],
                 "kind": "injected" if injected else "exception", "where": describe_rank(info),
                 "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
-        if spec.options.elastic and not injected and lost_connection(msg):
+        if spec.options.elastic and live is None and not injected and lost_connection(msg):
             # a survivor of a lost device: the launcher's 'elastic:' lines tell the story once
             msg = f"lost a peer at step {step_box['step'] + 1} (its process ended); state handed off"
         print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
@@ -107,12 +119,18 @@ def _hand_off(base: str, trainer, where: str) -> None:
               file=sys.stderr, flush=True)
 
 
-def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
-    """Train the run's steps; True when the ranks paused for a cluster change and handed off."""
+def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None) -> bool | str:
+    """Train the run's steps; True when the ranks paused for a cluster change and handed off;
+    ``"left"`` when an in-process reconfiguration (``live``, :mod:`hetero.runtime.reshard.resume`)
+    left this rank out of the new plan after it served its state."""
     from hetero.runtime.report import Reporter
-    from hetero.runtime.trainer import Trainer, summary_dict
+    from hetero.runtime.trainer import InjectedFailure, Trainer, summary_dict
 
+    if live is not None:
+        live.first_world()
     trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
+    if live is not None:
+        live.watch(trainer)
     step_box["trainer"] = trainer
     opts = spec.options
     if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)
@@ -128,11 +146,38 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict) -> bool:
 
     step_box["phase"] = "training"
     if base and opts.elastic:   # the launcher asks for a pause when the cluster file changed
-        request = os.path.join(opts.run_dir, REQUEST)
-        trainer.add_hook(lambda _trainer, _result: not os.path.exists(request))
+        trainer.add_hook(lambda t, _result: not os.path.exists(os.path.join(t.ctx.options.run_dir, REQUEST)))
     start = trainer.step
-    trainer.train(opts.steps, log=log)
-    if trainer.step < start + opts.steps:   # paused: hand the live state to the next plan
+    end = start + opts.steps
+    while True:
+        detected = None
+        try:
+            trainer.train(end - trainer.step, log=log)
+        except InjectedFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost peer is survived in-process; anything else ends the run
+            if live is None or not (live.aborted or live.applies(e)):
+                raise
+            detected = time.time()
+        # out of the handler: its traceback's frames hold the broken world's groups, which must be
+        # freed for their connections to close (that wakes the peers blocked on this rank)
+        if detected is None and (trainer.step >= end or live is None):
+            break
+        step_box["phase"] = "resharding after a lost peer" if detected else "resharding (the cluster changed)"
+        # a pause (no failure): reshard in-process, or (None) hand off through the run directory below
+        outcome = live.recover(trainer, detected) if detected is not None else live.pause(trainer)
+        if outcome is None:
+            break
+        if not outcome:
+            return "left"
+        rank, opts = trainer.rank, trainer.ctx.options
+        base = os.path.join(opts.run_dir, f"rank{rank}") if base else None
+        step_box.update(base=base, info=trainer.ctx.me, rank=rank, phase="training")
+        if base:
+            _write(base + ".pid", str(os.getpid()))
+            _write(base + ".training", repr(time.time()))
+        reporter = Reporter(trainer) if rank == 0 and not opts.quiet else None
+    if trainer.step < end:   # paused: hand the live state to the next plan
         step_box["phase"] = "handing off its state (the cluster changed)"
         paused = {"rank": rank, "applied_step": trainer.applied_step}
         if trainer.ctx.plan.zero_stage:

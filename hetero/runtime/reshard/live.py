@@ -92,13 +92,14 @@ def await_decision(store, gen: int, timeout_s: float) -> dict:
     return d
 
 
-def regroup(store, gen: int, rank: int, world: int, timeout_s: float) -> None:
+def regroup(store, gen: int, rank: int, world: int, timeout_s: float, prefix: str | None = None) -> None:
     """Leave the broken world (if any) and join generation ``gen``'s as ``rank`` of ``world``, on the
-    key prefix ``gen<g>/`` of the coordinator's store."""
+    key prefix ``gen<g>/`` (or ``prefix``) of the coordinator's store."""
     if dist.is_initialized():
         dist.destroy_process_group()
     try:
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}/", store), rank=rank, world_size=world,
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix or f"gen{gen}/", store), rank=rank,
+                                world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - a member lost before it joined: said, not hung
         raise ReconfigurationError(f"reconfiguration {gen}: the new world of {world} ranks did not form within "
@@ -133,11 +134,17 @@ class NewPlace:
 
 
 def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0, max_bytes: int | None = None,
-                applied_step: int = 0) -> NewPlace:
+                applied_step: int = 0, detected_at: float | None = None, meshes: bool = True,
+                on_checked_in=None, space=None, decision: dict | None = None) -> NewPlace:
     """Everything a survivor (rank ``me`` of the broken world, holding ``live``:
     :func:`hetero.runtime.reshard.transfer.live_state`) does after a failure, up to its new state:
     check in, take the coordinator's decision, rebuild the world, exchange the intersections. The
-    caller rebuilds its stage from the result (:func:`~hetero.runtime.reshard.transfer.rebuild_stage`)."""
+    caller rebuilds its stage from the result (:func:`~hetero.runtime.reshard.transfer.rebuild_stage`).
+    ``detected_at``: when this rank saw the failure (told the coordinator); ``meshes``: build the new
+    plan's tp meshes in the exchange's world (False: the caller builds them in its own);
+    ``on_checked_in``: called right after the check-in (tests lose a rank there); ``space``: the
+    model's :class:`~hetero.runtime.reshard.space.ParameterSpace`, made before the failure;
+    ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world)."""
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.reshard.space import ParameterSpace
@@ -145,8 +152,11 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     from hetero.runtime.reshard.transition import plan_transition
 
     t0 = time.perf_counter()
-    report_alive(store, gen, me, applied_step=applied_step)
-    d = await_decision(store, gen, timeout_s)
+    if decision is None:
+        report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time())
+        if on_checked_in:
+            on_checked_in()
+    d = decision or await_decision(store, gen, timeout_s)
     members = d["members"]
     world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
     if me not in world_rank:
@@ -158,9 +168,9 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     t1 = time.perf_counter()
     rank, world = world_rank[me], len(world_rank)
     regroup(store, gen, rank, world, timeout_s)
-    mesh = _tp_meshes(layouts[1], rank)
+    mesh = _tp_meshes(layouts[1], rank) if meshes else None
     t2 = time.perf_counter()
-    space = ParameterSpace(model)
+    space = space or ParameterSpace(model)
     sources = {world_rank[r]: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in world_rank}
     targets = space.layout_regions(plans[1], layouts[1])
     vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}
@@ -179,6 +189,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
                   f"{step + 1}-{d['step']} are lost and will be trained again", flush=True)
         return NewPlace(rank=rank, world=world, member=me in members,
                         info=layouts[1].ranks[rank] if me in members else None, plan=plans[1], layout=layouts[1],
+                        cluster=d["new"]["cluster"],
                         model=model, mesh=mesh, state=state, stats=ExchangeStats(), transition=transition, step=step,
                         fallback=d["checkpoint"], timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1,
                                                            "transfer_s": time.perf_counter() - t2})
@@ -189,7 +200,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     t3 = time.perf_counter()
     member = me in members
     return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,
-                    plan=plans[1], layout=layouts[1], fallback=None,
+                    plan=plans[1], layout=layouts[1], fallback=None, cluster=d["new"]["cluster"],
                     model=model, mesh=mesh, state=state, stats=stats, transition=transition, step=d["step"],
                     timings={"agree_replan_s": t1 - t0, "regroup_s": t2 - t1, "transfer_s": t3 - t2})
 

@@ -122,16 +122,25 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     in_flight: collections.deque = collections.deque()
     held = 0
 
+    def lost(other, e):
+        from hetero.runtime.reshard.live import ReconfigurationError
+
+        return ReconfigurationError(f"reshard: {describe(other)} was lost during the exchange "
+                                    f"({str(e).splitlines()[0][:200]})")
+
+    def post(op, tensor, other, tag):
+        try:   # a send to a peer already gone can fail as it is posted, not only at its wait
+            return op(tensor, peer(other), group=group, tag=tag)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the peer
+            raise lost(other, e) from None
+
     def finish_oldest():
         nonlocal held
         work, nbytes, done, other = in_flight.popleft()
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001 - re-raised naming the peer
-            from hetero.runtime.reshard.live import ReconfigurationError
-
-            raise ReconfigurationError(f"reshard: {describe(other)} was lost during the exchange "
-                                       f"({str(e).splitlines()[0][:200]})") from None
+            raise lost(other, e) from None
         if done:
             done()
         held -= nbytes
@@ -147,7 +156,7 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
         if m.src == rank:
             src = live[m.name]
             for k, part in enumerate(_parts(src, m.box, m.with_step)):
-                work = dist.isend(part.contiguous(), peer(m.dst), group=group, tag=index * _TAGS + k)
+                work = post(dist.isend, part.contiguous(), m.dst, index * _TAGS + k)
                 in_flight.append((work, 0, None, m.dst))
             stats.bytes_sent += m.nbytes
         else:
@@ -156,11 +165,11 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
             for k, kind in enumerate(STATE_KINDS):
                 view = dst.tensors[kind][idx]
                 buf = view if view.is_contiguous() else torch.empty(view.shape)
-                work = dist.irecv(buf, peer(m.src), group=group, tag=index * _TAGS + k)
+                work = post(dist.irecv, buf, m.src, index * _TAGS + k)
                 in_flight.append((work, 0, None if buf is view else (lambda v=view, b=buf: v.copy_(b)), m.src))
             if m.with_step:
                 step = torch.empty(())
-                work = dist.irecv(step, peer(m.src), group=group, tag=index * _TAGS + len(STATE_KINDS))
+                work = post(dist.irecv, step, m.src, index * _TAGS + len(STATE_KINDS))
                 in_flight.append((work, 0, lambda t=dst, s=step: _set_step(t, s), m.src))
             stats.bytes_received += m.nbytes
         # counted once per message, released with its last transfer

@@ -1,0 +1,353 @@
+"""A worker's side of an in-process elastic reconfiguration: survive a lost peer and train on.
+
+``hetero launch --elastic`` (native engine, ``zero_stage: 0``, one launching machine) starts every
+worker itself, with the port of the launcher's coordinator store in :data:`RECONFIG_ENV`
+(:mod:`hetero.runtime.elastic_live`). The worker then forms its first world on that store
+(generation 0, :meth:`LiveReconfig.first_world`) instead of torchrun's, and when a step fails
+because a peer's process ended, :meth:`LiveReconfig.recover`
+
+1. reads its live state as regions of the virtual parameter space (no copy),
+2. drops the broken world: the unified communicator, every process group and the DTensor mesh,
+   so the peers blocked on this rank are woken by its closed connections,
+3. checks in with the coordinator, takes its decision and exchanges the intersections
+   (:func:`hetero.runtime.reshard.live.reconfigure`) in the new generation's world,
+4. when the new plan leaves it out: it has served its state and leaves (``recover`` returns False);
+   else, when others leave, the members form a world of their own,
+5. rebuilds everything the new plan gives it: the run context (rank, stage, layers, tp degree),
+   the communicator with its vendor groups, host bridge, holder and peer sets, the tp mesh, the
+   stage module and AdamW around the exchanged tensors (:func:`~.transfer.rebuild_stage`), and the
+   engine (buckets, schedule, data slice),
+
+and the trainer goes on from the step the state is at, with the same global batch and the same
+global sample indices, so the losses are those of a run that lost nothing. What each phase took
+is put in the store for the launcher's ``reconfigurations`` entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import time
+
+RECONFIG_ENV = "HETERO_RECONFIG_PORT"
+"""The coordinator store's port (127.0.0.1): set by the launcher for the in-process path."""
+FAIL_IN_RESHARD_ENV = "HETERO_TEST_FAIL_IN_RESHARD"
+"""Testing: ``<rank>``: that rank (its rank before the reconfiguration) exits hard right after
+checking in, so a peer is lost during the reshard itself."""
+
+
+PEER_LOST_SIGNAL = "SIGUSR1"
+"""The signal the launcher sends every survivor the moment it sees a worker's process end: a
+survivor in the middle of its pipeline schedule (compute for seconds before its next operation with
+the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watch`)."""
+
+
+WAKE_GRACE_S = 0.3
+"""How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its process groups are
+aborted under it (it is then blocked in a collective)."""
+
+
+class PeerLost(RuntimeError):
+    """Raised in the schedule when the launcher says a peer's process ended."""
+
+
+def timing_key(gen: int, me: int) -> str:
+    return f"hetero/reconfig/gen{gen}/timing/{me}"
+
+
+class LiveReconfig:
+    """The worker's link to the coordinator and its place across generations."""
+
+    def __init__(self, port: int, rank: int, world: int, timeout_s: float):
+        from hetero.runtime.reshard.live import connect
+
+        self.store = connect(port, timeout_s)
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.gen = 0
+
+    @classmethod
+    def from_env(cls, rank: int, world: int, timeout_s: float) -> "LiveReconfig | None":
+        """The worker's link when the launcher runs the in-process path (else None); from here on
+        :data:`PEER_LOST_SIGNAL` stops the schedule instead of ending the process."""
+        port = os.environ.get(RECONFIG_ENV)
+        if not port:
+            return None
+        self = cls(int(port), rank, world, timeout_s)
+        import signal
+
+        signal.signal(getattr(signal, PEER_LOST_SIGNAL), self._on_peer_lost)
+        self._start_waker()
+        return self
+
+    recovering = False
+    """Set once this rank left the training loop for a reconfiguration."""
+
+    def _start_waker(self) -> None:
+        """A thread that sees :data:`PEER_LOST_SIGNAL` even while the main thread is blocked inside a
+        Gloo operation on a survivor (Python runs a signal's handler only between bytecodes): when
+        the main thread has not taken the signal within :data:`WAKE_GRACE_S`, it aborts this rank's
+        process groups, so the blocked operation fails at once instead of at the group's timeout."""
+        import signal
+        import threading
+
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        wanted = int(getattr(signal, PEER_LOST_SIGNAL))
+
+        def wake() -> None:
+            while True:
+                data = os.read(r, 64)
+                if wanted not in data:
+                    continue
+                generation = self.gen
+                time.sleep(WAKE_GRACE_S)
+                if self.gen == generation and not self.recovering:
+                    from torch.distributed import distributed_c10d
+
+                    try:
+                        distributed_c10d._abort_process_group()
+                    except Exception:  # noqa: BLE001 - nothing to wake, or already torn down
+                        pass
+
+        threading.Thread(target=wake, name="hetero-peer-lost-waker", daemon=True).start()
+
+    interruptible = False
+    aborted = False
+    """Whether the launcher said a peer is lost since the last reconfiguration."""
+
+    critical = False
+    """Inside an optimizer step, up to the step counted as applied: never interrupted."""
+
+    def _on_peer_lost(self, _signum, _frame) -> None:
+        # anywhere in a training step but its optimizer update (nothing of the training state
+        # changes elsewhere: an update is never cut in half, nor left uncounted); a wait on the
+        # unified communicator's thread, which Gloo's abort would not end, stops here too
+        self.aborted = True
+        if self.interruptible and not self.critical:
+            self.interruptible = False
+            raise PeerLost("a peer's process ended (the launcher said so)")
+
+    def watch(self, trainer) -> None:
+        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s step anywhere but in its optimizer update;
+        and work out now, not in the downtime, the regions this rank holds."""
+        from hetero.runtime.reshard.space import ParameterSpace
+
+        ctx = trainer.ctx
+        if getattr(self, "space", None) is None:
+            self.space = ParameterSpace(ctx.model)
+        self.regions = self.space.rank_regions(ctx.plan, ctx.me)
+        engine, optimizer = trainer.engine, trainer.engine.optimizer
+        train_step, optimizer_step = engine.train_step, optimizer.step
+
+        def guarded_optimizer_step(*args, **kwargs):
+            self.critical = True   # until the step is counted as applied (below)
+            return optimizer_step(*args, **kwargs)
+
+        def interruptible_step(step, *args, **kwargs):
+            if self.aborted:
+                raise PeerLost("a peer's process ended (the launcher said so)")
+            self.interruptible, self.critical = True, False
+            try:
+                out = train_step(step, *args, **kwargs)
+            except BaseException:
+                self.interruptible = False
+                raise
+            if self.critical:   # the update was applied: counted before anything may interrupt again
+                trainer.applied_step = step + 1
+            self.critical = False
+            if self.aborted:   # the signal came during the update
+                raise PeerLost("a peer's process ended (the launcher said so)")
+            return out
+
+        engine.train_step = interruptible_step
+        optimizer.step = guarded_optimizer_step
+        trainer.train = self._interruptible_train(trainer.train)
+        # what exists now (torch, the model, the planner) never needs a cycle collection: frozen,
+        # the collection that frees the broken world after a failure takes milliseconds, not the
+        # 1.4-3.2 s a full one took on a loaded 2-core machine
+        gc.freeze()
+
+    def first_world(self) -> None:
+        """Generation 0's world on the coordinator's store (the Trainer then finds it formed)."""
+        from hetero.runtime.reshard.live import regroup
+
+        regroup(self.store, 0, self.rank, self.world, self.timeout_s)
+
+    @staticmethod
+    def applies(error: BaseException) -> bool:
+        """Whether ``error`` is a lost peer (a closed connection, a timeout waiting on one), not a
+        failure of this rank's own work, which ends the run as without --elastic."""
+        from hetero.errors import lost_connection
+
+        text = str(error).lower()
+        return isinstance(error, PeerLost) or lost_connection(text) or "timed out" in text or "timeout" in text
+
+    def _interruptible_train(self, train):
+        """``trainer.train`` with the rest of a step (its metrics all-reduce, the pause decision)
+        interruptible too; a wrapped one is not wrapped again."""
+        train = getattr(train, "__wrapped_train__", train)
+
+        def interruptible_train(*args, **kwargs):
+            self.interruptible = True
+            try:
+                return train(*args, **kwargs)
+            finally:
+                self.interruptible = False
+
+        interruptible_train.__wrapped_train__ = train
+        return interruptible_train
+
+    def pause(self, trainer) -> bool | None:
+        """Every rank paused at a step boundary for a change of the cluster file: check in (the world
+        still whole) and take the coordinator's decision: reshard in-process as :meth:`recover`
+        does (True / False as there), or None: hand off through the run directory and exit (the new
+        plan needs processes on devices that run none)."""
+        from hetero.runtime.reshard.live import await_decision, report_alive
+
+        gen, paused_at = self.gen + 1, time.time()
+        report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at)
+        d = await_decision(self.store, gen, self.timeout_s)
+        if d.get("handoff"):
+            self.gen = gen
+            return None
+        return self.recover(trainer, paused_at, decision=d)
+
+    def recover(self, trainer, detected_at: float, decision: dict | None = None) -> bool:
+        """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
+        the new plan and goes on; False: the new plan leaves this rank out (its state was served)."""
+        from hetero.runtime.reshard.live import reconfigure, regroup
+        from hetero.runtime.reshard.transfer import live_state
+
+        self.recovering = True
+        engine = trainer.engine
+        live = live_state(engine.module, engine.optimizer, self.regions)
+        scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
+        _drop_world(trainer)
+        self.gen += 1
+        gen, me = self.gen, self.rank
+        leave_s = time.time() - detected_at   # live state read, broken world dropped
+        fail = os.environ.get(FAIL_IN_RESHARD_ENV)
+        place = reconfigure(self.store, gen, me, live, timeout_s=self.timeout_s, applied_step=trainer.applied_step,
+                            detected_at=detected_at, meshes=False, space=self.space, decision=decision,
+                            on_checked_in=(lambda: os._exit(19)) if fail is not None and int(fail) == me else None)
+        del live
+        t0 = time.perf_counter()
+        timing = {"detected_at": detected_at, "leave_s": leave_s, **place.timings, "bytes_sent": place.stats.bytes_sent,
+                  "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
+                  "member": place.member, "pid": os.getpid(), "rank_after": place.rank}
+        members = len(place.layout.ranks)
+        done = [f"hetero/reconfig/gen{gen}/exchanged/{r}" for r in range(members)]
+        if not place.member:
+            import datetime
+
+            import torch.distributed as dist
+
+            # leave only once every member is through the exchange: a helper gone before a member
+            # finished forming the exchange's world (nothing to send) broke that member's connect
+            try:
+                self.store.wait(done, datetime.timedelta(seconds=self.timeout_s))
+            except Exception:  # noqa: BLE001 - a member lost meanwhile: the launcher says so
+                pass
+            dist.destroy_process_group()
+            self.store.set(timing_key(gen, me), json.dumps({**timing, "rebuild_s": 0.0, "ready_at": time.time()}))
+            return False
+        self.store.set(done[place.rank], "1")
+        if place.world > members:   # survivors the new plan leaves out served their state: a world without them
+            regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
+        self._adopt(trainer, place, scale)
+        self.rank, self.world = place.rank, members
+        self.aborted = self.recovering = False
+        self.watch(trainer)
+        timing["rebuild_s"] = time.perf_counter() - t0
+        timing["ready_at"] = time.time()
+        self.store.set(timing_key(gen, me), json.dumps(timing))
+        return True
+
+    def _adopt(self, trainer, place, scale) -> None:
+        """``trainer`` rebuilt for ``place`` (its rank in the new plan, the exchanged state)."""
+        from hetero.runtime.collectives import Collectives
+        from hetero.runtime.engine import NativeEngine, RunContext
+        from hetero.runtime.reshard.transfer import rebuild_stage
+        from hetero.runtime.spec import RunSpec, describe_rank
+
+        old = trainer.ctx
+        layout, rank = place.layout, place.rank
+        opts = dataclasses.replace(old.options, inject_failure=None, load=None,
+                                   run_dir=os.path.join(_root_run_dir(old.options.run_dir), f"gen{self.gen}"))
+        os.makedirs(opts.run_dir, exist_ok=True)
+        spec = RunSpec(cluster=place.cluster, model=old.spec.model, plan=place.plan.to_dict(),
+                       layout=[r.to_dict() for r in layout.ranks],
+                       nodes=[dataclasses.asdict(n) for n in layout.nodes], options=opts)
+        ctx = RunContext(spec, rank)
+        comm = Collectives.init(rank, len(layout.ranks), opts.timeout_s,
+                                describe=lambda r: describe_rank(ctx.layout.ranks[r]),
+                                vendors=[r.vendor for r in layout.ranks], device=ctx.device,
+                                device_types=ctx.device_types)
+        ctx.parallel.create_groups(comm)
+        mesh = ctx.parallel.tp_mesh(comm, ctx.device.type)
+        stage = rebuild_stage(ctx.model, ctx.plan, ctx.me, place.state, mesh=mesh, device=ctx.device,
+                              lr=opts.lr, weight_decay=opts.weight_decay)
+        engine = NativeEngine(ctx, comm, stage=stage)
+        if mesh is not None:
+            engine.mesh = mesh
+        if scale is not None and engine.scaler is not None:
+            engine.scaler.scale = scale
+        trainer.ctx, trainer.comm, trainer.engine = ctx, comm, engine
+        trainer.rank, trainer.world = rank, len(layout.ranks)
+        _rewind(trainer, place.step)
+
+
+def _root_run_dir(run_dir: str) -> str:
+    """The run directory of generation 0 (later generations' are ``gen<g>`` inside it)."""
+    base = os.path.basename(run_dir.rstrip(os.sep))
+    return os.path.dirname(run_dir.rstrip(os.sep)) if base.startswith("gen") and base[3:].isdigit() else run_dir
+
+
+def _rewind(trainer, step: int) -> None:
+    """The trainer at ``step`` (the state's): later results dropped; a step whose update was applied
+    but whose closing all-reduce was lost keeps a place with no loss (NaN: null in the summary)."""
+    from hetero.runtime.trainer import StepResult
+
+    results = [r for r in trainer.state.results if r.step <= step]
+    for s in range(len(results) + 1, step + 1):
+        results.append(StepResult(step=s, loss=math.nan, time_s=math.nan, grad_norm=math.nan, forward_s=[],
+                                  backward_s=[]))
+    trainer.state.results = results
+    trainer.state.events = [e for e in trainer.state.events if e[2] <= step]
+    trainer.step = trainer.applied_step = step
+
+
+def _drop_world(trainer) -> None:
+    """Leave the broken world: the communicator's worker thread stopped, every group and mesh
+    released, the default group destroyed (its connections close, which wakes the peers blocked
+    on this rank)."""
+    import torch.distributed as dist
+
+    comm = trainer.comm
+    try:
+        if comm.hc is not None:
+            comm.hc.close()
+    except Exception:  # noqa: BLE001 - a broken communicator is being dropped anyway
+        pass
+    comm._groups.clear()
+    comm._mesh_groups.clear()
+    comm._hgroups.clear()
+    comm._pending.clear()
+    comm.hc = None
+    trainer.engine.executor = None
+    trainer.engine.reducer = None
+    if dist.is_initialized():
+        try:   # abort first: a destroy waits for an operation still in flight on the communicator's thread
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - nothing in flight to abort
+            pass
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - aborted under a blocked operation already
+            pass
+    gc.collect()
