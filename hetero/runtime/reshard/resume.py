@@ -165,10 +165,10 @@ class LiveReconfig:
         engine.train_step = interruptible_step
         optimizer.step = guarded_optimizer_step
         trainer.train = self._interruptible_train(trainer.train)
-        # what exists now (torch, the model, the planner) never needs a cycle collection: frozen,
-        # the collection that frees the broken world after a failure takes milliseconds, not the
-        # 1.4-3.2 s a full one took on a loaded 2-core machine
-        gc.freeze()
+        # No gc.freeze() here, although it would make the collection in _drop_world take milliseconds:
+        # the process groups exist already, and frozen they are never collected, so a dropped world
+        # keeps its connections open and a survivor blocked on this rank waits for the group timeout
+        # (every round of the 109M benchmark on an idle machine did).
 
     def first_world(self) -> None:
         """Generation 0's world on the coordinator's store (the Trainer then finds it formed)."""
