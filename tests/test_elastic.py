@@ -163,15 +163,21 @@ def _assert_live_trace(path, step: int, ranks: int):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_lost_during_the_reshard_ends_the_run_naming_it(tmp_path, monkeypatch):
-    """Rank 0 checks in after rank 3's loss, then dies too: the run ends at once with an error that
-    names it, and no process is left behind (_launch checks)."""
+    """Rank 0 is to die right after checking in after rank 3's loss: the run ends at once with an
+    error that names it, or (when rank 0 had not checked in within the timeout) it is counted lost
+    and the run recovers, saying so; never a hang, no process left behind (_launch checks)."""
     from hetero.runtime.reshard.resume import FAIL_IN_RESHARD_ENV
 
     monkeypatch.setenv(FAIL_IN_RESHARD_ENV, "0")
     _, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "2:3", timeout=100, check=False)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "rank 0 (group fast" in proc.stderr and "during the reconfiguration before step 2" in proc.stderr, \
-        proc.stderr
+    if proc.returncode == 0:
+        # the other allowed outcome: rank 0 was already counted lost at the check-in (it had not
+        # checked in within the timeout) and the run recovered on the devices left, saying so
+        assert "rank 0 (group fast" in proc.stdout and "lost too" in proc.stdout, proc.stdout[-2000:]
+    else:
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "rank 0 (group fast" in proc.stderr and "during the reconfiguration before step 2" in proc.stderr, \
+            proc.stderr
     assert "Traceback" not in proc.stderr and proc.elapsed < 60
 
 
