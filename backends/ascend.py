@@ -13,7 +13,6 @@ import glob
 import importlib.util
 import os
 
-from . import registry
 from .base import Backend, MemoryInfo
 
 _CANN_ROOTS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH")
@@ -48,15 +47,9 @@ def _torch_npu_version() -> str | None:
         return None
 
 
-_ASCEND = registry.family("ascend")
-
 
 class AscendBackend(Backend):
-    name = _ASCEND.backend
-    device_type = _ASCEND.device_type
-    dist_backend = _ASCEND.library
-    visible_devices_env = _ASCEND.visible_devices_env
-    library = _ASCEND.library_label
+    family = "ascend"
 
     def detect(self) -> tuple[bool, str]:
         if importlib.util.find_spec("torch_npu") is None:

@@ -33,6 +33,17 @@ class Backend(abc.ABC):
     visible_devices_env: str | None = None
     #: the vendor's collective library, for display (NCCL, RCCL, HCCL, Gloo, MPI)
     library: str = ""
+    #: the vendor family in :mod:`hetero.backends.registry` whose facts fill the attributes above
+    family: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:   # a subclass naming its family takes every fact from the registry
+            from . import registry
+
+            info = registry.family(cls.family)
+            cls.name, cls.device_type, cls.dist_backend = info.backend, info.device_type, info.library
+            cls.visible_devices_env, cls.library = info.visible_devices_env, info.library_label
 
     @abc.abstractmethod
     def detect(self) -> tuple[bool, str]:

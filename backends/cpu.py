@@ -3,18 +3,11 @@ from __future__ import annotations
 
 import os
 
-from . import registry
 from .base import Backend, MemoryInfo
-
-_CPU = registry.family("cpu")
 
 
 class CpuBackend(Backend):
-    name = _CPU.backend
-    device_type = _CPU.device_type
-    dist_backend = _CPU.library
-    visible_devices_env = _CPU.visible_devices_env
-    library = _CPU.library_label
+    family = "cpu"
 
     def detect(self) -> tuple[bool, str]:
         import torch

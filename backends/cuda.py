@@ -1,19 +1,11 @@
 """NVIDIA GPUs: torch's CUDA build, NCCL collectives, ``CUDA_VISIBLE_DEVICES``."""
 from __future__ import annotations
 
-
-from . import registry
 from .base import Backend, MemoryInfo
-
-_NVIDIA = registry.family("nvidia")
 
 
 class CudaBackend(Backend):
-    name = _NVIDIA.backend
-    device_type = _NVIDIA.device_type
-    dist_backend = _NVIDIA.library
-    visible_devices_env = _NVIDIA.visible_devices_env
-    library = _NVIDIA.library_label
+    family = "nvidia"
 
     def detect(self) -> tuple[bool, str]:
         import torch

@@ -6,19 +6,11 @@ device, count and memory calls are :class:`~hetero.backends.cuda.CudaBackend`'s.
 """
 from __future__ import annotations
 
-
-from . import registry
 from .cuda import CudaBackend
-
-_AMD = registry.family("amd")
 
 
 class RocmBackend(CudaBackend):
-    name = _AMD.backend
-    device_type = _AMD.device_type
-    dist_backend = _AMD.library  # RCCL answers to the NCCL name in HIP builds of torch
-    visible_devices_env = _AMD.visible_devices_env
-    library = _AMD.library_label
+    family = "amd"  # RCCL answers to the NCCL name in HIP builds of torch
 
     def detect(self) -> tuple[bool, str]:
         import torch
