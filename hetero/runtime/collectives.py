@@ -187,7 +187,9 @@ class Collectives:
 
     def reduce_scatter_async(self, output: torch.Tensor, flat: torch.Tensor, ranks: Iterable[int],
                              label: str = "") -> "Pending":
-        """:meth:`reduce_scatter` started; the returned :class:`Pending` completes it."""
+        """Start summing ``flat`` over ``ranks`` into ``output``, the i-th of ``len(ranks)`` equal slices, i this
+        rank's place among them in ascending order (ZeRO's gradient reduction); the returned
+        :class:`Pending` completes it."""
         ranks = tuple(sorted(ranks))
         if len(ranks) <= 1:
             output.copy_(flat)
@@ -202,7 +204,8 @@ class Collectives:
 
     def all_gather_into_async(self, flat: torch.Tensor, part: torch.Tensor, ranks: Iterable[int],
                               label: str = "") -> "Pending":
-        """:meth:`all_gather_into` started; the returned :class:`Pending` completes it."""
+        """Start gathering every rank's ``part`` into ``flat`` (see :meth:`all_gather_into`); the
+        returned :class:`Pending` completes it."""
         ranks = tuple(sorted(ranks))
         if len(ranks) <= 1:
             flat.copy_(part.reshape(flat.shape))
@@ -232,35 +235,11 @@ class Collectives:
                 p.copy_(o)
         return parts
 
-    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, ranks: Iterable[int]) -> torch.Tensor:
-        """``output`` gets the i-th of ``len(ranks)`` equal slices of ``flat`` summed over ``ranks``, i this
-        rank's place among them in ascending order (ZeRO's gradient reduction)."""
-        ranks = tuple(sorted(ranks))
-        if len(ranks) <= 1:
-            return output.copy_(flat)
-        out, inp = self._there(output), self._there(flat)
-        if self.hc is not None:
-            self._run(lambda: self.hc.reduce_scatter(out, inp, group=self._hgroups[ranks]), "reduce_scatter", ranks)
-        else:
-            self._run(lambda: dist.reduce_scatter_tensor(out, inp, group=self.group(ranks)), "reduce_scatter", ranks)
-        if out is not output:
-            output.copy_(out)
-        return output
-
     def all_gather_into(self, flat: torch.Tensor, part: torch.Tensor, ranks: Iterable[int]) -> torch.Tensor:
         """``flat`` (``len(ranks)`` x ``part.numel()`` elements, contiguous) gets every rank's ``part`` in
-        ascending rank order (ZeRO's parameter gather); the inverse of :meth:`reduce_scatter`'s split."""
-        ranks = tuple(sorted(ranks))
-        if len(ranks) <= 1:
-            return flat.copy_(part.reshape(flat.shape))
-        out, inp = self._there(flat), self._there(part)
-        if self.hc is not None:
-            self._run(lambda: self.hc.all_gather_into_tensor(out, inp, group=self._hgroups[ranks]), "all_gather",
-                      ranks)
-        else:
-            self._run(lambda: dist.all_gather_into_tensor(out, inp, group=self.group(ranks)), "all_gather", ranks)
-        if out is not flat:
-            flat.copy_(out)
+        ascending rank order (ZeRO's parameter gather, the inverse of :meth:`reduce_scatter_async`'s split):
+        :meth:`all_gather_into_async`, waited for."""
+        self.all_gather_into_async(flat, part, ranks).wait()
         return flat
 
     def all_gather_object(self, obj, ranks: Iterable[int] | None = None) -> list:
