@@ -438,14 +438,11 @@ class LiveRun:
 
     def _transition(self, now, ahead, members, survivors):
         """The transition exactly as the workers compute it (:func:`hetero.runtime.reshard.live.reconfigure`)."""
-        from hetero.runtime.reshard.live import exchange_ranks
-        from hetero.runtime.reshard.transition import plan_transition
+        from hetero.runtime.reshard.live import exchange_ranks, transition_between
 
         space = self._space()
-        world = exchange_ranks(members, survivors)
-        return plan_transition({world[r]: space.rank_regions(now.plan, now.layout.ranks[r]) for r in world},
-                               space.layout_regions(ahead.result.plan, ahead.layout),
-                               {world[r]: now.layout.ranks[r].vendor for r in world})
+        return transition_between(space, now.plan, now.layout, space.layout_regions(ahead.result.plan, ahead.layout),
+                                  exchange_ranks(members, survivors))
 
     def _predict(self, now, transition, members, survivors) -> float | None:
         from hetero.runtime.reshard.live import exchange_ranks
@@ -467,6 +464,7 @@ class LiveRun:
 
     def _collect_timings(self, wait_s: float = 0.0) -> None:
         """The pending reconfiguration's per-survivor timings, once every survivor put them in the store."""
+        from hetero.runtime.elastic import seconds_cell
         from hetero.runtime.reshard.resume import timing_key
 
         pend = self._pending
@@ -490,13 +488,9 @@ class LiveRun:
                   survivor_pids={str(r): x["pid"] for r, x in zip(pend["survivors"], t)},
                   pids_kept=all(x["pid"] == pend["pids"][r] for r, x in zip(pend["survivors"], t)))
         self.print_fn(f"elastic: resharded in-process in {rc['reshard_time_s']:.2f} s (predicted transfer "
-                      f"{_sec(rc['predicted_downtime_s'])} s, measured {rc['transfer_s']:.2f} s); "
+                      f"{seconds_cell(rc['predicted_downtime_s'])} s, measured {rc['transfer_s']:.2f} s); "
                       f"{rc['bytes_moved'] / 1e6:,.1f} MB moved; the survivors kept their processes")
         self._pending = None
-
-
-def _sec(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def _signal(pid: int, sig) -> None:

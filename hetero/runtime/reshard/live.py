@@ -124,6 +124,18 @@ def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, i
     return {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
 
 
+def transition_between(space, old_plan, old_layout, targets: dict, world_rank: dict[int, int]):
+    """The :class:`~hetero.runtime.reshard.transition.Transition` that gives every rank of the new
+    layout its ``targets`` (:meth:`ParameterSpace.layout_regions`) from what the ranks of
+    ``old_layout`` hold (old rank -> rank in the exchange's world: ``world_rank``), preferring
+    sources of the receiver's vendor. The workers and the launcher's prediction compute it alike."""
+    from hetero.runtime.reshard.transition import plan_transition
+
+    sources = {world_rank[r]: space.rank_regions(old_plan, old_layout.ranks[r]) for r in world_rank}
+    vendors = {world_rank[r]: old_layout.ranks[r].vendor for r in world_rank}
+    return plan_transition(sources, targets, vendors)
+
+
 class NewPlace:
     """A survivor's place in the new world after :func:`reconfigure`: its rank, whether the new plan
     has it (``member``; if not, it served its state and leaves), its ``info``
@@ -149,7 +161,6 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     from hetero.layout import build_layout
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import DEFAULT_MAX_BYTES, exchange
-    from hetero.runtime.reshard.transition import plan_transition
 
     t0 = time.perf_counter()
     if decision is None:
@@ -171,10 +182,8 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     mesh = _tp_meshes(layouts[1], rank) if meshes else None
     t2 = time.perf_counter()
     space = space or ParameterSpace(model)
-    sources = {world_rank[r]: space.rank_regions(plans[0], layouts[0].ranks[r]) for r in world_rank}
     targets = space.layout_regions(plans[1], layouts[1])
-    vendors = {world_rank[r]: layouts[0].ranks[r].vendor for r in world_rank}
-    transition = plan_transition(sources, targets, vendors)
+    transition = transition_between(space, plans[0], layouts[0], targets, world_rank)
     if transition.missing:
         _, region = transition.missing[0]
         what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
