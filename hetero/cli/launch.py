@@ -5,7 +5,8 @@ import argparse
 
 
 def add_parser(sub) -> None:
-    from hetero.runtime.options import ALLOCATORS, ENGINES, option_help as doc   # flags of RunOptions' fields: its docs
+    # a flag of a RunOptions field takes its help and its default from the field
+    from hetero.runtime.options import ALLOCATORS, ENGINES, option_default as default, option_help as doc
 
     p = sub.add_parser(
         "launch", help="train with a plan: per-node torchrun, pipeline/tensor/data parallel workers",
@@ -18,8 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster file (YAML, docs/formats.md)")
     p.add_argument("--model", required=True, help="model file (YAML)")
     p.add_argument("--plan", required=True, help="plan file (YAML; `hetero plan -o` writes one)")
-    p.add_argument("--steps", type=int, default=5, help=doc("steps"))
-    p.add_argument("--seed", type=int, default=0, help=doc("seed"))
+    p.add_argument("--steps", type=int, default=default("steps"), help=doc("steps"))
+    p.add_argument("--seed", type=int, default=default("seed"), help=doc("seed"))
     p.add_argument("--summary", metavar="OUT.json", help=doc("summary"))
     p.add_argument("--trace", metavar="OUT.json", help=doc("trace"))
     p.add_argument("--plot", metavar="OUT.png",
@@ -32,13 +33,13 @@ def add_parser(sub) -> None:
     p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one when every node slot "
                                                    "runs here in this call, else 29500)")
     p.add_argument("--data", metavar="FILE", help=doc("data"))
-    p.add_argument("--engine", choices=ENGINES, default="native", help=doc("engine"))
-    p.add_argument("--timeout", type=float, default=60.0, metavar="SEC", help=doc("timeout_s"))
+    p.add_argument("--engine", choices=ENGINES, default=default("engine"), help=doc("engine"))
+    p.add_argument("--timeout", type=float, default=default("timeout_s"), metavar="SEC", help=doc("timeout_s"))
     p.add_argument("--inject-failure", metavar="STEP:RANK", help=doc("inject_failure"))
     p.add_argument("--elastic", action="store_true", help=doc("elastic"))
-    p.add_argument("--lr", type=float, default=1e-3, help=doc("lr"))
-    p.add_argument("--weight-decay", type=float, default=0.0, help=doc("weight_decay"))
-    p.add_argument("--clip", type=float, default=1.0, help=doc("clip"))
+    p.add_argument("--lr", type=float, default=default("lr"), help=doc("lr"))
+    p.add_argument("--weight-decay", type=float, default=default("weight_decay"), help=doc("weight_decay"))
+    p.add_argument("--clip", type=float, default=default("clip"), help=doc("clip"))
     p.add_argument("--loss-scale", type=float, metavar="S", help=doc("loss_scale"))
     p.add_argument("--save", metavar="DIR", help=doc("save"))
     p.add_argument("--load", metavar="DIR", help=doc("load"))
@@ -46,13 +47,13 @@ def add_parser(sub) -> None:
                                                        "(a model folder or its tokenizer.json; cached beside the text)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
-    p.add_argument("--threads", type=int, default=1, help=doc("threads"))
+    p.add_argument("--threads", type=int, default=default("threads"), help=doc("threads"))
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help=doc("overlap"))
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=doc("compile"))
-    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help=doc("bucket_mb"))
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=default("compile"), help=doc("compile"))
+    p.add_argument("--bucket-mb", type=float, default=default("bucket_mb"), metavar="MB", help=doc("bucket_mb"))
     p.add_argument("--run-dir", help=doc("run_dir"))
     p.add_argument("--quiet", action="store_true", help=doc("quiet"))
-    p.add_argument("--allocator", choices=ALLOCATORS, default="caching", help=doc("allocator"))
+    p.add_argument("--allocator", choices=ALLOCATORS, default=default("allocator"), help=doc("allocator"))
     p.add_argument("--skip-memory-check", action="store_true",
                    help="launch a plan although the predictor says a stage does not fit its devices' memory (by "
                         "default refused before any worker starts; for emulated device types whose 'memory' is "

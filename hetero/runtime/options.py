@@ -221,5 +221,10 @@ def option_help(name: str, prefix: str = "") -> str:
     return (prefix + field_docs()[name]).replace("%", "%%")
 
 
+def option_default(name: str):
+    """The default of field ``name``: what the flag defaults to (one place for it)."""
+    return next(f.default for f in fields(RunOptions) if f.name == name)
+
+
 FIELDS = tuple(f.name for f in fields(RunOptions))
 """The field names, in order."""
