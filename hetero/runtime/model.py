@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from hetero.specs.model import ModelSpec
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor. torch.distributed.tensor (with the compiler stack it imports, 50 MB)
+    is imported only where tensor parallelism is applied, so a process that only works out shapes
+    (the launcher: parameter holders, transitions) never loads it; no DTensor exists before it is."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 # ---------------------------------------------------------------------------- building blocks
 
@@ -206,7 +214,7 @@ class StageModel(nn.Module):
                 wait("wpe")
             tokens = x
             w = self.wte.weight
-            x = vocab_parallel_lookup(tokens, w) if isinstance(w, DTensor) else self.wte(tokens)
+            x = vocab_parallel_lookup(tokens, w) if is_dtensor(w) else self.wte(tokens)
             if hasattr(self, "wpe"):
                 x = x + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         a, b = self.chunks[chunk]
@@ -227,7 +235,9 @@ class StageModel(nn.Module):
                 x = self.head(x)
             else:
                 w = self.wte.weight
-                if isinstance(w, DTensor):   # vocabulary-parallel: logits sharded on the vocabulary
+                if is_dtensor(w):   # vocabulary-parallel: logits sharded on the vocabulary
+                    from torch.distributed.tensor import DTensor, Replicate
+
                     x = DTensor.from_local(x, w.device_mesh, [Replicate()])
                 x = F.linear(x, w)
         return x
@@ -250,9 +260,25 @@ def compile_blocks(module: StageModel, **options) -> int:
 def stage_param_shapes(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
                        chunks: tuple[tuple[int, int], ...] | None = None) -> dict[str, tuple]:
     """Global parameter names and full shapes of a stage, without building it (meta device)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         m = StageModel(spec, layers, first, last, chunks)
     return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """torch.nn.init's functions as no-ops (for modules built only for their shapes): random fills of
+    meta tensors run through torch's Python reference kernels, whose import loads the compiler stack
+    (50 MB) into a process that never computes, such as the launcher."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "xavier_uniform_", "ones_", "zeros_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -297,11 +323,10 @@ def apply_tensor_parallel(module: StageModel, mesh, src_data_rank: int | None = 
     (torch's loss_parallel), so no rank holds the full logits. Norms and the learned positions stay
     replicated, so the residual stream between blocks and stages is replicated.
     """
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if hasattr(module, "wte"):   # rows split over the vocabulary; looked up by vocab_parallel_lookup
-        from torch.distributed.tensor import distribute_tensor
-
         module.wte.weight = nn.Parameter(distribute_tensor(module.wte.weight.detach(), mesh, [Shard(0)],
                                                            src_data_rank=src_data_rank))
     if hasattr(module, "head"):
@@ -331,7 +356,7 @@ def vocab_parallel_lookup(tokens: torch.Tensor, weight) -> torch.Tensor:
     elsewhere) and the partial results are summed over the tp group. Backward passes the
     (replicated) output gradient straight to each rank's rows, so the weight's gradient is its shard,
     never a whole vocabulary x hidden tensor."""
-    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     mesh = weight.device_mesh
     local = weight.to_local()
@@ -346,7 +371,7 @@ def vocab_parallel_lookup(tokens: torch.Tensor, weight) -> torch.Tensor:
 def _vocab_parallel(t: torch.Tensor):
     """torch's loss_parallel context for a DTensor sharded on the vocabulary (forward and backward of
     the cross-entropy), else nothing."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
@@ -364,7 +389,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def loss_value(loss: torch.Tensor) -> float:
     """The loss as a Python float (a replicated DTensor's local value)."""
     loss = loss.detach()
-    return float(loss.to_local() if isinstance(loss, DTensor) else loss)
+    return float(loss.to_local() if is_dtensor(loss) else loss)
 
 
 def backward_loss(loss: torch.Tensor) -> None:
