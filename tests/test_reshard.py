@@ -4,6 +4,8 @@ plan-independent checkpoint into the target plan."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import pytest
 import torch
@@ -211,7 +213,7 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
-def _reshard_worker(rank, world, ckpt, max_bytes):
+def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
     import torch.distributed as dist
 
     import hetero
@@ -240,8 +242,15 @@ def _reshard_worker(rank, world, ckpt, max_bytes):
         transition = plan_transition(sources, targets, vendors)
         old_module, old_opt, _ = _stage_from(model, plans[0], layouts[0], old_of.get(rank), groups[0], ckpt)
         live = live_state(old_module, old_opt, sources[rank]) if rank in old_of else {}
+        # same host: the receivers read the senders' memory (the store of this world, every process's id)
+        host = None
+        if same_host:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"pid/{name}/{rank}", str(os.getpid()))
+            pids = {r: int(store.get(f"pid/{name}/{r}")) for r in range(world)}
+            host = (store, f"same-host/{name}", pids, 60.0)
         state, stats = exchange(rank, transition, live, targets.get(rank, {}), max_bytes=max_bytes,
-                                chunk_bytes=max_bytes // 2)
+                                chunk_bytes=max_bytes // 2, same_host=host)
         ref, ref_opt, mesh = _stage_from(model, plans[1], layouts[1], new_of.get(rank), groups[1], ckpt)
         bad = []
         if rank in new_of:
@@ -271,11 +280,16 @@ def _reshard_worker(rank, world, ckpt, max_bytes):
 
 
 @pytest.mark.slow
-def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_path):
+@pytest.mark.parametrize("same_host", [False, True], ids=["point-to-point", "same host"])
+def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_path, same_host):
+    from hetero.runtime.reshard import cma
+
+    if same_host and not cma.usable():
+        pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
     ckpt = str(tmp_path / "ckpt")
     _state_checkpoint(ckpt)
     max_bytes = 64 << 10   # small, so the bigger pieces travel as several messages
-    results = spawn(_reshard_worker, 4, args=(ckpt, max_bytes), timeout=240)
+    results = spawn(_reshard_worker, 4, args=(ckpt, max_bytes, same_host), timeout=240)
     for name, *_ in SCENARIOS:
         per_rank = [r[name] for r in results]
         bad = {rank: r["bad"] for rank, r in enumerate(per_rank) if r["bad"]}
@@ -345,27 +359,32 @@ def _survivor_worker(rank, world, ckpt, port, second_failure):
             "sent": place.stats.bytes_sent, "intersection": place.transition.intersection_bytes, **place.timings}
 
 
-def _coordinate(coordinator, survivors):
+def _coordinate(coordinator, survivors, transport):
     from hetero.runtime.reshard.live import decision_for
 
     got = coordinator.await_survivors(1, survivors, timeout_s=60)
     members = {r: i for i, r in enumerate(sorted(got))}
     _, c0, p0, c1, p1, _, _ = LOST
-    coordinator.publish(1, members, decision_for(MODEL, (c0, p0), (c1, p1), sorted(got), step=3))
+    coordinator.publish(1, members, decision_for(MODEL, (c0, p0), (c1, p1), sorted(got), step=3, transport=transport))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["p2p", "same-host"])
 @pytest.mark.parametrize("second_failure", [False, True], ids=["one failure", "a second failure in the reshard"])
-def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, second_failure):
+def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, second_failure, transport):
     import threading
 
+    from hetero.runtime.reshard import cma
     from hetero.runtime.reshard.live import Coordinator
+
+    if transport == "same-host" and not cma.usable():
+        pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
 
     ckpt = str(tmp_path / "ckpt")
     _state_checkpoint(ckpt)
     coordinator = Coordinator()
     # the coordinator knows rank 3's process exited (the launcher watches its workers' pids)
-    threading.Thread(target=_coordinate, args=(coordinator, [0, 1, 2]), daemon=True).start()
+    threading.Thread(target=_coordinate, args=(coordinator, [0, 1, 2], transport), daemon=True).start()
     try:
         results = spawn(_survivor_worker, 4, args=(ckpt, coordinator.port, second_failure), timeout=120,
                         may_die=(1, 3) if second_failure else (3,))
@@ -450,3 +469,51 @@ def test_a_region_no_survivor_holds_comes_from_the_last_checkpoint_or_ends_the_r
         if dist.is_initialized():
             dist.destroy_process_group()
         coordinator.close()
+
+
+# ---------------------------------------------------------------------------- the same-host transport
+
+def test_same_host_reads_strided_slices_into_strided_views_and_names_a_peer_that_is_gone():
+    """A tp slice (every row's middle columns) is read as its rows straight into a strided
+    destination; reading from a process that ended fails with its rank named, at once."""
+    import subprocess
+    import sys
+
+    from hetero.runtime.reshard import cma
+
+    if not cma.usable():
+        pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
+    src = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
+    part = src[:, 3:7]
+    assert len(cma.runs(part)) == 6 and len(cma.runs(src)) == 1
+    into = torch.zeros(6, 8)
+    view = into[:, 2:6]
+    cma._read(os.getpid(), cma._pair(cma.runs(view), cma.runs(part)))
+    assert torch.equal(view, part) and into[:, :2].abs().sum() == 0 and into[:, 6:].abs().sum() == 0
+    # the same piece cut at other boundaries on each side still lines up element for element
+    flat = torch.empty(24)
+    cma._read(os.getpid(), cma._pair(cma.runs(flat), cma.runs(part)))
+    assert torch.equal(flat, part.reshape(-1))
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, k):
+            return self[k]
+
+    store = Store()
+    store["x/src/1"] = json.dumps({"pid": gone.pid, "pieces": {"0": {"parts": [[part.data_ptr(), [6, 4], [10, 1]]],
+                                                                      "step": None}}})
+    ex = cma.Exchange(store, "x", 0, {1: gone.pid}, timeout_s=5)
+    with pytest.raises(cma.PeerGone) as e:
+        ex.receive([(0, 1, [torch.empty(6, 4)])])
+    assert e.value.rank == 1
+    with pytest.raises(cma.PeerGone, match="process ended"):   # a receiver gone before it read
+        cma.Exchange(store, "x", 1, {0: gone.pid}, timeout_s=5).serve({0})

@@ -133,6 +133,9 @@ class LiveRun:
 
     def _plan_ahead(self) -> None:
         """The plan for every single loss, made while the workers start and train."""
+        from hetero.runtime.reshard import cma
+
+        cma.usable()   # probed once, here, not in a downtime
         now, table = self.now, self._ahead   # this generation's (a later one starts its own)
         for info in now.layout.ranks:
             try:
@@ -297,12 +300,13 @@ class LiveRun:
                               f"({region.name}; {len(names)} parameter(s) in all), held only by {where}: "
                               f"the live state cannot be rebuilt (fix: a plan whose stages have data-parallel "
                               f"replicas, 'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
-        from hetero.runtime.reshard.live import decision_for
+        from hetero.runtime.reshard.live import choose_transport, decision_for
 
+        transport = choose_transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
             (ahead.cluster.to_dict(), ahead.result.plan.to_dict()), survivors, step,
-            checkpoint if transition.missing else None))
+            checkpoint if transition.missing else None, transport=transport))
         decided = time.time()
         replan_s = time.perf_counter() - t0
         self.print_fn(f"elastic: replanned on {ahead.cluster.num_devices} device(s) in {replan_s:.2f} s: "
@@ -313,7 +317,7 @@ class LiveRun:
               "devices_added": 0, "devices_removed": len(lost_ranks), "_failed_at": failed_at,
               "_launched_at": decided, "handoff_time_s": checked_in - failed_at, "replan_time_s": replan_s,
               "plan": ahead.result.plan.to_dict(), "predicted_tokens_per_s": ahead.result.tokens_per_s,
-              "path": "in-process", "intersection_bytes": transition.intersection_bytes,
+              "path": "in-process", "transport": transport, "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(now, transition, members, survivors)}
         self._switch(rc, gen, survivors, members, lost_ranks, ahead)
 
@@ -354,7 +358,7 @@ class LiveRun:
         is answered with a handoff: the ranks write their state and exit, and the launch restarts on
         the new plan (:mod:`hetero.runtime.elastic`)."""
         from hetero.layout import build_layout
-        from hetero.runtime.reshard.live import _key, decision_for
+        from hetero.runtime.reshard.live import _key, choose_transport, decision_for
 
         now, gen, store = self.now, self.gen_no + 1, self.coordinator.store
         change = self.watch.pending
@@ -374,9 +378,10 @@ class LiveRun:
         self.watch.take()
         ahead = _Ahead(change.cluster, change.result, layout)
         transition = self._transition(now, ahead, members, ranks)
+        transport = choose_transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
-            (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None))
+            (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None, transport=transport))
         decided = time.time()
         asked = change.seen_at + change.replan_time_s
         self.print_fn(f"elastic: {now.layout.world_size} rank(s) paused after step {step}; in-process reshard onto "
@@ -386,7 +391,7 @@ class LiveRun:
               "devices_added": change.added, "devices_removed": change.removed, "_failed_at": change.seen_at,
               "_launched_at": decided, "handoff_time_s": checked_in - asked, "replan_time_s": change.replan_time_s,
               "plan": change.result.plan.to_dict(), "predicted_tokens_per_s": change.result.tokens_per_s,
-              "path": "in-process", "intersection_bytes": transition.intersection_bytes,
+              "path": "in-process", "transport": transport, "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(now, transition, members, ranks)}
         self._switch(rc, gen, ranks, members, set(), ahead)
 

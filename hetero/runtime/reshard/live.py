@@ -108,13 +108,37 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float, prefix: st
 
 
 def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
-                 step: int, checkpoint: str | None = None) -> dict:
+                 step: int, checkpoint: str | None = None, transport: str = "p2p") -> dict:
     """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
     after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
-    in the exchange, then leaves), the step the state is at, and the last ``--save`` checkpoint (the
-    fallback when no survivor holds some region)."""
+    in the exchange, then leaves), the step the state is at, the last ``--save`` checkpoint (the
+    fallback when no survivor holds some region) and the exchange's transport
+    (:func:`choose_transport`)."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
-            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint}
+            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint, "transport": transport}
+
+
+TRANSPORT_ENV = "HETERO_RESHARD_TRANSPORT"
+"""``p2p``: the exchange goes over torch.distributed even where every rank is on this machine."""
+
+
+def choose_transport(checkins: dict[int, dict]) -> str:
+    """The exchange's transport, the same for every rank: ``same-host`` (receivers read the senders'
+    memory, :mod:`hetero.runtime.reshard.cma`) when every rank that checked in keeps its state in
+    host memory (``host_memory`` in its check-in) and this machine allows it; the workers of the
+    in-process path all run on the launcher's machine. Else ``p2p`` (torch.distributed)."""
+    from hetero.runtime.reshard import cma
+
+    if os.environ.get(TRANSPORT_ENV, "").lower() == "p2p":
+        return "p2p"
+    if checkins and all(c.get("host_memory") for c in checkins.values()) and cma.usable():
+        return "same-host"
+    return "p2p"
+
+
+def host_memory(live: dict) -> bool:
+    """Whether all of a rank's live state (:func:`~.transfer.live_state`) is in host memory."""
+    return all(t.device.type == "cpu" for st in live.values() for t in st.tensors.values())
 
 
 def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, int]:
@@ -164,7 +188,8 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
 
     t0 = time.perf_counter()
     if decision is None:
-        report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time())
+        report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time(),
+                     host_memory=host_memory(live))
         if on_checked_in:
             on_checked_in()
     d = decision or await_decision(store, gen, timeout_s)
@@ -204,8 +229,13 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
                                                            "transfer_s": time.perf_counter() - t2})
     old_of = {v: k for k, v in world_rank.items()}
     describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
+    same_host = None
+    if d.get("transport") == "same-host":   # every peer's process id, from its check-in
+        pids = {world_rank[r]: json.loads(store.get(_key(gen, f"alive/{r}")))["pid"] for r in world_rank
+                if store.check([_key(gen, f"alive/{r}")])}
+        same_host = (store, _key(gen, "same-host"), pids, timeout_s)
     state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
-                            max_bytes=max_bytes or DEFAULT_MAX_BYTES)
+                            max_bytes=max_bytes or DEFAULT_MAX_BYTES, same_host=same_host)
     t3 = time.perf_counter()
     member = me in members
     return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,

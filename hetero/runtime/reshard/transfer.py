@@ -101,12 +101,17 @@ def _cut(p: Piece, chunk_bytes: int) -> list[Piece]:
 
 def exchange(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
              *, group=None, max_bytes: int = DEFAULT_MAX_BYTES, chunk_bytes: int | None = None,
-             device: torch.device | str = "cpu", describe=lambda r: f"rank {r}"
+             device: torch.device | str = "cpu", describe=lambda r: f"rank {r}", same_host=None
              ) -> tuple[dict[str, TensorState], ExchangeStats]:
     """This rank's part of ``transition`` (every rank of ``group`` calls it with the same transition):
     returns its new state, by tensor name, for its ``targets`` regions, and what it moved. A peer
     lost during the exchange ends it with :class:`~hetero.runtime.reshard.live.ReconfigurationError`
-    naming that peer (``describe``: rank -> words), after at most the group's timeout."""
+    naming that peer (``describe``: rank -> words), after at most the group's timeout.
+
+    ``same_host``: ``(store, key prefix, {rank: process id}, timeout_s)`` when every rank is a process
+    on this machine holding its state in host memory (all ranks decide alike): the receivers read
+    their pieces out of the senders' memory (:mod:`hetero.runtime.reshard.cma`) instead of
+    point-to-point messages."""
     chunk_bytes = chunk_bytes or max(1 << 20, max_bytes // 4)
     if chunk_bytes > max_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
@@ -119,14 +124,17 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
             src = live[p.name]
             _put(new[p.name], p.box, lambda k, s=src, b=p.box: s.tensors[k][relative(b, s.box)], src.step)
             stats.bytes_local += p.nbytes
-    in_flight: collections.deque = collections.deque()
-    held = 0
-
     def lost(other, e):
         from hetero.runtime.reshard.live import ReconfigurationError
 
         return ReconfigurationError(f"reshard: {describe(other)} was lost during the exchange "
                                     f"({str(e).splitlines()[0][:200]})")
+
+    if same_host is not None:
+        _exchange_same_host(rank, transition, live, new, stats, same_host, lost)
+        return new, stats
+    in_flight: collections.deque = collections.deque()
+    held = 0
 
     def post(op, tensor, other, tag):
         try:   # a send to a peer already gone can fail as it is posted, not only at its wait
@@ -184,6 +192,42 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
 
 _TAGS = len(STATE_KINDS) + 1
 """Tags per message: one per state kind and one for the step."""
+
+
+def _exchange_same_host(rank: int, transition: Transition, live: dict[str, TensorState],
+                        new: dict[str, TensorState], stats: ExchangeStats, same_host, lost) -> None:
+    """:func:`exchange`'s moved pieces read straight out of the senders' memory: each piece whole
+    (nothing is staged, so no chunks), the step counter with it."""
+    from hetero.runtime.reshard import cma
+
+    store, prefix, pids, timeout_s = same_host
+    ex = cma.Exchange(store, prefix, rank, pids, timeout_s)
+    moved = transition.moved
+    sent = {}
+    for i, p in enumerate(moved):
+        if p.src == rank:
+            src = live[p.name]
+            idx = relative(p.box, src.box)
+            step = float(src.step) if (p.with_step and src.step is not None) else None
+            sent[i] = ([src.tensors[k][idx] for k in STATE_KINDS], step)
+            stats.bytes_sent += p.nbytes
+    ex.publish(sent)
+    wanted = []
+    for i, p in enumerate(moved):
+        if p.dst == rank:
+            dst = new[p.name]
+            idx = relative(p.box, dst.box)
+            wanted.append((i, p.src, [dst.tensors[k][idx] for k in STATE_KINDS]))
+            stats.bytes_received += p.nbytes
+    stats.messages = len(sent) + len(wanted)
+    try:
+        steps = ex.receive(wanted)
+        ex.serve({p.dst for p in moved if p.src == rank})
+    except cma.PeerGone as e:
+        raise lost(e.rank, e) from None
+    for i, step in steps.items():
+        if step is not None:
+            _set_step(new[moved[i].name], torch.tensor(step, dtype=torch.float32))
 
 
 def _parts(state: TensorState, box: Box, with_step: bool) -> list[torch.Tensor]:
