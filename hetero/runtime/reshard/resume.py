@@ -44,9 +44,11 @@ survivor in the middle of its pipeline schedule (compute for seconds before its 
 the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watch`)."""
 
 
-WAKE_GRACE_S = 0.3
+WAKE_GRACE_S = 0.05
 """How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its process groups are
-aborted under it (it is then blocked in a collective)."""
+aborted under it (it is then blocked in a collective). The waker looks every millisecond whether the
+handler ran, so a main thread that takes the signal at once is never aborted under; one inside a
+long computation is, harmlessly (its next operation on a group fails, as it would anyway)."""
 
 
 class PeerLost(RuntimeError):
@@ -103,8 +105,10 @@ class LiveReconfig:
                 if wanted not in data:
                     continue
                 generation = self.gen
-                time.sleep(WAKE_GRACE_S)
-                if self.gen == generation and not self.recovering:
+                deadline = time.monotonic() + WAKE_GRACE_S
+                while time.monotonic() < deadline and not (self.taken or self.recovering):
+                    time.sleep(0.001)
+                if self.gen == generation and not (self.taken or self.recovering):
                     from torch.distributed import distributed_c10d
 
                     try:
@@ -121,11 +125,14 @@ class LiveReconfig:
     critical = False
     """Inside an optimizer step, up to the step counted as applied: never interrupted."""
 
+    taken = False
+    """Whether the main thread ran :meth:`_on_peer_lost` for the last signal (it is not blocked)."""
+
     def _on_peer_lost(self, _signum, _frame) -> None:
         # anywhere in a training step but its optimizer update (nothing of the training state
         # changes elsewhere: an update is never cut in half, nor left uncounted); a wait on the
         # unified communicator's thread, which Gloo's abort would not end, stops here too
-        self.aborted = True
+        self.aborted = self.taken = True
         if self.interruptible and not self.critical:
             self.interruptible = False
             raise PeerLost("a peer's process ended (the launcher said so)")
@@ -165,15 +172,29 @@ class LiveReconfig:
         engine.train_step = interruptible_step
         optimizer.step = guarded_optimizer_step
         trainer.train = self._interruptible_train(trainer.train)
-        # No gc.freeze() here, although it would make the collection in _drop_world take milliseconds:
-        # the process groups exist already, and frozen they are never collected, so a dropped world
-        # keeps its connections open and a survivor blocked on this rank waits for the group timeout
-        # (every round of the 109M benchmark on an idle machine did).
+        # No gc.freeze() here (see first_world): the process groups exist already, and frozen they
+        # are never collected, so a dropped world would keep its connections open and a survivor
+        # blocked on this rank would wait for the group timeout (every round of the 109M benchmark
+        # on an idle machine did).
 
     def first_world(self) -> None:
-        """Generation 0's world on the coordinator's store (the Trainer then finds it formed)."""
+        """Generation 0's world on the coordinator's store (the Trainer then finds it formed).
+
+        Everything allocated so far (the interpreter, torch and the other modules: most of the
+        objects the collector tracks) is moved to the permanent generation first, so the collection
+        that frees a broken world's groups (:func:`_drop_world`) looks only at what the run made
+        since. The groups themselves are made after it: frozen, they would never be collected, and
+        a dropped world would keep its connections open (a peer blocked on them would wait for the
+        group's timeout)."""
+        import torch._dynamo  # noqa: F401 - imported by the run anyway (DTensor, compiled blocks):
+        import torch.distributed.tensor  # noqa: F401 - frozen with the rest, not traversed after a loss
+
+        import hetero.runtime.engine  # noqa: F401
+        import hetero.runtime.trainer  # noqa: F401
         from hetero.runtime.reshard.live import regroup
 
+        gc.collect()
+        gc.freeze()
         regroup(self.store, 0, self.rank, self.world, self.timeout_s)
 
     @staticmethod
@@ -208,7 +229,8 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import await_decision, report_alive
 
         gen, paused_at = self.gen + 1, time.time()
-        report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at)
+        report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at,
+                     host_memory=trainer.ctx.device.type == "cpu")
         d = await_decision(self.store, gen, self.timeout_s)
         if d.get("handoff"):
             self.gen = gen
@@ -259,7 +281,7 @@ class LiveReconfig:
             regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
         self._adopt(trainer, place, scale)
         self.rank, self.world = place.rank, members
-        self.aborted = self.recovering = False
+        self.aborted = self.recovering = self.taken = False
         self.watch(trainer)
         timing["rebuild_s"] = time.perf_counter() - t0
         timing["ready_at"] = time.time()
