@@ -35,10 +35,13 @@ local-cpu.yaml, rank 3 lost at step 3 of 6. Per round it reads the ``reconfigura
 (detect, agree + replan, regroup, transfer, rebuild, downtime = failure -> last survivor ready,
 bytes moved vs the intersection volume, the predicted transfer), the launcher's peak RSS (VmHWM of
 the ``hetero launch`` process, read until it exits) and whether the survivors kept their process
-ids; the losses are compared with one run of the whole model on one device. The same transition
-through torch.distributed.checkpoint save + load via /dev/shm is timed in the same benchmark run
-(benchmarks/bench_reshard_live.py's rounds: the same model, plan and loss). Medians over the rounds;
-writes benchmarks/results/elastic_launch_live.json.
+ids; the losses are compared with one run of the whole model on one device. On this one machine the
+exchange reads the senders' memory (``transport: same-host``); each round also runs the same failure
+with the exchange over torch.distributed (``HETERO_RESHARD_TRANSPORT=p2p``: Gloo's loopback TCP) for
+comparison. The same transition through torch.distributed.checkpoint save + load via /dev/shm is
+timed in the same benchmark run (benchmarks/bench_reshard_live.py's rounds: the same model, plan and
+loss), against the live transition (regroup + transfer) and the whole downtime. Medians over the
+rounds; writes benchmarks/results/elastic_launch_live.json.
 
     .venv/bin/python benchmarks/bench_elastic.py --launch-live [--rounds 3]
 """
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -143,9 +147,10 @@ LIVE_KEYS = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s
              "predicted_downtime_s")
 
 
-def _peak_rss_launch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``cmd``; its own peak RSS in MB (VmHWM, read until it exits: not its children's)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=None if env is None else {**os.environ, **env})
     peak = 0.0
     out_parts: list[str] = []
     import threading
@@ -174,6 +179,10 @@ def _peak_rss_launch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float
 def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_reshard_live
+
+    from hetero.runtime.reshard.live import TRANSPORT_ENV
+
+    load_before = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -207,13 +216,25 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             summary = json.loads(out.read_text())
             (rc,) = summary["reconfigurations"]
             diffs = [abs(a - b) / abs(b) for a, b in zip(summary["losses"], ref["losses"])]
+            # the same failure with the exchange over torch.distributed (Gloo's loopback TCP) instead
+            p2p_out = tmp / f"p2p{i}.json"
+            p2p_proc, _ = _peak_rss_launch(cmd(CLUSTER, plan, p2p_out, "--elastic", "--inject-failure",
+                                               f"{fail_at}:{FAILED_RANK}"), env={TRANSPORT_ENV: "p2p"})
+            if p2p_proc.returncode:
+                sys.exit(f"elastic launch (p2p) failed:\n{p2p_proc.stderr[-3000:]}")
+            (p2p,) = json.loads(p2p_out.read_text())["reconfigurations"]
             dcp = bench_reshard_live.one_round(i, tmp)   # the same transition through DCP and /dev/shm
             r = {"round": i, **{k: rc.get(k) for k in LIVE_KEYS}, "bytes_moved": rc["bytes_moved"],
                  "intersection_bytes": rc["intersection_bytes"], "pids_kept": rc["pids_kept"],
                  "world_size_after": rc["world_size_after"], "launcher_peak_rss_mb": rss,
                  "max_rel_loss_diff": max(diffs), "dcp_s": dcp["dcp_s"],
                  "standalone_downtime_s": dcp["downtime_s"]}
+            r["transport"] = rc.get("transport")
+            r.update(p2p_transfer_s=p2p["transfer_s"], p2p_reshard_time_s=p2p["reshard_time_s"])
             r["dcp_over_downtime"] = r["dcp_s"] / r["reshard_time_s"]
+            # the transition itself: the new world formed and the intersections moved, against DCP's
+            # save of the survivors' state and load of the new ranks' (no detection, no rebuild in either)
+            r["dcp_over_transition"] = r["dcp_s"] / (r["regroup_s"] + r["transfer_s"])
             rows.append(r)
             print(f"round {i}: downtime {r['reshard_time_s']:.2f} s (detect {r['detect_s']:.2f}, agree+replan "
                   f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
@@ -221,7 +242,8 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
                   f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
                   f"launcher peak RSS {rss:.0f} MB; pids kept {r['pids_kept']}; losses vs one device "
                   f"{r['max_rel_loss_diff']:.1e}; DCP via /dev/shm {r['dcp_s']:.2f} s", flush=True)
-    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_over_downtime", "standalone_downtime_s")
+    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_over_transition", "dcp_over_downtime",
+            "p2p_transfer_s", "p2p_reshard_time_s", "standalone_downtime_s")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     print(f"\nin-process reshard through hetero launch --elastic, medians over {rounds} rounds (109M GPT, rank "
           f"{FAILED_RANK} lost at step {fail_at} of {steps}):")
@@ -233,7 +255,8 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
           f"largest relative loss difference vs one device: {worst:.1e}")
     return {"method": __doc__.strip(), "model": GPT109, "plan": PLAN109, "steps": steps, "fail_at": fail_at,
             "failed_rank": FAILED_RANK, "rounds": rows, "medians": med, "bytes_exact": exact,
-            "max_rel_loss_diff": worst, "machine": "2 cores, shared with other jobs while measured"}
+            "max_rel_loss_diff": worst, "transport": rows[0]["transport"],
+            "machine": f"{os.cpu_count()} cores; load average {load_before:.2f} when it started"}
 
 
 def main() -> int:

@@ -14,7 +14,9 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
    the planner (hetero.runtime.elastic.replan; made for every possible single loss before the failure,
    while the workers set up), publishes the members and the plan (agree_replan_s: a survivor's
    check-in -> decision received), the survivors build the new world in-process (regroup_s),
-   exchange exactly the intersections (transfer_s) and rebuild their stage and AdamW (rebuild_s);
+   exchange exactly the intersections (transfer_s; on this one machine the receivers read the
+   senders' memory, hetero.runtime.reshard.cma, unless HETERO_RESHARD_TRANSPORT=p2p) and rebuild
+   their stage and AdamW (rebuild_s);
    downtime = death -> last survivor's stage rebuilt (ready for its first step);
 4. the same transition through torch.distributed.checkpoint: the three survivors dcp.save their old
    state to /dev/shm and each new rank dcp.loads its stage (dcp_s = save + load, in the same world).
@@ -133,7 +135,7 @@ def one_round(i: int, tmp: Path) -> dict:
     from hetero.layout import build_layout
     from hetero.runtime.elastic import replan, without_devices
     from hetero.runtime.elastic_live import assign_ranks
-    from hetero.runtime.reshard.live import Coordinator, decision_for, exchange_ranks
+    from hetero.runtime.reshard.live import Coordinator, choose_transport, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transition import plan_transition
@@ -167,7 +169,7 @@ def one_round(i: int, tmp: Path) -> dict:
         new_layout = build_layout(left, result.plan)
         members = assign_ranks(layout, new_layout, sorted(got))
         coordinator.publish(1, members, decision_for(MODEL, (cluster_d, PLAN), (left.to_dict(), result.plan.to_dict()),
-                                                     sorted(got), step=3))
+                                                     sorted(got), step=3, transport=choose_transport(got)))
         replan_s = time.perf_counter() - t0
         # the same transition as the workers compute it, for the prediction (survivors the plan leaves
         # out take the ranks after its world)
@@ -187,6 +189,7 @@ def one_round(i: int, tmp: Path) -> dict:
         coordinator.close()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in sorted(got)]
     row = {"round": i, "new_plan": result.plan.to_dict(), "members": members, "coordinator_replan_s": replan_s,
+           "transport": choose_transport(got),
            "plans_made_ahead_s": plan_ahead_s,
            "predicted_transfer_s": predicted,
            **{k: max(r[k] for r in ranks) for k in ("detect_s", "agree_replan_s", "regroup_s", "transfer_s",
