@@ -171,9 +171,9 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         # (one vendor); the all-gather can run under the next step's forward, as the runtime runs it
         # at tp 1 (into the parameters' own vector) and not across vendors
         defer = zs >= 1 and not across and tps == {1}
-        # ... and there, for a bf16 model, it gathers bf16 values: half the bytes of the fp32
-        # gradients the reduce-scatter sums (the runtime's own layout, ``packed``)
-        ratio = low_gather / e if defer else 1.0
+        # a bf16 model gathers bf16 values (every ZeRO all-gather of the runtime, ``packed``): half
+        # the bytes of the fp32 gradients the reduce-scatter sums
+        ratio = low_gather / e if zs >= 1 else 1.0
         t, ag, rs_ag, touched = 0.0, 0.0, 0.0, set()
         for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
@@ -267,12 +267,14 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             if zs >= 1 and len({cm._dev[g].vendor for g in gs}) > 1:
                 # hetero.comm's reduce-scatter across vendors is the hierarchical all-reduce (each rank
                 # keeps its part), and the updated parameters come back by a hierarchical all-gather:
-                # the leaders cross the bridge twice (fp32: ``ratio`` is 1 across vendors).
-                cross_ag = comm.allgather(b, n_groups, link.bandwidth, lat)
-                cross += cross_ag
+                # the leaders cross the bridge twice, the second time with the gathered dtype's bytes.
+                cross_ag = comm.allgather(b * ratio, n_groups, link.bandwidth, lat)
+                cross = comm.allreduce(b, n_groups, link.bandwidth, lat) + cross_ag
                 passes = 2
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
-                cross += passes * comm.staging_time(b)
+                stage_ag = comm.staging_time(b * ratio) if passes == 2 else 0.0
+                cross += comm.staging_time(b) + stage_ag
+                cross_ag += stage_ag
             f = max(fac[g].communication for g in gs)
             cross, cross_ag = cross * f, cross_ag * f
         return inner + cross, inner_ag + cross_ag
@@ -310,7 +312,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         into[key] = into.get(key, 0.0) + sum(nb for _, nb in split) + whole
 
     model, e = cm.model, cm.grad_bytes(placement)
-    # bytes a parameter that ZeRO's all-gather moves where the runtime defers it (tp 1, one vendor)
+    # bytes a parameter that ZeRO's all-gather moves (hetero.runtime.zero: bf16 for a bf16 model)
     low_gather = 2 if placement == "packed" and gathers_in_bf16(cm.dtype, zs, 1) else e
     W = model.tp_replicated_per_layer() * e
     layer_split = [(size, float(n * e)) for size, n in model.tp_split_per_layer().items()]
