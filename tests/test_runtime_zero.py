@@ -28,10 +28,11 @@ PLANS = {
 }
 
 
-def _predicted_optimizer_bytes(tmp_path, plan: dict, model: dict = GPT) -> dict[tuple[int, int], float]:
+def _predicted_optimizer_bytes(tmp_path, plan: dict, model: dict = GPT,
+                               cluster: dict = CLUSTER) -> dict[tuple[int, int], float]:
     import hetero
 
-    p = hetero.predict(hetero.load_cluster(_write(tmp_path, "pc.yaml", CLUSTER)),
+    p = hetero.predict(hetero.load_cluster(_write(tmp_path, "pc.yaml", cluster)),
                        hetero.load_model(_write(tmp_path, "pm.yaml", model)),
                        hetero.load_plan(_write(tmp_path, "pp.yaml", plan)))
     return {(pi, si): s.memory_breakdown.optimizer for pi, pp in enumerate(p.pipelines)
@@ -91,8 +92,9 @@ def _save_then_resume(tmp_path, save_plan: dict, resumes: dict[str, dict]) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_bf16_model_keeps_the_predicted_share_of_adamw_state(tmp_path):
-    """Under autocast the parameters stay fp32 and Adam's moments are sharded: each rank's measured
-    state is the predictor's 8/k bytes per parameter (Megatron-style fp32 masters would be 12/k)."""
+    """Under autocast the parameters stay fp32 and Adam's moments are sharded; the all-gather moves
+    bf16 values (here across vendors, at once, through hetero.comm's bridge), so each slice keeps its
+    fp32 master: each rank's measured state is the predictor's 12/k bytes per parameter."""
     model = {**GPT, "name": "tiny-bf16", "dtype": "bf16"}
     plan = _plan(PLANS["staggered"], zero_stage=1)
     summary, _ = _launch(tmp_path, model, plan)
@@ -299,3 +301,27 @@ def test_a_bf16_gather_moves_bf16_over_exact_fp32_masters():
         assert out["saved_exact"] and out["reloaded"]
         extra, master = out["state_bytes"]
         assert extra == master
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_bf16_gathers_under_the_next_forward_match_the_bf16_reference(tmp_path, zero_stage):
+    """A bf16 model's ZeRO-1 / ZeRO-2 run on one vendor with overlap (its bf16 all-gathers deferred
+    to the next forward, the parameters holding bf16-rounded values) keeps the single-device
+    autocast reference's losses to bf16's precision (the 2e-2 this file holds bf16 runs to), and
+    each rank's AdamW state with its fp32 masters is the predictor's. Gradient norms are not
+    compared: under bf16 autocast they leave the reference by about 10% by the third step with
+    either gather dtype (docs/performance.md); the masters' exactness is the test above's."""
+    model = {**GPT, "name": "tiny-bf16", "dtype": "bf16"}
+    plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                                 {"group": "fast", "layers": [2, 4]}]}],
+                 zero_stage=zero_stage)
+    cluster = local_cluster(devices=4)
+    summary, _ = _launch(tmp_path, model, plan, "--bucket-mb", "0.05", cluster=cluster, timeout=220)
+    losses, _ = _reference(model)
+    assert summary["steps"] == STEPS
+    assert summary["losses"] == pytest.approx(losses, rel=2e-2)
+    predicted = _predicted_optimizer_bytes(tmp_path, plan, model, cluster)
+    for r in summary["ranks"]:
+        assert r["optimizer_state_bytes"] == pytest.approx(predicted[(r["pipeline"], r["stage"])], rel=1e-3), r
