@@ -284,7 +284,9 @@ class ShardedAdamW:
         asynchronously and in forward order (the reverse of the buckets' agreed order, so every
         group's members issue them in one order), and completed when the next forward first uses
         their parameters (:meth:`wait_parameters`, from :attr:`StageModel.before_use`), as
-        Megatron-LM's ``overlap_param_gather`` does. The others are gathered at once, first."""
+        Megatron-LM's ``overlap_param_gather`` does. The others are gathered at once, first. Either
+        way each moves its shard's dtype (:attr:`_Shard.low`: bf16 for a bf16 model), so overlap
+        decides when the values arrive, never what they are."""
         with torch.no_grad():
             deferred = [i for i, s in enumerate(self.shards) if later is not None and later(s)]
             for i, shard in enumerate(self.shards):
