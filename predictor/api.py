@@ -13,7 +13,8 @@ a pipeline; the replicas of a pipeline run alike):
    pass does, and only its tail (the last 25 MB bucket, the embeddings) waits for the end of the
    backward; ZeRO's parameter all-gather after the optimizer runs under the next step's first
    forwards (:func:`first_forward_floors`; across vendors, and without overlap, it stays in the
-   sync); ``dp_sync_exposed_s`` is what remains after the schedule, plus what the all-gather adds to it;
+   sync), moving bf16 values for a bf16 model (half the fp32 reduce-scatter's bytes,
+   :func:`.memory.gathers_in_bf16`); ``dp_sync_exposed_s`` is what remains after the schedule, plus what the all-gather adds to it;
 3. the all-reduce of the squared gradient norm over every rank: no optimizer starts before the
    last device has synced;
 4. the optimizer step (memory-bound Adam), all devices from that moment, the slowest last;

@@ -314,10 +314,15 @@ class StageCostModel:
         the updated fp32 master weights (+e bytes per parameter); hetero's runtime (``packed``)
         updates its fp32 parameters in place and has no such copy."""
         copy = self.e if placement == "megatron" and self.e < 4 else 0
-        key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp, copy)
+        # hetero's runtime gathering bf16 values under ZeRO (:func:`.memory.gathers_in_bf16`): the
+        # updated slice is cast to bf16 (read 4, write 2 bytes a slice parameter) and every
+        # parameter of the stage takes its gathered value back in fp32 (read 2, write 4)
+        low = placement == "packed" and dp > 1 and mem.gathers_in_bf16(self.dtype, zero_stage, tp)
+        key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp, copy, low)
         hit = self._cache.get(key)
         if hit is None:
             params = mem.stage_params(self.model, layers[1] - layers[0], tp, first, last)
+            casts = params * 6 * (1 + 1 / dp) if low else 0.0
             if zero_stage >= 1:
                 params /= max(1, dp)
             measured = None
@@ -327,12 +332,12 @@ class StageCostModel:
                     measured = fn(params, self.model.hidden_size)
                 except Exception:  # noqa: BLE001
                     measured = None
+            bw = self._dev[group].effective_memory_bandwidth
             if measured is not None:
-                hit = self._cache[key] = measured * self._factors[group].compute
+                hit = self._cache[key] = (measured + casts / bw) * self._factors[group].compute
             else:
                 per = GRAD_NORM_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM + copy
-                hit = self._cache[key] = (params * per / self._dev[group].effective_memory_bandwidth
-                                          * self._factors[group].compute)
+                hit = self._cache[key] = (params * per + casts) / bw * self._factors[group].compute
         return hit
 
     # ------------------------------------------------------------------ memory

@@ -4,8 +4,11 @@ Model states, as the runtime's native engine holds them: fp32 parameters and gra
 the model's dtype (fp16 / bf16 compute runs under autocast), 4 + 4 bytes per parameter, and
 Adam's two fp32 moments (8 bytes): 16 bytes/param, as in the ZeRO paper's mixed-precision
 accounting (Rajbhandari et al. 2020: 2 + 2 + 12), split differently. ZeRO-1 shards the moments
-over the stage's data-parallel degree, so a mixed-precision stage keeps 8 + 8/k bytes where
-Megatron-style fp32 masters would keep 4 + 12/k; ZeRO-2 also the gradients
+over the stage's data-parallel degree, so an fp32 / fp16 stage keeps 8 + 8/k bytes where
+Megatron-style fp32 masters would keep 4 + 12/k; a bf16 stage at tp 1 keeps 8 + 12/k: the
+all-gather after the optimizer moves bf16 values, so the parameters hold bf16-rounded values and
+the slice keeps its exact fp32 copy (:func:`gathers_in_bf16`; the gather's bf16 buffers, live
+until the next forward uses them, are checked against the peak in :func:`stage_memory`); ZeRO-2 also the gradients
 (:func:`model_state_bytes`); a stage's peak charges ZeRO-2 as
 ZeRO-1, since the native engine holds gradients whole through backward (:func:`stage_memory`). As
 the runtime shards them (hetero.runtime.zero), every parameter's states are split over all ranks
@@ -206,6 +209,14 @@ def _params_terms(model: ModelSpec, tp: int, first: bool, last: bool) -> tuple[f
     return (model.params_per_layer() - rep) / tp + rep, tuple(edges)
 
 
+def gathers_in_bf16(dtype: str, zero_stage: int, tp: int) -> bool:
+    """Whether ZeRO's parameter all-gather moves bf16 values (2 bytes a parameter, not 4): a bf16
+    model at tp 1 (hetero.runtime.zero, as Megatron-LM's distributed optimizer gathers its bf16
+    parameters); the runtime keeps the fp32 gather across vendors, which the memory model does not
+    tell apart (its master copy is charged there too, on the safe side)."""
+    return zero_stage >= 1 and tp == 1 and dtype == "bf16"
+
+
 def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float = 1,
                       tp: int = 1) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of ``params`` parameters (one tp rank's of ``tp``), as
@@ -213,10 +224,12 @@ def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float 
     ``dtype`` (``dtype`` is checked, not used: autocast computes in it)."""
     DTYPE_BYTES[dtype]   # an unknown dtype is an error here as everywhere
     e = 4
-    # Adam m, v, and under ZeRO on a tp rank its slice's copy: its DTensor shards cannot be re-bound
-    # to views of a flat buffer (hetero.runtime.zero).
-    opt_per_param = 8 + (4 if zero_stage >= 1 and tp > 1 else 0)
     dp = max(1, dp)
+    # Adam m, v, and under ZeRO a fp32 master copy of the slice: on a tp rank (its DTensor shards
+    # cannot be re-bound to views of a flat buffer), and at tp 1 under bf16, where the parameters
+    # take the bf16-rounded values of the all-gather (hetero.runtime.zero, :func:`gathers_in_bf16`).
+    master = zero_stage >= 1 and (tp > 1 or (gathers_in_bf16(dtype, zero_stage, tp) and dp > 1))
+    opt_per_param = 8 + (4 if master else 0)
     weights = params * e
     grads = params * e / (dp if zero_stage >= 2 else 1)
     optim = params * opt_per_param / (dp if zero_stage >= 1 else 1)
@@ -318,6 +331,13 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
             act = max(act, buffer / max(1, dp) if zero_stage >= 1 else 0.0)
         else:
             act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)
+        if gathers_in_bf16(model.dtype, zero_stage, tp) and dp > 1:
+            # the all-gather's bf16 buffers (2 bytes a summed parameter), from the optimizer step
+            # until the next forward first uses each: with the model states, the slices' gradients
+            # (4 / k) and no activations, the full gradients freed. Against the w + g + o the peak
+            # charges (g: full fp32 gradients) this is 2 P_summed + 4 P / k - 4 P < 0 for k >= 2,
+            # so it does not raise the peak; it is kept as the moment it is.
+            act = max(act, 2.0 * summed_params + 4.0 * params / dp - g)
     return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
 
 
@@ -424,7 +444,7 @@ def held_peak(schedule: str, stage: int, num_stages: int, micro_batches: int, in
 
 
 __all__ = ["FRAMEWORK_OVERHEAD", "MemoryBreakdown", "activation_bytes_per_layer", "korthikanti_bytes",
-           "stage_params", "model_state_bytes", "edge_activation_bytes", "stage_memory",
+           "stage_params", "gathers_in_bf16", "model_state_bytes", "edge_activation_bytes", "stage_memory",
            "in_flight_microbatches", "held_peak", "forwards_precede_backwards", "uses_gradient_buffers",
            "engine_bytes_per_layer", "engine_edge_bytes",
            "held_bytes_per_microbatch", "summed_params", "loss_transient_bytes", "backward_transient_bytes"]

@@ -22,6 +22,8 @@ import math
 
 from hetero.syncorder import BUCKET_CAP_BYTES, in_sync_order
 
+from .memory import gathers_in_bf16
+
 PLACEMENTS = ("packed", "megatron")
 
 
@@ -169,35 +171,48 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         # (one vendor); the all-gather can run under the next step's forward, as the runtime runs it
         # at tp 1 (into the parameters' own vector) and not across vendors
         defer = zs >= 1 and not across and tps == {1}
-        t, ag, touched = 0.0, 0.0, set()
+        # a bf16 model gathers bf16 values (every ZeRO all-gather of the runtime, ``packed``): half
+        # the bytes of the fp32 gradients the reduce-scatter sums
+        ratio = low_gather / e if zs >= 1 else 1.0
+        t, ag, rs_ag, touched = 0.0, 0.0, 0.0, set()
         for nb, full, gathered, calls in parts:   # (bytes, full tensors, tp-gathered bytes, calls)
             if nb > 0:
                 # the tp gathers run side by side in each holder's group; the sum waits for the slowest
                 t += max(cm._gather_time(g, tp, gathered) for _, _, g, tp, _ in holders) if gathered else 0.0
-                r = rings(holders, nb, full, touched, calls, defer)
+                r, r_ag = rings(holders, nb, full, touched, calls, defer, ratio)
                 t += r
-                ag += r / 2 if defer else 0.0
+                rs_ag += r
+                ag += r_ag
         stages_held = frozenset((pi, k) for pi, k, *_ in holders)
-        later[stages_held] = later.get(stages_held, 0.0) + ag
+        ag_later = ag if defer else 0.0
+        later[stages_held] = later.get(stages_held, 0.0) + ag_later
         held[stages_held] = held.get(stages_held, 0.0) + t
         # the part of the sum that waits for the end of the backward: the last bucket (the first
-        # layer's, the embedding); under ZeRO also the all-gather after the optimizer (half of t)
+        # layer's, the embedding); under ZeRO also the all-gather after the optimizer (the share q
+        # of t: a half, less where it gathers bf16)
         late, total = last_bytes.get(tuple(holders), (0.0, 0.0))
         phi = min(1.0, late / total) if total > 0 else 1.0
-        tail[stages_held] = tail.get(stages_held, 0.0) + (t * (1 + phi) / 2 if zs >= 1 else t * phi)
+        q = (ag / rs_ag if ratio != 1 and rs_ag > 0 else 0.5) if zs >= 1 else 0.0
+        tail[stages_held] = tail.get(stages_held, 0.0) + t * (phi * (1 - q) + q)
         bridged[stages_held] = bridged.get(stages_held, False) or across
         for sk in stages_held:
             own[sk] = own.get(sk, 0.0) + t
-            own_later[sk] = own_later.get(sk, 0.0) + ag
+            own_later[sk] = own_later.get(sk, 0.0) + ag_later
             crossed.setdefault(sk, set()).update(touched)
 
-    def rings(holders, nbytes, full, touched, calls: int = 1, defer: bool = False) -> float:
-        """Seconds of one sum of ``nbytes`` (as if every tp rank held them whole) over ``holders``:
-        over every holder rank (``full``), else each tp rank over one rank per tp group (1/tp of the
-        bytes; the lowest degree's); adds each node's NIC load and the nodes crossed to ``touched``.
+    def rings(holders, nbytes, full, touched, calls: int = 1, defer: bool = False,
+              ratio: float = 1.0) -> tuple[float, float]:
+        """(seconds of one sum of ``nbytes`` (as if every tp rank held them whole) over ``holders``,
+        of which ZeRO's parameter all-gather): over every holder rank (``full``), else each tp rank
+        over one rank per tp group (1/tp of the bytes; the lowest degree's); adds each node's NIC
+        load and the nodes crossed to ``touched``.
         ``calls``: collectives the busiest rank runs in a row, each over its share of the bytes
-        (a ring's or tree's time is then that of one with ``calls`` x the latency). ``defer``: half of
-        each node's NIC time is a ZeRO parameter all-gather that can run after the step."""
+        (a ring's or tree's time is then that of one with ``calls`` x the latency). ``defer``: each
+        node's all-gather NIC time can run after the step. ``ratio``: the all-gather's bytes per
+        byte of the reduce-scatter's (1; a half where it gathers bf16)."""
+        def zero_sum(b, n, bw, lat):   # (reduce-scatter + all-gather, of which the all-gather)
+            gather = comm.allgather(b * ratio, n, bw, lat)
+            return comm.reduce_scatter(b, n, bw, lat) + gather, gather
         per_group: dict[str, list] = {}   # group -> [ranks in a ring, bytes divisor, stages]
         for pi, k, g, tp, r in holders:
             ranks, split = (r * tp, 1) if full else (r, tp)
@@ -205,7 +220,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             e[0] += ranks
             e[1] = min(e[1], split)
             e[2].append((pi, k))
-        inner = 0.0
+        inner, inner_ag = 0.0, 0.0
         for g, (n, tp, stages) in per_group.items():
             if n <= 1:
                 continue
@@ -218,39 +233,51 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
             if len(nodes) <= 1:
                 link = groups[g].intra_node
                 lat = link.latency * calls
-                t = (2 * comm.reduce_scatter(nbytes / tp, n, link.bandwidth, lat) if zs >= 1
-                     else comm.allreduce(nbytes / tp, n, link.bandwidth, lat)) * c
-                inner = max(inner, t)
+                t, t_ag = (zero_sum(nbytes / tp, n, link.bandwidth, lat) if zs >= 1
+                           else (comm.allreduce(nbytes / tp, n, link.bandwidth, lat), 0.0))
+                if t * c > inner:
+                    inner, inner_ag = t * c, t_ag * c
                 continue
             link = net.inter_node
             lat = link.latency * calls
             for gn, rings_there in nodes.items():
                 b = nbytes / tp * rings_there
-                t = (2 * comm.reduce_scatter(b, n, link.bandwidth, lat) if zs >= 1
-                     else comm.allreduce(b, n, link.bandwidth, lat)) * c
-                inner = max(inner, t)
+                t, t_ag = (zero_sum(b, n, link.bandwidth, lat) if zs >= 1
+                           else (comm.allreduce(b, n, link.bandwidth, lat), 0.0))
+                t, t_ag = t * c, t_ag * c
+                if t > inner:
+                    inner, inner_ag = t, t_ag
                 node_load[gn] = node_load.get(gn, 0.0) + t
                 if defer:
-                    node_later[gn] = node_later.get(gn, 0.0) + t / 2
+                    node_later[gn] = node_later.get(gn, 0.0) + t_ag
                 touched.add(gn)
-        cross = 0.0
+        cross, cross_ag = 0.0, 0.0
         if len(per_group) > 1:
             link = net.cross_group
             lat = link.latency * calls
             b = nbytes / min(v[1] for v in per_group.values())
             n_groups, gs = len(per_group), list(per_group)
             cross = comm.allreduce(b, n_groups, link.bandwidth, lat)
+            # one vendor under ZeRO: one reduce-scatter + all-gather ring, of which the all-gather
+            # is a half at the reduce-scatter's bytes (a ring all-reduce's second half)
+            cross_ag = (cross / 2 + (comm.allreduce(b * ratio, n_groups, link.bandwidth, lat) - cross) / 2
+                        if zs >= 1 else 0.0)
+            cross += cross_ag - cross / 2 if zs >= 1 else 0.0
             passes = 1
             if zs >= 1 and len({cm._dev[g].vendor for g in gs}) > 1:
                 # hetero.comm's reduce-scatter across vendors is the hierarchical all-reduce (each rank
                 # keeps its part), and the updated parameters come back by a hierarchical all-gather:
-                # the leaders cross the bridge twice. One vendor: one reduce-scatter + all-gather ring.
-                cross += comm.allgather(b, n_groups, link.bandwidth, lat)
+                # the leaders cross the bridge twice, the second time with the gathered dtype's bytes.
+                cross_ag = comm.allgather(b * ratio, n_groups, link.bandwidth, lat)
+                cross = comm.allreduce(b, n_groups, link.bandwidth, lat) + cross_ag
                 passes = 2
             if any(cm._staged(a, b_) for a in gs for b_ in gs):  # a leader's shard to host and back
-                cross += passes * comm.staging_time(b)
-            cross *= max(fac[g].communication for g in gs)
-        return inner + cross
+                stage_ag = comm.staging_time(b * ratio) if passes == 2 else 0.0
+                cross += comm.staging_time(b) + stage_ag
+                cross_ag += stage_ag
+            f = max(fac[g].communication for g in gs)
+            cross, cross_ag = cross * f, cross_ag * f
+        return inner + cross, inner_ag + cross_ag
 
     L = cm.model.num_layers
     cuts = {0, L}
@@ -285,6 +312,8 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
         into[key] = into.get(key, 0.0) + sum(nb for _, nb in split) + whole
 
     model, e = cm.model, cm.grad_bytes(placement)
+    # bytes a parameter that ZeRO's all-gather moves (hetero.runtime.zero: bf16 for a bf16 model)
+    low_gather = 2 if placement == "packed" and gathers_in_bf16(cm.dtype, zs, 1) else e
     W = model.tp_replicated_per_layer() * e
     layer_split = [(size, float(n * e)) for size, n in model.tp_split_per_layer().items()]
     for a, b in zip(cuts, cuts[1:]):

@@ -91,15 +91,18 @@ def test_activation_memory_is_korthikanti():
 
 def test_model_states_zero():
     """The native engine keeps fp32 parameters and gradients under autocast, and shards Adam's two
-    fp32 moments: mixed precision keeps 8 + 8/k bytes per parameter under ZeRO-1 (fp32 masters of
-    Megatron's layout would be 4 + 12/k)."""
+    fp32 moments: fp32 / fp16 keep 8 + 8/k bytes per parameter under ZeRO-1; bf16, whose all-gather
+    moves bf16 values, adds each slice's fp32 master: 8 + 12/k (Megatron's layout: 4 + 12/k)."""
     for dtype in ("fp32", "bf16", "fp16"):
         w, g, o = M.model_state_bytes(1000, dtype)
         assert (w, g, o) == (4000, 4000, 8000)
+    for dtype in ("fp32", "fp16"):
+        assert M.model_state_bytes(1000, dtype, zero_stage=1, dp=4) == (4000, 4000, 2000)
     w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=1, dp=4)
-    assert (w, g, o) == (4000, 4000, 2000)
+    assert (w, g, o) == (4000, 4000, 3000)
     w, g, o = M.model_state_bytes(1000, "bf16", zero_stage=2, dp=4)
-    assert (w, g, o) == (4000, 1000, 2000)
+    assert (w, g, o) == (4000, 1000, 3000)
+    assert M.model_state_bytes(1000, "bf16", zero_stage=1, dp=1) == (4000, 4000, 8000)   # nothing sharded
 
 
 def test_zero2_peak_keeps_whole_gradients():
@@ -498,7 +501,8 @@ def test_dp_sync_of_tp_replicas_sums_shards_with_or_without_zero():
     """Two replicas of a tp2 stage: each tp rank all-reduces (ZeRO: reduce-scatters, then
     all-gathers) its own tensors with its peer, rings of 2 over half of the split matrices plus the
     norms, row-parallel biases and positions that every tp rank holds whole (hetero.runtime.grads,
-    hetero.runtime.zero)."""
+    hetero.runtime.zero). The all-gather moves the model's parameters: bf16 values for a bf16
+    model (half the bytes of the fp32 gradients), fp32 ones for an fp32 model."""
     link = {"bandwidth": "100 GB/s", "latency": 0}
     cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": link} for g in CLUSTER["groups"]]})
     model = hetero.load_model(GPT)
@@ -507,14 +511,18 @@ def test_dp_sync_of_tp_replicas_sums_shards_with_or_without_zero():
     assert 0 < whole < 0.01 * nbytes
     per_rank = (nbytes - whole) / 2 + whole
 
-    def sync(zero_stage):
+    def sync(zero_stage, model=model):
         plan = hetero.load_plan({"global_batch_size": 2, "micro_batch_size": 1, "zero_stage": zero_stage,
                                  "pipelines": [{"replicas": 2, "micro_batches": 1, "stages": [
                                      {"group": "a100", "tp": 2, "layers": [0, 36]}]}]})
         return StageCostModel(cluster, model).dp_sync_times(plan)[(0, 0)]
 
+    assert model.dtype == "bf16"
     assert sync(0) == pytest.approx(comm.allreduce(per_rank, 2, 100e9, 0.0), rel=1e-9)
-    assert sync(1) == pytest.approx(2 * comm.reduce_scatter(per_rank, 2, 100e9, 0.0), rel=1e-9)
+    assert sync(1) == pytest.approx(comm.reduce_scatter(per_rank, 2, 100e9, 0.0)
+                                    + comm.allgather(per_rank / 2, 2, 100e9, 0.0), rel=1e-9)
+    fp32 = hetero.load_model({**GPT, "dtype": "fp32"})
+    assert sync(1, fp32) == pytest.approx(2 * comm.reduce_scatter(per_rank, 2, 100e9, 0.0), rel=1e-9)
 
 
 def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensors():
@@ -540,8 +548,9 @@ def test_dp_sync_of_pipelines_of_different_tp_degrees_sums_chunks_or_full_tensor
     chunked = nbytes - whole - words
     assert sync(model) == pytest.approx(comm.allreduce(chunked, 2, 100e9, 0.0) + comm.allgather(words, 2, 100e9, 0.0)
                                         + comm.allreduce(whole + words, 3, 100e9, 0.0), rel=1e-9)
-    assert sync(model, 1) == pytest.approx(comm.allgather(nbytes - whole, 2, 100e9, 0.0)
-                                           + 2 * comm.reduce_scatter(nbytes, 3, 100e9, 0.0), rel=1e-9)
+    assert sync(model, 1) == pytest.approx(comm.allgather(nbytes - whole, 2, 100e9, 0.0)   # bf16 gather
+                                           + comm.reduce_scatter(nbytes, 3, 100e9, 0.0)
+                                           + comm.allgather(nbytes / 2, 3, 100e9, 0.0), rel=1e-9)
     # with a link latency: the tp1 rank sums its 2 chunks in turn, twice the latency terms
     slow = {"bandwidth": "100 GB/s", "latency": "10 us"}
     cluster = hetero.load_cluster({**CLUSTER, "groups": [{**g, "intra_node": slow} for g in CLUSTER["groups"]]})
@@ -610,8 +619,9 @@ def test_tp_split_per_layer_is_the_runtime_split(arch):
 def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
     """ZeRO-1 with holders on two vendors: hetero.comm's cross-vendor reduce-scatter is the
     hierarchical all-reduce, and the parameters come back by a hierarchical all-gather, so the
-    leaders cross the bridge (and the host) twice. Two groups of one vendor sum in one library ring:
-    reduce-scatter + all-gather cost what the all-reduce costs, so ZeRO adds nothing there."""
+    leaders cross the bridge (and the host) twice, the second time with bf16 values (half the
+    bytes). Two groups of one vendor sum in one library ring: reduce-scatter + all-gather, which
+    would cost what the all-reduce costs, and its all-gather half moves half the bytes."""
     link = {"bandwidth": "100 GB/s", "latency": 0}
     network = {"inter_node": link, "cross_group": {"bandwidth": "10 GB/s", "latency": 0}}
     model = hetero.load_model(GPT)
@@ -629,10 +639,10 @@ def test_zero_dp_sync_across_vendors_adds_the_leaders_all_gather():
 
     staging = 2 * nbytes / comm.HOST_STAGING_BANDWIDTH
     all_reduce, all_gather = nbytes / 10e9, nbytes / 2 / 10e9   # 2-rank ring: (n-1)/n of the bytes
-    assert sync("MI250X", 1) == {k: pytest.approx(all_reduce + all_gather + 2 * staging) for k in ((0, 0), (1, 0))}
+    assert sync("MI250X", 1) == {k: pytest.approx(all_reduce + all_gather / 2 + 1.5 * staging) for k in ((0, 0), (1, 0))}
     assert sync("MI250X", 0) == {k: pytest.approx(all_reduce + staging) for k in ((0, 0), (1, 0))}
-    assert sync("H100-SXM5-80GB", 1) == sync("H100-SXM5-80GB", 0) == {
-        k: pytest.approx(all_reduce) for k in ((0, 0), (1, 0))}
+    assert sync("H100-SXM5-80GB", 0) == {k: pytest.approx(all_reduce) for k in ((0, 0), (1, 0))}
+    assert sync("H100-SXM5-80GB", 1) == {k: pytest.approx(0.75 * all_reduce) for k in ((0, 0), (1, 0))}
 
 
 def test_tp_adds_communication(inputs):
@@ -1103,8 +1113,8 @@ def test_the_gradient_sync_runs_under_the_last_backward_and_the_planner_counts_i
 
 
 def test_zero_parameter_gathers_run_under_the_next_steps_first_forwards():
-    """ZeRO with overlap: the all-gather after the optimizer (half of a one-vendor holder set's sync)
-    leaves the sync and runs from the start of the step under the first forwards, which wait for it
+    """ZeRO with overlap: the all-gather after the optimizer (a third of a one-vendor holder set's
+    sync: bf16 values, half the bytes of the fp32 reduce-scatter, latencies aside) leaves the sync and runs from the start of the step under the first forwards, which wait for it
     layer by layer: the schedule grows by less than the gather, the step shrinks, and predict, the
     timeline and the planner's reasons say so. Without overlap it stays in the sync."""
     import functools
@@ -1115,7 +1125,7 @@ def test_zero_parameter_gathers_run_under_the_next_steps_first_forwards():
                                                           {"group": "a100", "layers": [20, 32]}]}]})
     on, off = predict(cluster, model, plan, timeline=True), predict(cluster, model, plan, overlap=False)
     for s, t in zip(on.pipelines[0].stages, off.pipelines[0].stages):
-        assert s.param_gather_s == pytest.approx(s.dp_sync_time_s / 2) and t.param_gather_s == 0
+        assert s.param_gather_s == pytest.approx(s.dp_sync_time_s / 3, rel=1e-3) and t.param_gather_s == 0
         # a later stage waits for the first stage's delayed activations, so its delay is that one
         assert 0 <= s.param_gather_exposed_s < max(g.param_gather_s for g in on.pipelines[0].stages)
         assert s.dp_sync_end_s - s.dp_sync_start_s < t.dp_sync_end_s - t.dp_sync_start_s - s.param_gather_s / 2
@@ -1135,8 +1145,6 @@ def test_zero_parameter_gathers_run_under_the_next_steps_first_forwards():
     assert best[0].tokens_per_s > plain[0].tokens_per_s
 
 
-@pytest.mark.xfail(strict=True, reason="94.2% of the upper bound with the parameter all-gather under the next "
-                                       "forward (docs/performance.md: what remains)")
 def test_the_a100_mi250x_case_reaches_95_percent_of_its_upper_bound():
     """The bar of the A100 + MI250X case (docs/performance.md, "Predictor and planner"): the best
     plan's predicted tokens/s at least 0.95 of the upper bound the same search computes. Strict:

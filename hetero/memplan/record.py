@@ -102,7 +102,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hetero.predictor.memory import summed_gradients, uses_gradient_buffers, zero_degrees
+    from hetero.predictor.memory import gathers_in_bf16, summed_gradients, uses_gradient_buffers, zero_degrees
     from hetero.runtime.engine import AUTOCAST
     from hetero.runtime.grads import make_optimizer
     from hetero.runtime.model import StageModel, backward_loss, loss_fn
@@ -135,9 +135,11 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
         params = list(module.parameters())
         if plan.zero_stage >= 1 and (degree > 1 or tp > 1):
             # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view of the
-            # parameters' flat buffer, or under tp a copy (DTensor shards cannot share a buffer)
+            # parameters' flat buffer, or a copy under tp (DTensor shards cannot share a buffer) and
+            # for a bf16 model (its fp32 master: the parameters hold the bf16 gather's values)
+            copy = tp > 1 or gathers_in_bf16(model.dtype, plan.zero_stage, tp)
             shards = [p.detach().reshape(-1)[: -(-p.numel() // int(round(degree)))] for p in params]
-            shards = [torch.nn.Parameter(s.clone() if tp > 1 else s) for s in shards]
+            shards = [torch.nn.Parameter(s.clone() if copy else s) for s in shards]
             optimizer = make_optimizer(shards, 1e-4, 0.0)
         else:
             shards, optimizer = None, make_optimizer(params, 1e-4, 0.0)

@@ -88,6 +88,8 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
         full = full_tensor(p.detach())  # collective inside the tp group: every tp rank takes part
         if sharded is not None:
             st = sharded.get(name, {})
+            if "param" in st:   # the exact fp32 master of a parameter holding bf16-rounded values
+                full = st["param"]
             moments = {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
         else:
             st = optimizer.state.get(p, {})

@@ -60,8 +60,10 @@ class NativeEngine:
         if ctx.plan.zero_stage >= 1:
             from hetero.runtime.zero import ShardedAdamW
 
+            # a bf16 model all-gathers bf16 values over fp32 masters (Megatron's distributed optimizer)
             self.sharded = ShardedAdamW(self.module, self.buckets, comm, rank=me.rank, tp_size=me.tp_size,
-                                        lr=opts.lr, weight_decay=opts.weight_decay)
+                                        lr=opts.lr, weight_decay=opts.weight_decay,
+                                        gather_dtype=torch.bfloat16 if model.dtype == "bf16" else None)
             self.optimizer = self.sharded.optimizer
         elif stage is not None:
             self.optimizer = stage[1]
@@ -247,6 +249,8 @@ class NativeEngine:
             from hetero.hf.weights import load_stage_weights
 
             load_stage_weights(hf_dir_of(path), self.module, self.ctx.model)
+            if self.sharded:   # the masters that are copies take the loaded weights
+                self.sharded.retake_masters()
             return 0
         step = load_checkpoint(path, self.module, self.sharded or self.optimizer,
                                num_layers=self.ctx.model.num_layers)

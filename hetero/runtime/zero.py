@@ -28,9 +28,25 @@ Which ranks, which tensors. As in the plain sync (:mod:`hetero.runtime.grads`):
   takes back its own shard.
 
 Where the slice lives. At tp 1 the parameters are re-bound as views into the holder set's flat
-buffer, and AdamW updates a view of its slice: no master copy. A tp rank's parameters are
-DTensors, whose storage is not re-bound, so its slice is a copy (4 / k more bytes per parameter
-it holds), written back into the parameters after the all-gather.
+buffer, and an fp32 / fp16 model's AdamW updates a view of its slice: no master copy. A tp rank's
+parameters are DTensors, whose storage is not re-bound, so its slice is a copy (4 / k more bytes
+per parameter it holds), written back into the parameters after the all-gather.
+
+What is gathered. fp32 and fp16 models gather the fp32 slices. A bf16 model (``gather_dtype``
+bf16) gathers bf16 values, as Megatron-LM's distributed optimizer gathers its bf16 model
+parameters while the fp32 main parameters stay sharded: each rank sends its updated slice cast to
+bf16 into a bf16 vector (2 bytes a parameter instead of 4: half the all-gather's bytes), and once
+it has arrived the values are upcast into the fp32 parameters. Every holder's parameters, the
+rank's own slice included, then hold the bf16-rounded values, so the replicas stay identical, and
+the forward's autocast would have rounded them to bf16 for its matrix products anyway; what it
+changes is the operations autocast keeps in fp32 (norm weights, the embedding lookup), which
+see the rounded weights, as Megatron's bf16 parameters are. The slice AdamW updates must stay the
+exact fp32 value, so at tp 1 it becomes a copy too (the fp32 master: 4 / k bytes per parameter),
+as it is at tp > 1. This holds for every all-gather of a bf16 model: deferred or at once (with
+``--no-overlap`` as with overlap: overlap changes when the gather runs, not the numbers), at tp >
+1, and across vendors (hetero.comm's bridge carries bf16). Checkpoints write the masters, not the
+rounded parameters (:meth:`ShardedAdamW.full_state`); after a checkpoint with optimizer state is
+loaded the parameters are rounded again, as the step that saved it left them.
 
 Volume. Where the library reduce-scatters natively (NCCL, HCCL inside one vendor), a
 reduce-scatter and an all-gather move what a ring all-reduce moves, so the communication volume
@@ -74,7 +90,10 @@ class _Shard:
     index: int
     """This rank's place in :attr:`ranks` (ascending rank order)."""
     master: torch.Tensor
-    """The slice AdamW updates: a view into ``flat`` (tp 1) or a copy (tp > 1)."""
+    """The slice AdamW updates: a view into ``flat`` (tp 1, fp32 gather) or a copy (tp > 1, or a
+    ``low`` gather)."""
+    low: torch.dtype | None = None
+    """The dtype the updated slices are all-gathered in (bf16), or None: fp32."""
     flat: torch.Tensor | None = None
     """tp 1: the parameters' own storage (every parameter is a view into it)."""
     offsets: list[int] = field(default_factory=list)
@@ -131,7 +150,9 @@ class ShardedAdamW:
     torch AdamW over every slice and every parameter this rank holds alone."""
 
     def __init__(self, module, buckets: list[Bucket], comm, rank: int, tp_size: int, lr: float,
-                 weight_decay: float):
+                 weight_decay: float, gather_dtype: torch.dtype | None = None):
+        """``gather_dtype``: torch.bfloat16 for a bf16 model (the all-gathers move bf16 values, and
+        every slice keeps its fp32 master; module docstring), else None (fp32 gathers)."""
         self.module, self.comm, self.tp_size = module, comm, tp_size
         params = dict(module.named_parameters())
         self.local: list = []
@@ -152,7 +173,7 @@ class ShardedAdamW:
                 offsets.append(offsets[-1] + math.prod(s))
             copies = [1 if not own or is_shard(p) else tp_size for p in ps]
             shard = _Shard(bucket, ps, ranks, shapes, -(-offsets[-1] // len(ranks)), ranks.index(rank),
-                           master=torch.empty(0), offsets=offsets, copies=copies)
+                           master=torch.empty(0), low=gather_dtype, offsets=offsets, copies=copies)
             with torch.no_grad():
                 if tp_size == 1:
                     flat = torch.zeros(shard.padded, dtype=torch.float32, device=device)
@@ -161,6 +182,8 @@ class ShardedAdamW:
                         p.data = view
                     shard.flat = flat
                     shard.master = flat[slice(*shard.span)]
+                    if shard.low is not None:   # the parameters will hold rounded values
+                        shard.master = shard.master.clone()
                 else:
                     shard.master = self._flat_params(shard)[slice(*shard.span)].clone()
             self.shards.append(shard)
@@ -261,7 +284,9 @@ class ShardedAdamW:
         asynchronously and in forward order (the reverse of the buckets' agreed order, so every
         group's members issue them in one order), and completed when the next forward first uses
         their parameters (:meth:`wait_parameters`, from :attr:`StageModel.before_use`), as
-        Megatron-LM's ``overlap_param_gather`` does. The others are gathered at once, first."""
+        Megatron-LM's ``overlap_param_gather`` does. The others are gathered at once, first. Either
+        way each moves its shard's dtype (:attr:`_Shard.low`: bf16 for a bf16 model), so overlap
+        decides when the values arrive, never what they are."""
         with torch.no_grad():
             deferred = [i for i, s in enumerate(self.shards) if later is not None and later(s)]
             for i, shard in enumerate(self.shards):
@@ -271,11 +296,18 @@ class ShardedAdamW:
                 self._gathers[i] = self._begin_gather(self.shards[i], f"G{i}")
 
     def _begin_gather(self, shard: _Shard, label: str):
-        """Start all-gathering ``shard``'s updated slice into its parameters; returns ``finish()``."""
-        part = shard.master.detach().clone()   # an input must not alias the output it gathers into
+        """Start all-gathering ``shard``'s updated slice into its parameters (in ``shard.low``, then
+        upcast; module docstring); returns ``finish()``."""
+        if shard.low is not None:
+            part = shard.master.detach().to(shard.low)
+            into = torch.empty(shard.padded, dtype=shard.low, device=part.device)
+        else:
+            part = shard.master.detach().clone()   # an input must not alias the output it gathers into
+            into = None
         flat = shard.flat if shard.flat is not None else torch.empty(shard.padded, dtype=torch.float32,
                                                                      device=part.device)
-        pending = self.comm.all_gather_into_async(flat, part, shard.ranks, label)
+        pending = self.comm.all_gather_into_async(flat if into is None else into, part, shard.ranks, label)
+        del part
 
         def finish() -> None:
             asked = time.time()
@@ -283,6 +315,9 @@ class ShardedAdamW:
             got = time.time()
             self.gathered.append((pending, asked, got))
             self.wait_s += got - asked
+            if into is not None:   # the bf16 values into the fp32 parameters (or the tp vector)
+                with torch.no_grad():
+                    flat.copy_(into)
             if shard.flat is None:   # tp > 1: the parameters are DTensors, not views of the vector
                 with torch.no_grad():
                     for p, value in shard.pieces(flat):
@@ -311,15 +346,18 @@ class ShardedAdamW:
                 p.grad = None
 
     def state_bytes(self) -> int:
-        """Bytes of AdamW state on this rank (moments and step counters), plus tp masters' copies."""
+        """Bytes of AdamW state on this rank (moments and step counters), plus the masters' copies
+        (tp > 1, or a bf16 gather)."""
         return optimizer_state_bytes(self.optimizer) + sum(s.master.numel() * 4 for s in self.shards
-                                                           if s.flat is None)
+                                                           if s.flat is None or s.low is not None)
 
     # ------------------------------------------------------------------ checkpoints
     def full_state(self, keep=None) -> dict[str, dict[str, torch.Tensor]]:
         """Parameter name -> its full AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``), as the
         unsharded optimizer would hold it, for the names ``keep`` accepts (default: every name), as
         host copies; a collective over every holder set (all ranks call it, whatever they keep).
+        Where the parameters hold bf16-rounded values (a bf16 gather, module docstring) it also has
+        ``param``: the exact fp32 value, gathered from the masters, which a checkpoint writes.
 
         One gathered moment of one holder set is on the device at a time: the full states of every
         parameter this rank holds, gathered together, would be the unsharded state again (a tp
@@ -335,9 +373,12 @@ class ShardedAdamW:
             kept = {name for name in shard.bucket.names if keep(name)}
             for name in kept:
                 out[name] = {"step": torch.as_tensor(st["step"]).to("cpu", copy=True)}
-            for key in ("exp_avg", "exp_avg_sq"):
+            slices = {k: st[k].detach() for k in ("exp_avg", "exp_avg_sq")}
+            if shard.low is not None:
+                slices["param"] = shard.master.detach()
+            for key, part in slices.items():
                 flat = torch.empty(shard.padded, dtype=torch.float32, device=shard.master.device)
-                self.comm.all_gather_into(flat, st[key].detach(), shard.ranks)   # no alias of flat
+                self.comm.all_gather_into(flat, part, shard.ranks)   # no alias of flat
                 for name, (p, value) in zip(shard.bucket.names, shard.pieces(flat)):
                     # own tensors: a tp gather, which every tp rank joins whatever it keeps
                     full = _whole_like(p, value) if shard.own else value
@@ -352,16 +393,20 @@ class ShardedAdamW:
         return out
 
     def load_full_state(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take this rank's slices of full per-parameter states (a checkpoint's) and re-take the tp
-        masters from the parameters just loaded (tp ranks of a stage call it together)."""
+        """Take this rank's slices of full per-parameter states (a checkpoint's) and re-take the
+        masters from the parameters just loaded (tp ranks of a stage call it together); where the
+        gather is bf16 and the checkpoint has the holder set's optimizer state, the parameters then
+        take the bf16-rounded values, as after the step that saved it."""
         self.wait_parameters()
         names = {id(p): n for n, p in self.module.named_parameters()}
         with torch.no_grad():
+            self.retake_masters()
             for shard in self.shards:
-                if shard.flat is None:
-                    shard.master.copy_(self._flat_params(shard)[slice(*shard.span)])
                 if not all(n in states for n in shard.bucket.names):
                     continue
+                if shard.low is not None:
+                    for p in shard.params:
+                        local_part(p).copy_(local_part(p).to(shard.low))
                 lo, hi = shard.span
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
@@ -378,6 +423,18 @@ class ShardedAdamW:
                     self.optimizer.state[p] = {"step": s["step"].to(p.device, copy=True),
                                                "exp_avg": s["exp_avg"].to(p.device, copy=True),
                                                "exp_avg_sq": s["exp_avg_sq"].to(p.device, copy=True)}
+
+    def retake_masters(self) -> None:
+        """Copy the parameters into the masters that are copies (tp > 1, a bf16 gather): after the
+        parameters were written from outside the optimizer (a checkpoint, a model's weights).
+        A gather inside the tp group for a shard of full tensors: tp ranks call it together."""
+        self.wait_parameters()
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.flat is None:
+                    shard.master.copy_(self._flat_params(shard)[slice(*shard.span)])
+                elif shard.low is not None:
+                    shard.master.copy_(shard.flat[slice(*shard.span)])
 
     @staticmethod
     def _flat_params(shard: _Shard) -> torch.Tensor:
