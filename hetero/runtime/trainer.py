@@ -205,6 +205,8 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
     st = steady(times)
     tokens_per_s = trainer.tokens_per_step / statistics.fmean(st) if st else 0.0
     ranks = []
+    world = len(ctx.layout.ranks)
+    res = [r for r in res if len(r.forward_s) == world]   # per rank: the steps of a world this size (an elastic run grew)
     for info in ctx.layout.ranks:
         f = steady([r.forward_s[info.rank] for r in res])
         b = steady([r.backward_s[info.rank] for r in res])

@@ -124,15 +124,20 @@ def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, i
     return {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
 
 
-def transition_between(space, old_plan, old_layout, targets: dict, world_rank: dict[int, int]):
+def transition_between(space, old_plan, old_layout, targets: dict, world_rank: dict[int, int], new_layout=None):
     """The :class:`~hetero.runtime.reshard.transition.Transition` that gives every rank of the new
     layout its ``targets`` (:meth:`ParameterSpace.layout_regions`) from what the ranks of
     ``old_layout`` hold (old rank -> rank in the exchange's world: ``world_rank``), preferring
-    sources of the receiver's vendor. The workers and the launcher's prediction compute it alike."""
+    sources of the receiver's vendor. The workers and the launcher's prediction compute it alike.
+    A process that joins (an id past the old layout's ranks) holds nothing; its vendor is its rank's
+    in ``new_layout``."""
     from hetero.runtime.reshard.transition import plan_transition
 
-    sources = {world_rank[r]: space.rank_regions(old_plan, old_layout.ranks[r]) for r in world_rank}
-    vendors = {world_rank[r]: old_layout.ranks[r].vendor for r in world_rank}
+    held = [r for r in world_rank if r < len(old_layout.ranks)]   # a joining process (an id past them) holds nothing
+    sources = {world_rank[r]: space.rank_regions(old_plan, old_layout.ranks[r]) for r in held}
+    vendors = {world_rank[r]: old_layout.ranks[r].vendor for r in held}
+    if new_layout is not None:
+        vendors.update({world_rank[r]: new_layout.ranks[world_rank[r]].vendor for r in world_rank if r not in held})
     return plan_transition(sources, targets, vendors)
 
 
@@ -183,7 +188,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     t2 = time.perf_counter()
     space = space or ParameterSpace(model)
     targets = space.layout_regions(plans[1], layouts[1])
-    transition = transition_between(space, plans[0], layouts[0], targets, world_rank)
+    transition = transition_between(space, plans[0], layouts[0], targets, world_rank, layouts[1])
     if transition.missing:
         _, region = transition.missing[0]
         what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"

@@ -200,7 +200,7 @@ class LiveReconfig:
         interruptible_train.__wrapped_train__ = train
         return interruptible_train
 
-    def pause(self, trainer) -> bool | None:
+    def pause(self, trainer, end: int | None = None) -> bool | None:
         """Every rank paused at a step boundary for a change of the cluster file: check in (the world
         still whole) and take the coordinator's decision: reshard in-process as :meth:`recover`
         does (True / False as there), or None: hand off through the run directory and exit (the new
@@ -208,6 +208,13 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import await_decision, report_alive
 
         gen, paused_at = self.gen + 1, time.time()
+        if self.rank == 0:   # for processes that join: the results so far, where the run ends, the loss scale
+            from hetero.runtime.elastic_join import history_key
+
+            engine = trainer.engine
+            self.store.set(history_key(gen), json.dumps({
+                "results": [dataclasses.asdict(r) for r in trainer.state.results], "end": end,
+                "scale": engine.scaler.scale if getattr(engine, "scaler", None) else None}))
         report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at)
         d = await_decision(self.store, gen, self.timeout_s)
         if d.get("handoff"):
