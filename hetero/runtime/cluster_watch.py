@@ -6,7 +6,9 @@ lowered, a group removed to drain it), the watcher plans for the new cluster (th
 batch, so the losses go on as if nothing happened) off the training's critical path, and only then
 asks the workers to pause: every rank stops at the next step boundary, hands off its live state
 (:mod:`hetero.runtime.handoff`) and exits cleanly, and the launcher relaunches on the new plan from
-that state (:mod:`hetero.runtime.elastic`).
+that state (:mod:`hetero.runtime.elastic`). On the in-process path the launcher may hold the pause
+request back (:attr:`ClusterWatch.hold`) while it starts the processes of devices that join
+(:mod:`hetero.runtime.elastic_join`), and the ranks reshard in their processes instead.
 
 What a change to the file means: the file is the truth about the machines from the moment it
 changes. Devices that an earlier failure removed and that the file still lists are used again.
