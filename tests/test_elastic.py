@@ -513,7 +513,7 @@ def test_devices_that_join_are_taken_in_in_process_with_the_losses_of_a_run_that
     for k in ("agree_replan_s", "regroup_s", "transfer_s", "rebuild_s"):
         assert 0 <= rc[k] <= rc["reshard_time_s"], (k, rc)
     first = int((tmp_path / "run" / "attempt0" / "rank0.pid").read_text())
-    assert [int(p) for p in rc["survivor_pids"].values()] == [first] and first in {summary["pid"], first}
+    assert [int(p) for p in rc["survivor_pids"].values()] == [first]
     run_files = [str(p) for p in (tmp_path / "run").rglob("*")]
     assert not [f for f in run_files if "handoff" in f or f.endswith(".paused")], run_files
     assert len(summary["ranks"]) == rc["world_size_after"] and None not in summary["losses"]
