@@ -10,7 +10,9 @@ launcher's :class:`~hetero.runtime.elastic_live.LiveRun` holds the pause request
    (:func:`ready_key`) while the running ranks keep training;
 2. once every joiner is ready, asks the ranks to pause at the next step boundary (the request file
    of :mod:`~hetero.runtime.cluster_watch`); the pause-request -> first-step time then covers only
-   the step under way, agree, regroup, transfer and rebuild, not the joiners' start-up;
+   the step under way, agree, regroup, transfer and rebuild, not the joiners' start-up. A lone rank
+   is stopped at once instead (the launcher's signal, as after a failure): the step under way is
+   trained again under the new plan;
 3. when every rank paused, publishes the decision: the running ranks keep their devices (the n-th
    of a group takes the new plan's n-th rank there), the joiners take the ranks left, and all of
    them reshard in-process as after a failure, the joiners holding no state
@@ -106,6 +108,16 @@ class Joiners:
         if store.check([ready_key(self.gen, self.id(nr)) for nr in self.procs]):
             self.ready_at = self.asked_at = time.time()
             watch.release()
+            if len(run.now.procs) == 1:
+                # a lone rank agrees with no one: it stops at once (anywhere but in its optimizer update,
+                # :meth:`~hetero.runtime.reshard.resume.LiveReconfig.recover`) rather than at the end of the
+                # step under way, which the new plan trains again; ranks that train together pause at a step
+                # boundary, which they all-reduce, so that they pause after the same update
+                from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL
+
+                (p,) = run.now.procs.values()
+                if p.poll() is None:
+                    os.kill(p.pid, getattr(signal, PEER_LOST_SIGNAL))
 
     def id(self, new_rank: int) -> int:
         return self.run.now.layout.world_size + new_rank

@@ -164,6 +164,8 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
         trainer.add_hook(lambda t, _result: not os.path.exists(os.path.join(t.ctx.options.run_dir, REQUEST)))
     if joined is None:
         end = trainer.step + opts.steps
+    if live is not None:
+        live.end = end
     while True:
         detected = None
         try:
@@ -180,7 +182,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
             break
         step_box["phase"] = "resharding after a lost peer" if detected else "resharding (the cluster changed)"
         # a pause (no failure): reshard in-process, or (None) hand off through the run directory below
-        outcome = live.recover(trainer, detected) if detected is not None else live.pause(trainer, end)
+        outcome = live.recover(trainer, detected) if detected is not None else live.pause(trainer)
         if outcome is None:
             break
         if not outcome:
