@@ -47,8 +47,9 @@ it) to the four of local-cpu.yaml through the real ``hetero launch --elastic``, 
 rank trains, the cluster file is rewritten. The launcher starts the joining processes while the
 rank trains and asks for the pause once they are ready; every rank then reshards in-process. Per
 round it reads the ``reconfigurations`` entry: the joiners' start-up (overlapped with training),
-pause request -> first step under the new plan (``reshard_time_s``), split into the wait for the
-step under way (``detect_s``), agree, regroup, transfer and rebuild, the bytes moved against the
+pause request -> first step under the new plan (``reshard_time_s``), split into stopping
+(``detect_s``: the lone rank is stopped at once), the live state read and the old world left
+(``leave_s``), agree, regroup, transfer and rebuild, the bytes moved against the
 intersection volume, whether the running rank kept its process, and the losses against one run on
 the one device. Medians over the rounds; written under ``join`` in
 benchmarks/results/elastic_launch_live.json (the other keys kept).
@@ -249,7 +250,7 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             "max_rel_loss_diff": worst, "machine": "2 cores, shared with other jobs while measured"}
 
 
-JOIN_KEYS = ("joiner_start_s", "detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s",
+JOIN_KEYS = ("joiner_start_s", "detect_s", "leave_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s",
              "reshard_time_s", "predicted_downtime_s")
 
 
@@ -303,7 +304,8 @@ def launch_live_join(rounds: int, steps: int = 8) -> dict:
             r["pause_to_first_step_beyond_the_step_under_way_s"] = r["reshard_time_s"] - r["detect_s"]
             rows.append(r)
             print(f"round {i}: joiners ready in {r['joiner_start_s']:.2f} s (while training); pause request -> first "
-                  f"step {r['reshard_time_s']:.2f} s (the step under way {r['detect_s']:.2f}, agree "
+                  f"step {r['reshard_time_s']:.2f} s (stopping {r['detect_s']:.2f}, state read and world left "
+                  f"{r['leave_s']:.2f}, agree "
                   f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
                   f"[predicted {r['predicted_downtime_s'] or 0:.2f}], rebuild {r['rebuild_s']:.2f}); "
                   f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
