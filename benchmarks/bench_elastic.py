@@ -44,6 +44,20 @@ loss), against the live transition (regroup + transfer) and the whole downtime. 
 rounds; writes benchmarks/results/elastic_launch_live.json.
 
     .venv/bin/python benchmarks/bench_elastic.py --launch-live [--rounds 3]
+
+With ``--launch-live-join``: the same 109M GPT joining from one ``fast`` device (the whole model on
+it) to the four of local-cpu.yaml through the real ``hetero launch --elastic``, 8 steps: once the
+rank trains, the cluster file is rewritten. The launcher starts the joining processes while the
+rank trains and asks for the pause once they are ready; every rank then reshards in-process. Per
+round it reads the ``reconfigurations`` entry: the joiners' start-up (overlapped with training),
+pause request -> first step under the new plan (``reshard_time_s``), split into stopping
+(``detect_s``: the lone rank is stopped at once), the live state read and the old world left
+(``leave_s``), agree, regroup, transfer and rebuild, the bytes moved against the
+intersection volume, whether the running rank kept its process, and the losses against one run on
+the one device. Medians over the rounds; written under ``join`` in
+benchmarks/results/elastic_launch_live.json (the other keys kept).
+
+    .venv/bin/python benchmarks/bench_elastic.py --launch-live-join [--rounds 3]
 """
 from __future__ import annotations
 
@@ -259,6 +273,81 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             "machine": f"{os.cpu_count()} cores; load average {load_before:.2f} when it started"}
 
 
+JOIN_KEYS = ("joiner_start_s", "detect_s", "leave_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s",
+             "reshard_time_s", "predicted_downtime_s")
+
+
+def launch_live_join(rounds: int, steps: int = 8) -> dict:
+    """The 109M GPT joining from one device to local-cpu.yaml's four, in-process (see the docstring)."""
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model = tmp / "gpt109.yaml"
+        model.write_text(yaml.safe_dump(GPT109))
+        one_c, one_p = tmp / "one.yaml", tmp / "one-plan.yaml"
+        cluster = yaml.safe_load(CLUSTER.read_text())
+        cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
+        one_c.write_text(yaml.safe_dump(cluster))
+        one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
+            {"group": "fast", "layers": [0, 8]}]}]}))
+
+        def cmd(c, out, *extra):
+            return [sys.executable, "-m", "hetero", "launch", "--cluster", str(c), "--model", str(model), "--plan",
+                    str(one_p), "--steps", str(steps), "--lr", "1e-3", "--seed", "0", "--timeout", "120", "--quiet",
+                    "--summary", str(out), *extra]
+        ref_proc = subprocess.run(cmd(one_c, tmp / "ref.json"), capture_output=True, text=True, cwd=ROOT, timeout=900)
+        if ref_proc.returncode:
+            sys.exit(f"single-device run failed:\n{ref_proc.stderr[-3000:]}")
+        ref = json.loads((tmp / "ref.json").read_text())
+        rows = []
+        for i in range(rounds):
+            start, out, run_dir = tmp / f"start{i}.yaml", tmp / f"join{i}.json", tmp / f"run{i}"
+            start.write_text(one_c.read_text())
+            proc = subprocess.Popen(cmd(start, out, "--elastic", "--run-dir", str(run_dir)), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            try:
+                marker = run_dir / "attempt0" / "rank0.training"
+                deadline = time.time() + 300
+                while not marker.exists() and time.time() < deadline and proc.poll() is None:
+                    time.sleep(0.05)
+                start.write_text(CLUSTER.read_text())   # three devices join
+                _, err = proc.communicate(timeout=900)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+            if proc.returncode:
+                sys.exit(f"elastic launch failed (join):\n{err[-3000:]}")
+            summary = json.loads(out.read_text())
+            (rc,) = summary["reconfigurations"]
+            diffs = [abs(a - b) / abs(b) for a, b in zip(summary["losses"], ref["losses"])]
+            r = {"round": i, **{k: rc.get(k) for k in JOIN_KEYS}, "step": rc["step"], "path": rc["path"],
+                 "bytes_moved": rc["bytes_moved"], "intersection_bytes": rc["intersection_bytes"],
+                 "pids_kept": rc["pids_kept"], "world_size_after": rc["world_size_after"],
+                 "plan_after": rc["plan"], "max_rel_loss_diff": max(diffs)}
+            r["pause_to_first_step_beyond_the_step_under_way_s"] = r["reshard_time_s"] - r["detect_s"]
+            rows.append(r)
+            print(f"round {i}: joiners ready in {r['joiner_start_s']:.2f} s (while training); pause request -> first "
+                  f"step {r['reshard_time_s']:.2f} s (stopping {r['detect_s']:.2f}, state read and world left "
+                  f"{r['leave_s']:.2f}, agree "
+                  f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
+                  f"[predicted {r['predicted_downtime_s'] or 0:.2f}], rebuild {r['rebuild_s']:.2f}); "
+                  f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
+                  f"{r['world_size_after']} ranks after, before step {r['step']}; pid kept {r['pids_kept']}; losses vs "
+                  f"one device {r['max_rel_loss_diff']:.1e}", flush=True)
+    keys = (*JOIN_KEYS, "pause_to_first_step_beyond_the_step_under_way_s")
+    med = {k: statistics.median(r[k] or 0.0 for r in rows) for k in keys}
+    print(f"\nin-process join through hetero launch --elastic, medians over {rounds} rounds (109M GPT, 1 -> 4 "
+          f"devices, {steps} steps):")
+    for k, v in med.items():
+        print(f"    {k:48s} {v:8.3f}")
+    exact = all(r["bytes_moved"] == r["intersection_bytes"] for r in rows)
+    worst = max(r["max_rel_loss_diff"] for r in rows)
+    print(f"    bytes moved == intersection volume: {exact}; pid kept: {all(r['pids_kept'] for r in rows)}; "
+          f"largest relative loss difference vs one device: {worst:.1e}")
+    return {"method": "see --launch-live-join in the method above", "steps": steps, "rounds": rows, "medians": med,
+            "bytes_exact": exact, "max_rel_loss_diff": worst, "machine": "2 cores, shared with other jobs while measured"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -270,10 +359,21 @@ def main() -> int:
                     help="the in-process reshard of a 109M GPT instead (benchmarks/bench_reshard_live.py)")
     ap.add_argument("--launch-live", action="store_true",
                     help="the in-process reshard of a 109M GPT through hetero launch --elastic")
+    ap.add_argument("--launch-live-join", action="store_true",
+                    help="the 109M GPT joining from 1 to 4 devices in-process through hetero launch --elastic")
     args = ap.parse_args()
+    if args.launch_live_join:
+        result = launch_live_join(args.rounds)
+        out = ROOT / "benchmarks/results/elastic_launch_live.json"
+        kept = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps({**kept, "join": result}, indent=2) + "\n")
+        print(f"wrote {out.relative_to(ROOT)} (join)")
+        return 0 if result["bytes_exact"] and result["max_rel_loss_diff"] <= 1e-3 else 1
     if args.launch_live:
         result = launch_live(args.rounds)
         out = ROOT / "benchmarks/results/elastic_launch_live.json"
+        if out.exists() and "join" in json.loads(out.read_text()):   # the join's figures are kept
+            result["join"] = json.loads(out.read_text())["join"]
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out.relative_to(ROOT)}")
         return 0 if result["bytes_exact"] and result["max_rel_loss_diff"] <= 1e-3 else 1

@@ -6,7 +6,9 @@ lowered, a group removed to drain it), the watcher plans for the new cluster (th
 batch, so the losses go on as if nothing happened) off the training's critical path, and only then
 asks the workers to pause: every rank stops at the next step boundary, hands off its live state
 (:mod:`hetero.runtime.handoff`) and exits cleanly, and the launcher relaunches on the new plan from
-that state (:mod:`hetero.runtime.elastic`).
+that state (:mod:`hetero.runtime.elastic`). On the in-process path the launcher may hold the pause
+request back (:attr:`ClusterWatch.hold`) while it starts the processes of devices that join
+(:mod:`hetero.runtime.elastic_join`), and the ranks reshard in their processes instead.
 
 What a change to the file means: the file is the truth about the machines from the moment it
 changes. Devices that an earlier failure removed and that the file still lists are used again.
@@ -86,6 +88,10 @@ class ClusterWatch:
         self._lock = threading.Lock()
         self._pending: Change | None = None
         self._run_dir: str | None = None
+        self.hold = None
+        """``hold(change) -> bool``: True keeps a change's pause request back until :meth:`release`
+        (the in-process path starts the processes of devices that join first, while training goes on)."""
+        self._held = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hetero-cluster-watch", daemon=True)
 
@@ -107,14 +113,28 @@ class ClusterWatch:
                 self._current = current
             if plan is not None:
                 self._plan_now = plan
-            if self._pending is not None and run_dir:
+            if self._pending is not None and run_dir and not self._held:
                 _write_request(run_dir, self._pending)
             return self._current
+
+    def set_hold(self, hold) -> None:
+        """Install :attr:`hold` (None: every change asks for its pause at once again)."""
+        with self._lock:
+            self.hold = hold
+            if hold is None:
+                self._held = False
+
+    def release(self) -> None:
+        """Ask the ranks to pause for the pending change held back by :attr:`hold`."""
+        with self._lock:
+            self._held = False
+            if self._pending is not None and self._run_dir:
+                _write_request(self._run_dir, self._pending)
 
     def take(self) -> Change | None:
         """The pending change, which the caller now carries out (None if there is none)."""
         with self._lock:
-            change, self._pending = self._pending, None
+            change, self._pending, self._held = self._pending, None, False
             return change
 
     @property
@@ -168,9 +188,10 @@ class ClusterWatch:
         change = Change(cluster, result, f"{self.path} changed: {reason}", t0, time.time() - t0, added, removed)
         self.print_fn(f"elastic: {change.reason}; new plan ready ({result.one_line}, predicted "
                       f"{result.tokens_per_s:,.0f} tokens/s): pausing at the next step boundary")
+        held = bool(self.hold and self.hold(change))
         with self._lock:
-            self._pending = change
-            if self._run_dir:
+            self._pending, self._held = change, held
+            if self._run_dir and not held:
                 _write_request(self._run_dir, change)
         return change
 

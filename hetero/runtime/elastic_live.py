@@ -60,17 +60,9 @@ def live_applies(plan, options, launch) -> str | None:
 def assign_ranks(old, new, survivors: list[int]) -> dict[int, int]:
     """Old rank -> new rank: a survivor keeps its device, so the n-th survivor of a group takes the
     n-th rank the new layout puts on that group (survivors past those are left out)."""
-    by_group: dict[str, list[int]] = {}
-    for info in new.ranks:
-        by_group.setdefault(info.group, []).append(info.rank)
-    seen: dict[str, int] = {}
-    members = {}
-    for r in sorted(survivors):
-        g = old.ranks[r].group
-        k = seen.get(g, 0)
-        seen[g] = k + 1
-        if k < len(by_group.get(g, [])):
-            members[r] = by_group[g][k]
+    from hetero.runtime.elastic_join import keep_devices
+
+    members = keep_devices(old, new, survivors)
     if sorted(members.values()) != list(range(len(new.ranks))):
         raise HeteroError(f"elastic: the new plan's {len(new.ranks)} ranks do not map onto the survivors' devices")
     return members
@@ -114,6 +106,12 @@ class LiveRun:
         self.lost_procs: list = []
         self._ahead: dict[frozenset, _Ahead] = {}
         self._pending: dict | None = None
+        self.joiners = None
+        if watch is not None:   # devices that join get their processes before the ranks pause
+            from hetero.runtime.elastic_join import Joiners
+
+            self.joiners = Joiners(self)
+            watch.set_hold(self.joiners.holds)
 
     # ---------------------------------------------------------------- processes
     def start(self) -> None:
@@ -161,6 +159,9 @@ class LiveRun:
     def teardown(self, grace_s: float = 3.0) -> None:
         """End every worker still running, by process id."""
         procs = list(self.now.procs.values()) + self.leaving + self.lost_procs
+        if self.joiners is not None:
+            procs += self.joiners.all_procs()
+            self.watch.set_hold(None)
         for p in procs:
             if p.poll() is None:
                 _signal(p.pid, signal.SIGTERM)
@@ -188,6 +189,8 @@ class LiveRun:
             while True:
                 time.sleep(STEP_POLL_S)
                 self._collect_timings()
+                if self.joiners is not None:
+                    self.joiners.poll()
                 codes = {r: p.poll() for r, p in self.now.procs.items()}
                 lost, errors = [], []
                 for r, code in codes.items():
@@ -306,7 +309,8 @@ class LiveRun:
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
             (ahead.cluster.to_dict(), ahead.result.plan.to_dict()), survivors, step,
-            checkpoint if transition.missing else None, transport=transport))
+            checkpoint if transition.missing else None, transport=transport,
+            pids={r: now.procs[r].pid for r in survivors}))
         decided = time.time()
         replan_s = time.perf_counter() - t0
         self.print_fn(f"elastic: replanned on {ahead.cluster.num_devices} device(s) in {replan_s:.2f} s: "
@@ -370,6 +374,9 @@ class LiveRun:
         try:
             members = assign_ranks(now.layout, layout, ranks)
         except HeteroError:   # ranks on devices that run no process: a join
+            if self.joiners is not None and self.joiners.ready_for(change, gen):   # their processes are ready
+                self.joiners.switch(step, checked_in)
+                return
             self.coordinator.publish(gen, {}, {"handoff": True})
             self.print_fn("elastic: the new plan puts ranks on devices that run no process: the ranks hand off "
                           "their state and every worker restarts")
@@ -381,7 +388,8 @@ class LiveRun:
         transport = choose_transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
-            (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None, transport=transport))
+            (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None, transport=transport,
+            pids={r: now.procs[r].pid for r in ranks}))
         decided = time.time()
         asked = change.seen_at + change.replan_time_s
         self.print_fn(f"elastic: {now.layout.world_size} rank(s) paused after step {step}; in-process reshard onto "
@@ -447,7 +455,7 @@ class LiveRun:
 
         space = self._space()
         return transition_between(space, now.plan, now.layout, space.layout_regions(ahead.result.plan, ahead.layout),
-                                  exchange_ranks(members, survivors))
+                                  exchange_ranks(members, survivors), ahead.layout)
 
     def _predict(self, now, transition, members, survivors) -> float | None:
         from hetero.runtime.reshard.live import exchange_ranks
@@ -476,22 +484,23 @@ class LiveRun:
         if pend is None:
             return
         store = self.coordinator.store
-        keys = [timing_key(pend["gen"], r) for r in pend["survivors"]]
+        keys = [timing_key(pend["gen"], r) for r in pend["survivors"] + pend.get("joiners", [])]
         deadline = time.monotonic() + wait_s
         while not store.check(keys):
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.01)
         t = [json.loads(store.get(k)) for k in keys]
+        kept = t[:len(pend["survivors"])]   # the processes that were there (joiners come after)
         rc = pend["rc"]
         ready = max(x["ready_at"] for x in t)
-        rc.update(detect_s=max(x["detected_at"] for x in t) - rc["_failed_at"],
+        rc.update(detect_s=max(x["detected_at"] for x in kept) - rc["_failed_at"],
                   leave_s=max(x["leave_s"] for x in t), agree_replan_s=max(x["agree_replan_s"] for x in t), regroup_s=max(x["regroup_s"] for x in t),
                   transfer_s=max(x["transfer_s"] for x in t), rebuild_s=max(x["rebuild_s"] for x in t),
                   bytes_moved=sum(x["bytes_sent"] for x in t), bytes_received=sum(x["bytes_received"] for x in t),
                   restart_time_s=ready - pend["decided"], reshard_time_s=ready - rc["_failed_at"],
-                  survivor_pids={str(r): x["pid"] for r, x in zip(pend["survivors"], t)},
-                  pids_kept=all(x["pid"] == pend["pids"][r] for r, x in zip(pend["survivors"], t)))
+                  survivor_pids={str(r): x["pid"] for r, x in zip(pend["survivors"], kept)},
+                  pids_kept=all(x["pid"] == pend["pids"][r] for r, x in zip(pend["survivors"], kept)))
         self.print_fn(f"elastic: resharded in-process in {rc['reshard_time_s']:.2f} s (predicted transfer "
                       f"{seconds_cell(rc['predicted_downtime_s'])} s, measured {rc['transfer_s']:.2f} s); "
                       f"{rc['bytes_moved'] / 1e6:,.1f} MB moved; the survivors kept their processes")

@@ -205,15 +205,17 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
     st = steady(times)
     tokens_per_s = trainer.tokens_per_step / statistics.fmean(st) if st else 0.0
     ranks = []
+    world = len(ctx.layout.ranks)
+    now = [r for r in res if len(r.forward_s) == world]   # per rank: the steps of a world this size (an elastic run grew)
     for info in ctx.layout.ranks:
-        f = steady([r.forward_s[info.rank] for r in res])
-        b = steady([r.backward_s[info.rank] for r in res])
+        f = steady([r.forward_s[info.rank] for r in now])
+        b = steady([r.backward_s[info.rank] for r in now])
         ranks.append({"rank": info.rank, "group": info.group, "pipeline": info.pipeline, "replica": info.replica,
                       "stage": info.stage, "layers": list(info.layers),
                       "forward_time_s": _mean(f), "backward_time_s": _mean(b),
-                      "schedule_time_s": _mean(steady([r.schedule_s[info.rank] for r in res if r.schedule_s])),
-                      "grad_sync_time_s": _mean(steady([r.sync_s[info.rank] for r in res if r.sync_s])),
-                      "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in res if r.optimizer_s])),
+                      "schedule_time_s": _mean(steady([r.schedule_s[info.rank] for r in now if r.schedule_s])),
+                      "grad_sync_time_s": _mean(steady([r.sync_s[info.rank] for r in now if r.sync_s])),
+                      "optimizer_time_s": _mean(steady([r.optimizer_s[info.rank] for r in now if r.optimizer_s])),
                       "vendor": info.vendor, "device": ctx.device_types[info.rank],
                       "tp_rank": info.tp_rank, "tp_size": info.tp_size})
         if state_bytes and state_bytes[info.rank] is not None:

@@ -15,6 +15,7 @@ import time
 import traceback
 
 from hetero.runtime.cluster_watch import REQUEST
+from hetero.runtime.elastic_join import JOIN_ENV
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunSpec, describe_rank
 
 
@@ -60,7 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         if live is None:   # under torchrun: its stop signal must not end a survivor before its handoff
             _outlive_node_stop()
     try:
-        paused = _train(spec, rank, base, step_box, live)
+        joined = None
+        if live is not None and os.environ.get(JOIN_ENV):   # a device that joins a running in-process run
+            from hetero.runtime.reshard.join import join_run
+
+            step_box["phase"] = "joining the running ranks"
+            joined = join_run(live, spec)
+            if joined is None:   # the change went another way: nothing of this process is needed
+                return 0
+        paused = _train(spec, rank, base, step_box, live, joined)
         base = step_box["base"]
         if base:
             _write(base + (".left" if paused == "left" else ".done"), "ok")
@@ -119,16 +128,22 @@ def _hand_off(base: str, trainer, where: str) -> None:
               file=sys.stderr, flush=True)
 
 
-def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None) -> bool | str:
+def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None, joined=None) -> bool | str:
     """Train the run's steps; True when the ranks paused for a cluster change and handed off;
     ``"left"`` when an in-process reconfiguration (``live``, :mod:`hetero.runtime.reshard.resume`)
-    left this rank out of the new plan after it served its state."""
+    left this rank out of the new plan after it served its state. ``joined``: ``(trainer, end)`` of a
+    process that joined a running in-process run (:mod:`hetero.runtime.reshard.join`)."""
     from hetero.runtime.report import Reporter
     from hetero.runtime.trainer import InjectedFailure, Trainer, summary_dict
 
-    if live is not None:
-        live.first_world()
-    trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
+    if joined is not None:
+        trainer, end = joined
+        if base:
+            _write(base + ".ready", "ok")
+    else:
+        if live is not None:
+            live.first_world()
+        trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
     if live is not None:
         live.watch(trainer)
     step_box["trainer"] = trainer
@@ -147,8 +162,10 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
     step_box["phase"] = "training"
     if base and opts.elastic:   # the launcher asks for a pause when the cluster file changed
         trainer.add_hook(lambda t, _result: not os.path.exists(os.path.join(t.ctx.options.run_dir, REQUEST)))
-    start = trainer.step
-    end = start + opts.steps
+    if joined is None:
+        end = trainer.step + opts.steps
+    if live is not None:
+        live.end = end
     while True:
         detected = None
         try:

@@ -108,14 +108,17 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float, prefix: st
 
 
 def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
-                 step: int, checkpoint: str | None = None, transport: str = "p2p") -> dict:
+                 step: int, checkpoint: str | None = None, transport: str = "p2p",
+                 pids: dict[int, int] | None = None) -> dict:
     """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
     after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
     in the exchange, then leaves), the step the state is at, the last ``--save`` checkpoint (the
-    fallback when no survivor holds some region) and the exchange's transport
-    (:func:`choose_transport`)."""
+    fallback when no survivor holds some region), the exchange's transport (:func:`choose_transport`)
+    and the process id of every process in it (the launcher's; a same-host exchange watches its
+    peers by them)."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
-            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint, "transport": transport}
+            "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint, "transport": transport,
+            "pids": {str(k): v for k, v in (pids or {}).items()}}
 
 
 TRANSPORT_ENV = "HETERO_RESHARD_TRANSPORT"
@@ -148,15 +151,20 @@ def exchange_ranks(members: dict[int, int], survivors: list[int]) -> dict[int, i
     return {**members, **{r: len(members) + i for i, r in enumerate(helpers)}}
 
 
-def transition_between(space, old_plan, old_layout, targets: dict, world_rank: dict[int, int]):
+def transition_between(space, old_plan, old_layout, targets: dict, world_rank: dict[int, int], new_layout=None):
     """The :class:`~hetero.runtime.reshard.transition.Transition` that gives every rank of the new
     layout its ``targets`` (:meth:`ParameterSpace.layout_regions`) from what the ranks of
     ``old_layout`` hold (old rank -> rank in the exchange's world: ``world_rank``), preferring
-    sources of the receiver's vendor. The workers and the launcher's prediction compute it alike."""
+    sources of the receiver's vendor. The workers and the launcher's prediction compute it alike.
+    A process that joins (an id past the old layout's ranks) holds nothing; its vendor is its rank's
+    in ``new_layout``."""
     from hetero.runtime.reshard.transition import plan_transition
 
-    sources = {world_rank[r]: space.rank_regions(old_plan, old_layout.ranks[r]) for r in world_rank}
-    vendors = {world_rank[r]: old_layout.ranks[r].vendor for r in world_rank}
+    held = [r for r in world_rank if r < len(old_layout.ranks)]   # a joining process (an id past them) holds nothing
+    sources = {world_rank[r]: space.rank_regions(old_plan, old_layout.ranks[r]) for r in held}
+    vendors = {world_rank[r]: old_layout.ranks[r].vendor for r in held}
+    if new_layout is not None:
+        vendors.update({world_rank[r]: new_layout.ranks[world_rank[r]].vendor for r in world_rank if r not in held})
     return plan_transition(sources, targets, vendors)
 
 
@@ -208,7 +216,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     t2 = time.perf_counter()
     space = space or ParameterSpace(model)
     targets = space.layout_regions(plans[1], layouts[1])
-    transition = transition_between(space, plans[0], layouts[0], targets, world_rank)
+    transition = transition_between(space, plans[0], layouts[0], targets, world_rank, layouts[1])
     if transition.missing:
         _, region = transition.missing[0]
         what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
@@ -230,9 +238,10 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     old_of = {v: k for k, v in world_rank.items()}
     describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
     same_host = None
-    if d.get("transport") == "same-host":   # every peer's process id, from its check-in
-        pids = {world_rank[r]: json.loads(store.get(_key(gen, f"alive/{r}")))["pid"] for r in world_rank
-                if store.check([_key(gen, f"alive/{r}")])}
+    if d.get("transport") == "same-host":   # every peer's process id: the launcher's, else its check-in's
+        pids = {world_rank[int(k)]: v for k, v in d.get("pids", {}).items() if int(k) in world_rank}
+        pids.update({world_rank[r]: json.loads(store.get(_key(gen, f"alive/{r}")))["pid"] for r in world_rank
+                     if world_rank[r] not in pids and store.check([_key(gen, f"alive/{r}")])})
         same_host = (store, _key(gen, "same-host"), pids, timeout_s)
     state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
                             max_bytes=max_bytes or DEFAULT_MAX_BYTES, same_host=same_host)

@@ -165,7 +165,8 @@ class LiveReconfig:
             if self.critical:   # the update was applied: counted before anything may interrupt again
                 trainer.applied_step = step + 1
             self.critical = False
-            if self.aborted:   # the signal came during the update
+            if self.aborted and self.world > 1:   # the signal came during the update (a lone rank, stopped
+                # for devices that join, records the step first: its next step stops at its start)
                 raise PeerLost("a peer's process ended (the launcher said so)")
             return out
 
@@ -221,6 +222,20 @@ class LiveReconfig:
         interruptible_train.__wrapped_train__ = train
         return interruptible_train
 
+    end: int | None = None
+    """The step the run ends at (the worker sets it): told to processes that join."""
+
+    def _leave_history(self, trainer, gen: int) -> None:
+        """Rank 0, before checking in under ``gen``: the results so far, where the run ends and the fp16
+        loss scale, for processes that join (:mod:`hetero.runtime.reshard.join`)."""
+        from hetero.runtime.elastic_join import history_key
+
+        if self.rank == 0:
+            engine = trainer.engine
+            self.store.set(history_key(gen), json.dumps({
+                "results": [dataclasses.asdict(r) for r in trainer.state.results], "end": self.end,
+                "scale": engine.scaler.scale if getattr(engine, "scaler", None) else None}))
+
     def pause(self, trainer) -> bool | None:
         """Every rank paused at a step boundary for a change of the cluster file: check in (the world
         still whole) and take the coordinator's decision: reshard in-process as :meth:`recover`
@@ -229,6 +244,7 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import await_decision, report_alive
 
         gen, paused_at = self.gen + 1, time.time()
+        self._leave_history(trainer, gen)
         report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at,
                      host_memory=trainer.ctx.device.type == "cpu")
         d = await_decision(self.store, gen, self.timeout_s)
@@ -247,6 +263,8 @@ class LiveReconfig:
         engine = trainer.engine
         live = live_state(engine.module, engine.optimizer, self.regions)
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
+        if decision is None and self.world == 1:   # a lone rank is stopped at once for devices that join
+            self._leave_history(trainer, self.gen + 1)
         _drop_world(trainer)
         self.gen += 1
         gen, me = self.gen, self.rank
