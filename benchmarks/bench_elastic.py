@@ -9,8 +9,10 @@ Model configs/models/tiny.yaml. Each round launches four runs of ``--steps N`` w
   left, and the new plan trains steps K..N;
 - join, clean: local-cpu.yaml cut to one ``fast`` device, the whole model on it;
 - join, elastic: the same with ``--elastic``; once the worker trains, the cluster file is rewritten
-  to the whole local-cpu.yaml (3 devices join). The launcher plans for it while training goes on,
-  the rank pauses at the next step boundary and hands off, and the new plan trains the rest.
+  to the whole local-cpu.yaml (3 devices join). The launcher plans for it and starts the joining
+  processes while training goes on, then the rank stops and every rank reshards in-process (the
+  handoff fields then time that path: handoff = pause request -> check-in), and the new plan trains
+  the rest.
 
 It prints, per scenario and as medians over the rounds, the downtime split as the summary's
 ``reconfigurations`` give it (failure: handoff = failure -> every survivor's state written, then
