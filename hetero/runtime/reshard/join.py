@@ -31,6 +31,9 @@ def join_run(live, spec):
     from hetero.runtime import collectives, engine, grads, model, trainer as trainer_mod  # noqa: F401 - imported now, not in the downtime
     from hetero.runtime.elastic_join import JOIN_ENV, history_key, ready_key
     from hetero.runtime.reshard import transfer  # noqa: F401
+    from hetero.runtime.reshard.resume import import_training_modules
+
+    import_training_modules()
     from hetero.runtime.reshard.live import await_decision, reconfigure, regroup
     from hetero.runtime.reshard.resume import timing_key
     from hetero.runtime.reshard.space import ParameterSpace

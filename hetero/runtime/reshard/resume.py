@@ -187,12 +187,9 @@ class LiveReconfig:
         since. The groups themselves are made after it: frozen, they would never be collected, and
         a dropped world would keep its connections open (a peer blocked on them would wait for the
         group's timeout)."""
-        import torch._dynamo  # noqa: F401 - imported by the run anyway (DTensor, compiled blocks):
-        import torch.distributed.tensor  # noqa: F401 - frozen with the rest, not traversed after a loss
-
-        import hetero.runtime.engine  # noqa: F401
-        import hetero.runtime.trainer  # noqa: F401
         from hetero.runtime.reshard.live import regroup
+
+        import_training_modules()   # frozen with the rest, not traversed after a loss
 
         gc.collect()
         gc.freeze()
@@ -338,6 +335,17 @@ class LiveReconfig:
         trainer.ctx, trainer.comm, trainer.engine = ctx, comm, engine
         trainer.rank, trainer.world = rank, len(layout.ranks)
         _rewind(trainer, place.step)
+
+
+def import_training_modules() -> None:
+    """Import what training and a rebuild import (tensor parallelism's DTensor stack, 1-2 s on two
+    cores, the engine, the trainer), so a reconfiguration does not import it in its downtime."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    import hetero.runtime.engine  # noqa: F401
+    import hetero.runtime.trainer  # noqa: F401
 
 
 def _root_run_dir(run_dir: str) -> str:

@@ -116,14 +116,18 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     if chunk_bytes > max_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
     stats = ExchangeStats()
-    new = {name: TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
-                                   for k in STATE_KINDS}, None)
+    kept = _kept_whole(rank, transition, live, targets, device)
+    new = {name: (TensorState(box, dict(live[name].tensors), None if live[name].step is None
+                              else live[name].step.clone()) if name in kept else
+                  TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
+                                    for k in STATE_KINDS}, None))
            for name, box in targets.items()}
-    for p in transition.pieces:   # what this rank keeps: a copy in memory
+    for p in transition.pieces:   # what this rank keeps: its own tensors, or a copy where the box changed
         if p.src == rank and p.dst == rank:
-            src = live[p.name]
-            _put(new[p.name], p.box, lambda k, s=src, b=p.box: s.tensors[k][relative(b, s.box)], src.step)
             stats.bytes_local += p.nbytes
+            if p.name not in kept:
+                src = live[p.name]
+                _put(new[p.name], p.box, lambda k, s=src, b=p.box: s.tensors[k][relative(b, s.box)], src.step)
     def lost(other, e):
         from hetero.runtime.reshard.live import ReconfigurationError
 
@@ -188,6 +192,21 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     while in_flight:
         finish_oldest()
     return new, stats
+
+
+def _kept_whole(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
+                device) -> set[str]:
+    """The tensors whose new region this rank already holds exactly (the same box, all of it kept):
+    their state tensors are taken over as they are, neither allocated again nor copied (the old
+    stage and optimizer that held them are dropped after the exchange; a peer may still read
+    them meanwhile, which is why nothing writes into them)."""
+    whole = {name for name, box in targets.items()
+             if name in live and live[name].box == box
+             and all(t.is_contiguous() and t.device == torch.device(device) for t in live[name].tensors.values())}
+    for p in transition.pieces:
+        if p.dst == rank and p.name in whole and not (p.src == rank and p.box == targets[p.name]):
+            whole.discard(p.name)
+    return whole
 
 
 _TAGS = len(STATE_KINDS) + 1
