@@ -369,9 +369,10 @@ def _coordinate(coordinator, survivors, transport):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["p2p", "same-host"])
-@pytest.mark.parametrize("second_failure", [False, True], ids=["one failure", "a second failure in the reshard"])
+@pytest.mark.parametrize("second_failure, transport", [(False, "p2p"), (True, "p2p"), (True, "same-host")],
+                         ids=["one failure", "a second failure in the reshard", "a second failure, same host"])
 def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, second_failure, transport):
+    # (one failure over the same-host transport: tests/test_elastic.py's lost rank, through the launcher)
     import threading
 
     from hetero.runtime.reshard import cma
@@ -485,15 +486,19 @@ def test_same_host_reads_strided_slices_into_strided_views_and_names_a_peer_that
         pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
     src = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
     part = src[:, 3:7]
-    assert len(cma.runs(part)) == 6 and len(cma.runs(src)) == 1
+    assert cma.runs(part)[0].numel() == 6 and cma.runs(src)[0].numel() == 1
     into = torch.zeros(6, 8)
     view = into[:, 2:6]
-    cma._read(os.getpid(), cma._pair(cma.runs(view), cma.runs(part)))
+    cma._read(os.getpid(), *cma.pair(cma.runs(view), cma.runs(part)))
     assert torch.equal(view, part) and into[:, :2].abs().sum() == 0 and into[:, 6:].abs().sum() == 0
     # the same piece cut at other boundaries on each side still lines up element for element
     flat = torch.empty(24)
-    cma._read(os.getpid(), cma._pair(cma.runs(flat), cma.runs(part)))
+    cma._read(os.getpid(), *cma.pair(cma.runs(flat), cma.runs(part)))
     assert torch.equal(flat, part.reshape(-1))
+    cube = torch.arange(4 * 5 * 6, dtype=torch.float32).reshape(4, 5, 6)[1:3, :, 2:5]   # rows of a 3-D slice
+    out = torch.empty(2, 5, 3)
+    cma._read(os.getpid(), *cma.pair(cma.runs(out), cma.runs(cube)))
+    assert torch.equal(out, cube)
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

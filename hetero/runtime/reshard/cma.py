@@ -28,8 +28,8 @@ import ctypes
 import ctypes.util
 import errno
 import functools
-import itertools
 import json
+import math
 import os
 import time
 
@@ -77,60 +77,64 @@ def usable() -> bool:
         pass
     try:
         src, dst = torch.arange(4, dtype=torch.float32), torch.zeros(4)
-        _read(os.getpid(), [(dst.data_ptr(), src.data_ptr(), 16)])
+        _read(os.getpid(), *pair(runs(dst), runs(src)))
         return bool(torch.equal(src, dst))
     except (OSError, AttributeError):
         return False
 
 
-def runs(t: torch.Tensor) -> list[tuple[int, int]]:
-    """The contiguous byte runs (address, length) of ``t``'s elements in row-major order."""
+Runs = tuple[torch.Tensor, int]
+"""A tensor's memory as runs of equal length: (the start address of each run, int64; its bytes)."""
+
+
+def runs(t: torch.Tensor) -> Runs:
+    """The contiguous byte runs of ``t``'s elements in row-major order."""
     return remote_runs(t.data_ptr(), list(t.shape), list(t.stride()), t.element_size())
 
 
-def remote_runs(address: int, shape: list[int], strides: list[int], size: int = 4) -> list[tuple[int, int]]:
+def remote_runs(address: int, shape: list[int], strides: list[int], size: int = 4) -> Runs:
     """:func:`runs` of a tensor described by its address, shape and strides (in elements), such as
-    one in another process."""
+    one in another process: one run per index of the dims before the longest dense trailing block."""
     if any(n == 0 for n in shape):
-        return []
-    # the longest trailing block laid out densely: one run per index of the dims before it
+        return torch.empty(0, dtype=torch.int64), 0
     inner, k = 1, len(shape)
     while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == inner):
         inner *= shape[k - 1]
         k -= 1
-    return [(address + size * sum(i * s for i, s in zip(index, strides)), inner * size)
-            for index in itertools.product(*(range(n) for n in shape[:k]))]
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(shape[:k], strides[:k]):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    return address + size * offsets.reshape(-1), inner * size
 
 
-def _pair(local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(local address, remote address, bytes) segments where both sides are contiguous."""
-    out, i, j = [], 0, 0
-    la, ln = local[0] if local else (0, 0)
-    ra, rn = remote[0] if remote else (0, 0)
-    while i < len(local) and j < len(remote):
-        n = min(ln, rn)
-        out.append((la, ra, n))
-        la, ln, ra, rn = la + n, ln - n, ra + n, rn - n
-        if ln == 0:
-            i += 1
-            if i < len(local):
-                la, ln = local[i]
-        if rn == 0:
-            j += 1
-            if j < len(remote):
-                ra, rn = remote[j]
-    return out
+def pair(local: Runs, remote: Runs) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(local addresses, remote addresses, bytes each): both sides cut into runs of one length (the
+    greatest common divisor of theirs), so the i-th local run receives the i-th remote one."""
+    (la, ln), (ra, rn) = local, remote
+    if la.numel() == 0:
+        return la, ra, 0
+    g = math.gcd(ln, rn)
+
+    def cut(addresses: torch.Tensor, n: int) -> torch.Tensor:
+        return (addresses.unsqueeze(-1) + torch.arange(0, n, g, dtype=torch.int64)).reshape(-1)
+    return cut(la, ln), cut(ra, rn), g
 
 
-def _read(pid: int, segments: list[tuple[int, int, int]]) -> int:
-    """Copy every (local, remote, bytes) segment out of process ``pid``; the bytes read."""
-    fn, total = _libc(), 0
-    for lo in range(0, len(segments), IOV_MAX):
-        batch = segments[lo:lo + IOV_MAX]
-        local = (_IOVec * len(batch))(*[_IOVec(a, n) for a, _, n in batch])
-        remote = (_IOVec * len(batch))(*[_IOVec(b, n) for _, b, n in batch])
-        want = sum(n for _, _, n in batch)
-        got = fn(pid, local, len(batch), remote, len(batch), 0)
+def _read(pid: int, local: torch.Tensor, remote: torch.Tensor, length: int) -> int:
+    """Copy ``length`` bytes at each remote address of process ``pid`` to the local address of the
+    same index; the bytes read. The iovec arrays are int64 pairs (address, length) in one tensor."""
+    fn, total, n = _libc(), 0, local.numel()
+    if n == 0:
+        return 0
+    lv, rv = torch.empty((n, 2), dtype=torch.int64), torch.empty((n, 2), dtype=torch.int64)
+    lv[:, 0], rv[:, 0] = local, remote
+    lv[:, 1] = rv[:, 1] = length
+    iov = ctypes.POINTER(_IOVec)
+    for lo in range(0, n, IOV_MAX):
+        count = min(IOV_MAX, n - lo)
+        want = count * length
+        got = fn(pid, ctypes.cast(lv.data_ptr() + 16 * lo, iov), count, ctypes.cast(rv.data_ptr() + 16 * lo, iov),
+                 count, 0)
         if got < 0:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
@@ -191,11 +195,9 @@ class Exchange:
         for index, src, views in pieces:
             meta = self._source(src, cache)
             desc = meta["pieces"][str(index)]
-            segments = []
-            for view, (address, shape, strides) in zip(views, desc["parts"]):
-                segments += _pair(runs(view), remote_runs(address, shape, strides, view.element_size()))
             try:
-                _read(meta["pid"], segments)
+                for view, (address, shape, strides) in zip(views, desc["parts"]):
+                    _read(meta["pid"], *pair(runs(view), remote_runs(address, shape, strides, view.element_size())))
             except OSError as e:
                 raise PeerGone(src, f"reading its state failed: {e}") from None
             steps[index] = desc["step"]

@@ -179,7 +179,8 @@ class NewPlace:
 
 def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0, max_bytes: int | None = None,
                 applied_step: int = 0, detected_at: float | None = None, meshes: bool = True,
-                on_checked_in=None, space=None, decision: dict | None = None) -> NewPlace:
+                on_checked_in=None, space=None, decision: dict | None = None,
+                prepared: dict | None = None) -> NewPlace:
     """Everything a survivor (rank ``me`` of the broken world, holding ``live``:
     :func:`hetero.runtime.reshard.transfer.live_state`) does after a failure, up to its new state:
     check in, take the coordinator's decision, rebuild the world, exchange the intersections. The
@@ -188,7 +189,9 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     plan's tp meshes in the exchange's world (False: the caller builds them in its own);
     ``on_checked_in``: called right after the check-in (tests lose a rank there); ``space``: the
     model's :class:`~hetero.runtime.reshard.space.ParameterSpace`, made before the failure;
-    ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world)."""
+    ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world);
+    ``prepared``: state tensors allocated (and touched) ahead for the regions this process expects
+    to hold (:func:`~hetero.runtime.reshard.transfer.exchange`)."""
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.reshard.space import ParameterSpace
@@ -244,7 +247,7 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
                      if world_rank[r] not in pids and store.check([_key(gen, f"alive/{r}")])})
         same_host = (store, _key(gen, "same-host"), pids, timeout_s)
     state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
-                            max_bytes=max_bytes or DEFAULT_MAX_BYTES, same_host=same_host)
+                            max_bytes=max_bytes or DEFAULT_MAX_BYTES, same_host=same_host, prepared=prepared)
     t3 = time.perf_counter()
     member = me in members
     return NewPlace(rank=rank, world=world, member=member, info=layouts[1].ranks[rank] if member else None,

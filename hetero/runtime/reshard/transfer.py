@@ -101,8 +101,8 @@ def _cut(p: Piece, chunk_bytes: int) -> list[Piece]:
 
 def exchange(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
              *, group=None, max_bytes: int = DEFAULT_MAX_BYTES, chunk_bytes: int | None = None,
-             device: torch.device | str = "cpu", describe=lambda r: f"rank {r}", same_host=None
-             ) -> tuple[dict[str, TensorState], ExchangeStats]:
+             device: torch.device | str = "cpu", describe=lambda r: f"rank {r}", same_host=None,
+             prepared: dict[str, TensorState] | None = None) -> tuple[dict[str, TensorState], ExchangeStats]:
     """This rank's part of ``transition`` (every rank of ``group`` calls it with the same transition):
     returns its new state, by tensor name, for its ``targets`` regions, and what it moved. A peer
     lost during the exchange ends it with :class:`~hetero.runtime.reshard.live.ReconfigurationError`
@@ -111,16 +111,25 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     ``same_host``: ``(store, key prefix, {rank: process id}, timeout_s)`` when every rank is a process
     on this machine holding its state in host memory (all ranks decide alike): the receivers read
     their pieces out of the senders' memory (:mod:`hetero.runtime.reshard.cma`) instead of
-    point-to-point messages."""
+    point-to-point messages.
+
+    ``prepared``: state tensors allocated ahead, by tensor name (a joining process allocates and
+    touches its regions while the others train, so the exchange writes into memory already mapped);
+    one whose box is not the target's is not used."""
     chunk_bytes = chunk_bytes or max(1 << 20, max_bytes // 4)
     if chunk_bytes > max_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
     stats = ExchangeStats()
     kept = _kept_whole(rank, transition, live, targets, device)
+    prepared = prepared or {}
+
+    def fresh(name: str, box: Box) -> TensorState:
+        if name in prepared and prepared[name].box == box:
+            return TensorState(box, dict(prepared[name].tensors), None)
+        return TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
+                                 for k in STATE_KINDS}, None)
     new = {name: (TensorState(box, dict(live[name].tensors), None if live[name].step is None
-                              else live[name].step.clone()) if name in kept else
-                  TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
-                                    for k in STATE_KINDS}, None))
+                              else live[name].step.clone()) if name in kept else fresh(name, box))
            for name, box in targets.items()}
     for p in transition.pieces:   # what this rank keeps: its own tensors, or a copy where the box changed
         if p.src == rank and p.dst == rank:
@@ -192,6 +201,14 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     while in_flight:
         finish_oldest()
     return new, stats
+
+
+def prepare_regions(regions: dict[str, Box], device: torch.device | str = "cpu") -> dict[str, TensorState]:
+    """State tensors for ``regions``, allocated and written once (zeros), so their pages are mapped
+    before an exchange writes into them (:func:`exchange`'s ``prepared``)."""
+    return {name: TensorState(box, {k: torch.zeros(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
+                                    for k in STATE_KINDS}, None)
+            for name, box in regions.items()}
 
 
 def _kept_whole(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
