@@ -163,6 +163,26 @@ LIVE_KEYS = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s
              "predicted_downtime_s")
 
 
+def _gpt109_files(tmp: Path) -> tuple[Path, Path, Path]:
+    """The 109M GPT's model file, and local-cpu.yaml cut to one ``fast`` device with the plan that
+    puts the whole model on it (the one-device reference, and the join's start), under ``tmp``."""
+    model, one_c, one_p = tmp / "gpt109.yaml", tmp / "one.yaml", tmp / "one-plan.yaml"
+    model.write_text(yaml.safe_dump(GPT109))
+    cluster = yaml.safe_load(CLUSTER.read_text())
+    cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
+    one_c.write_text(yaml.safe_dump(cluster))
+    one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
+        {"group": "fast", "layers": [0, 8]}]}]}))
+    return model, one_c, one_p
+
+
+def _gpt109_launch(cluster: Path, model: Path, plan: Path, steps: int, out: Path, *extra: str) -> list[str]:
+    """The ``hetero launch`` command both 109M scenarios run (same seed, learning rate and timeout)."""
+    return [sys.executable, "-m", "hetero", "launch", "--cluster", str(cluster), "--model", str(model), "--plan",
+            str(plan), "--steps", str(steps), "--lr", "1e-3", "--seed", "0", "--timeout", "120", "--quiet",
+            "--summary", str(out), *extra]
+
+
 def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``cmd``; its own peak RSS in MB (VmHWM, read until it exits: not its children's)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -202,21 +222,12 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        model = tmp / "gpt109.yaml"
-        model.write_text(yaml.safe_dump(GPT109))
+        model, one_c, one_p = _gpt109_files(tmp)
         plan = tmp / "plan.yaml"
         plan.write_text(yaml.safe_dump(PLAN109))
-        one_c, one_p = tmp / "one.yaml", tmp / "one-plan.yaml"
-        cluster = yaml.safe_load(CLUSTER.read_text())
-        cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
-        one_c.write_text(yaml.safe_dump(cluster))
-        one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
-            {"group": "fast", "layers": [0, 8]}]}]}))
 
         def cmd(c, p, out, *extra):
-            return [sys.executable, "-m", "hetero", "launch", "--cluster", str(c), "--model", str(model), "--plan",
-                    str(p), "--steps", str(steps), "--lr", "1e-3", "--seed", "0", "--timeout", "120", "--quiet",
-                    "--summary", str(out), *extra]
+            return _gpt109_launch(c, model, p, steps, out, *extra)
         ref_proc = subprocess.run(cmd(one_c, one_p, tmp / "ref.json"), capture_output=True, text=True, cwd=ROOT,
                                   timeout=900)
         if ref_proc.returncode:
@@ -283,19 +294,10 @@ def launch_live_join(rounds: int, steps: int = 8) -> dict:
     """The 109M GPT joining from one device to local-cpu.yaml's four, in-process (see the docstring)."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        model = tmp / "gpt109.yaml"
-        model.write_text(yaml.safe_dump(GPT109))
-        one_c, one_p = tmp / "one.yaml", tmp / "one-plan.yaml"
-        cluster = yaml.safe_load(CLUSTER.read_text())
-        cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
-        one_c.write_text(yaml.safe_dump(cluster))
-        one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
-            {"group": "fast", "layers": [0, 8]}]}]}))
+        model, one_c, one_p = _gpt109_files(tmp)
 
         def cmd(c, out, *extra):
-            return [sys.executable, "-m", "hetero", "launch", "--cluster", str(c), "--model", str(model), "--plan",
-                    str(one_p), "--steps", str(steps), "--lr", "1e-3", "--seed", "0", "--timeout", "120", "--quiet",
-                    "--summary", str(out), *extra]
+            return _gpt109_launch(c, model, one_p, steps, out, *extra)
         ref_proc = subprocess.run(cmd(one_c, tmp / "ref.json"), capture_output=True, text=True, cwd=ROOT, timeout=900)
         if ref_proc.returncode:
             sys.exit(f"single-device run failed:\n{ref_proc.stderr[-3000:]}")
