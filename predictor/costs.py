@@ -317,7 +317,7 @@ class StageCostModel:
         # hetero's runtime gathering bf16 values under ZeRO (:func:`.memory.gathers_in_bf16`): the
         # updated slice is cast to bf16 (read 4, write 2 bytes a slice parameter) and every
         # parameter of the stage takes its gathered value back in fp32 (read 2, write 4)
-        low = placement == "packed" and dp > 1 and mem.gathers_in_bf16(self.dtype, zero_stage, tp)
+        low = placement == "packed" and dp > 1 and tp == 1 and mem.gathers_in_bf16(self.dtype, zero_stage)
         key = ("o", group, tp, layers[1] - layers[0], first, last, zero_stage, dp, copy, low)
         hit = self._cache.get(key)
         if hit is None:

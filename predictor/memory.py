@@ -209,12 +209,12 @@ def _params_terms(model: ModelSpec, tp: int, first: bool, last: bool) -> tuple[f
     return (model.params_per_layer() - rep) / tp + rep, tuple(edges)
 
 
-def gathers_in_bf16(dtype: str, zero_stage: int, tp: int) -> bool:
+def gathers_in_bf16(dtype: str, zero_stage: int) -> bool:
     """Whether ZeRO's parameter all-gather moves bf16 values (2 bytes a parameter, not 4): a bf16
-    model at tp 1 (hetero.runtime.zero, as Megatron-LM's distributed optimizer gathers its bf16
-    parameters); the runtime keeps the fp32 gather across vendors, which the memory model does not
-    tell apart (its master copy is charged there too, on the safe side)."""
-    return zero_stage >= 1 and tp == 1 and dtype == "bf16"
+    model, at every tp degree and across vendors (hetero.runtime.zero, as Megatron-LM's
+    distributed optimizer gathers its bf16 parameters). What it costs besides differs by tp: at
+    tp 1 the slice gets an fp32 master copy of its own, which a tp rank's slice has anyway."""
+    return zero_stage >= 1 and dtype == "bf16"
 
 
 def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float = 1,
@@ -228,7 +228,7 @@ def model_state_bytes(params: float, dtype: str, zero_stage: int = 0, dp: float 
     # Adam m, v, and under ZeRO a fp32 master copy of the slice: on a tp rank (its DTensor shards
     # cannot be re-bound to views of a flat buffer), and at tp 1 under bf16, where the parameters
     # take the bf16-rounded values of the all-gather (hetero.runtime.zero, :func:`gathers_in_bf16`).
-    master = zero_stage >= 1 and (tp > 1 or (gathers_in_bf16(dtype, zero_stage, tp) and dp > 1))
+    master = zero_stage >= 1 and (tp > 1 or (gathers_in_bf16(dtype, zero_stage) and dp > 1))
     opt_per_param = 8 + (4 if master else 0)
     weights = params * e
     grads = params * e / (dp if zero_stage >= 2 else 1)
@@ -331,7 +331,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
             act = max(act, buffer / max(1, dp) if zero_stage >= 1 else 0.0)
         else:
             act = max(act, buffer * (1 + 1 / max(1, dp)) if zero_stage >= 1 else buffer)
-        if gathers_in_bf16(model.dtype, zero_stage, tp) and dp > 1:
+        if tp == 1 and gathers_in_bf16(model.dtype, zero_stage) and dp > 1:
             # the all-gather's bf16 buffers (2 bytes a summed parameter), from the optimizer step
             # until the next forward first uses each: with the model states, the slices' gradients
             # (4 / k) and no activations, the full gradients freed. Against the w + g + o the peak

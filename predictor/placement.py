@@ -313,7 +313,7 @@ def dp_sync(cm, plan, placement: str = "packed", where: dict | None = None) -> t
 
     model, e = cm.model, cm.grad_bytes(placement)
     # bytes a parameter that ZeRO's all-gather moves (hetero.runtime.zero: bf16 for a bf16 model)
-    low_gather = 2 if placement == "packed" and gathers_in_bf16(cm.dtype, zs, 1) else e
+    low_gather = 2 if placement == "packed" and gathers_in_bf16(cm.dtype, zs) else e
     W = model.tp_replicated_per_layer() * e
     layer_split = [(size, float(n * e)) for size, n in model.tp_split_per_layer().items()]
     for a, b in zip(cuts, cuts[1:]):

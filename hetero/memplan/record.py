@@ -137,7 +137,7 @@ def record_stage(model, plan, pipeline: int = 0, stage: int = 0, steps: int = 2,
             # ZeRO: AdamW updates 1/degree of every parameter (its moments that size): a view of the
             # parameters' flat buffer, or a copy under tp (DTensor shards cannot share a buffer) and
             # for a bf16 model (its fp32 master: the parameters hold the bf16 gather's values)
-            copy = tp > 1 or gathers_in_bf16(model.dtype, plan.zero_stage, tp)
+            copy = tp > 1 or gathers_in_bf16(model.dtype, plan.zero_stage)
             shards = [p.detach().reshape(-1)[: -(-p.numel() // int(round(degree)))] for p in params]
             shards = [torch.nn.Parameter(s.clone() if copy else s) for s in shards]
             optimizer = make_optimizer(shards, 1e-4, 0.0)
