@@ -34,6 +34,7 @@ import sys
 import time
 
 from hetero.errors import HeteroError
+from hetero.runtime.elastic_live import _signal, keep_devices
 
 JOIN_ENV = "HETERO_JOIN"
 """``<generation>:<id>``: set by the launcher for a worker that joins a running in-process run."""
@@ -47,23 +48,6 @@ def history_key(gen: int) -> str:
     """What the running rank 0 leaves for the joiners when it pauses: the step results so far, the
     step the run ends at and the fp16 loss scale."""
     return f"hetero/reconfig/gen{gen}/history"
-
-
-def keep_devices(old, new, survivors: list[int]) -> dict[int, int]:
-    """Old rank -> new rank for the ranks that keep their device: the n-th survivor of a group takes
-    the n-th rank the new layout puts on that group (survivors past those are left out)."""
-    by_group: dict[str, list[int]] = {}
-    for info in new.ranks:
-        by_group.setdefault(info.group, []).append(info.rank)
-    seen: dict[str, int] = {}
-    members = {}
-    for r in sorted(survivors):
-        g = old.ranks[r].group
-        k = seen.get(g, 0)
-        seen[g] = k + 1
-        if k < len(by_group.get(g, [])):
-            members[r] = by_group[g][k]
-    return members
 
 
 class Joiners:
@@ -118,7 +102,7 @@ class Joiners:
 
                 (p,) = run.now.procs.values()
                 if p.poll() is None:
-                    os.kill(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+                    _signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
 
     def id(self, new_rank: int) -> int:
         return self.run.now.layout.world_size + new_rank
@@ -238,10 +222,7 @@ def _root(run_dir: str) -> str:
 
 
 def _kill(p) -> None:
-    try:
-        os.kill(p.pid, signal.SIGKILL)
-    except OSError:
-        pass
+    _signal(p.pid, signal.SIGKILL)
     try:
         p.wait(timeout=5)
     except subprocess.TimeoutExpired:

@@ -57,11 +57,26 @@ def live_applies(plan, options, launch) -> str | None:
     return None
 
 
-def assign_ranks(old, new, survivors: list[int]) -> dict[int, int]:
-    """Old rank -> new rank: a survivor keeps its device, so the n-th survivor of a group takes the
-    n-th rank the new layout puts on that group (survivors past those are left out)."""
-    from hetero.runtime.elastic_join import keep_devices
+def keep_devices(old, new, survivors: list[int]) -> dict[int, int]:
+    """Old rank -> new rank for the ranks that keep their device: the n-th survivor of a group takes
+    the n-th rank the new layout puts on that group (survivors past those are left out)."""
+    by_group: dict[str, list[int]] = {}
+    for info in new.ranks:
+        by_group.setdefault(info.group, []).append(info.rank)
+    seen: dict[str, int] = {}
+    members = {}
+    for r in sorted(survivors):
+        g = old.ranks[r].group
+        k = seen.get(g, 0)
+        seen[g] = k + 1
+        if k < len(by_group.get(g, [])):
+            members[r] = by_group[g][k]
+    return members
 
+
+def assign_ranks(old, new, survivors: list[int]) -> dict[int, int]:
+    """Old rank -> new rank: a survivor keeps its device (:func:`keep_devices`), and every rank of
+    the new layout must be a survivor's."""
     members = keep_devices(old, new, survivors)
     if sorted(members.values()) != list(range(len(new.ranks))):
         raise HeteroError(f"elastic: the new plan's {len(new.ranks)} ranks do not map onto the survivors' devices")

@@ -29,17 +29,14 @@ def join_run(live, spec):
     import torch
 
     import hetero
-    from hetero.runtime import collectives, engine, grads, model, trainer as trainer_mod  # noqa: F401 - imported now, not in the downtime
-    from hetero.runtime.elastic_join import JOIN_ENV, history_key, ready_key
-    from hetero.runtime.reshard import transfer  # noqa: F401
-    from hetero.runtime.reshard.resume import import_training_modules
-
-    import_training_modules()
-    from hetero.runtime.reshard.live import await_decision, reconfigure, regroup
-    from hetero.runtime.reshard.resume import timing_key
     from hetero.layout import build_layout
+    from hetero.runtime.elastic_join import JOIN_ENV, history_key, ready_key
+    from hetero.runtime.reshard.live import await_decision, reconfigure
+    from hetero.runtime.reshard.resume import import_training_modules, members_world, timing_key
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import prepare_regions
+
+    import_training_modules()   # now, not in the downtime
 
     gen, me = (int(x) for x in os.environ[JOIN_ENV].split(":"))
     opts = spec.options
@@ -65,9 +62,7 @@ def join_run(live, spec):
     t0 = time.perf_counter()
     history = json.loads(live.store.get(history_key(gen)))
     members = len(place.layout.ranks)
-    live.store.set(f"hetero/reconfig/gen{gen}/exchanged/{place.rank}", "1")
-    if place.world > members:   # ranks the new plan leaves out served their state: a world without them
-        regroup(live.store, gen, place.rank, members, live.timeout_s, prefix=f"gen{gen}m/")
+    members_world(live.store, gen, place, live.timeout_s)
     trainer = _bare_trainer(SimpleNamespace(options=opts, spec=spec), history["results"])
     live.gen = gen
     live._adopt(trainer, place, history.get("scale"))

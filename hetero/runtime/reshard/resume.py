@@ -59,6 +59,23 @@ def timing_key(gen: int, me: int) -> str:
     return f"hetero/reconfig/gen{gen}/timing/{me}"
 
 
+def exchanged_key(gen: int, rank: int) -> str:
+    """Set by a member of generation ``gen``'s plan once it is through the exchange (those the plan
+    leaves out wait for every member's before they leave)."""
+    return f"hetero/reconfig/gen{gen}/exchanged/{rank}"
+
+
+def members_world(store, gen: int, place, timeout_s: float) -> None:
+    """A member past the exchange: say so, and when the exchange's world also had ranks the new plan
+    leaves out (they served their state), form the members' own world."""
+    from hetero.runtime.reshard.live import regroup
+
+    members = len(place.layout.ranks)
+    store.set(exchanged_key(gen, place.rank), "1")
+    if place.world > members:
+        regroup(store, gen, place.rank, members, timeout_s, prefix=f"gen{gen}m/")
+
+
 class LiveReconfig:
     """The worker's link to the coordinator and its place across generations."""
 
@@ -253,7 +270,7 @@ class LiveReconfig:
     def recover(self, trainer, detected_at: float, decision: dict | None = None) -> bool:
         """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
         the new plan and goes on; False: the new plan leaves this rank out (its state was served)."""
-        from hetero.runtime.reshard.live import reconfigure, regroup
+        from hetero.runtime.reshard.live import reconfigure
         from hetero.runtime.reshard.transfer import live_state
 
         self.recovering = True
@@ -276,7 +293,7 @@ class LiveReconfig:
                   "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
                   "member": place.member, "pid": os.getpid(), "rank_after": place.rank}
         members = len(place.layout.ranks)
-        done = [f"hetero/reconfig/gen{gen}/exchanged/{r}" for r in range(members)]
+        done = [exchanged_key(gen, r) for r in range(members)]
         if not place.member:
             import datetime
 
@@ -291,9 +308,7 @@ class LiveReconfig:
             dist.destroy_process_group()
             self.store.set(timing_key(gen, me), json.dumps({**timing, "rebuild_s": 0.0, "ready_at": time.time()}))
             return False
-        self.store.set(done[place.rank], "1")
-        if place.world > members:   # survivors the new plan leaves out served their state: a world without them
-            regroup(self.store, gen, place.rank, members, self.timeout_s, prefix=f"gen{gen}m/")
+        members_world(self.store, gen, place, self.timeout_s)
         self._adopt(trainer, place, scale)
         self.rank, self.world = place.rank, members
         self.aborted = self.recovering = self.taken = False

@@ -126,8 +126,7 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     def fresh(name: str, box: Box) -> TensorState:
         if name in prepared and prepared[name].box == box:
             return TensorState(box, dict(prepared[name].tensors), None)
-        return TensorState(box, {k: torch.empty(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
-                                 for k in STATE_KINDS}, None)
+        return _blank(box, device, torch.empty)
     new = {name: (TensorState(box, dict(live[name].tensors), None if live[name].step is None
                               else live[name].step.clone()) if name in kept else fresh(name, box))
            for name, box in targets.items()}
@@ -206,9 +205,14 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
 def prepare_regions(regions: dict[str, Box], device: torch.device | str = "cpu") -> dict[str, TensorState]:
     """State tensors for ``regions``, allocated and written once (zeros), so their pages are mapped
     before an exchange writes into them (:func:`exchange`'s ``prepared``)."""
-    return {name: TensorState(box, {k: torch.zeros(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
-                                    for k in STATE_KINDS}, None)
-            for name, box in regions.items()}
+    return {name: _blank(box, device, torch.zeros) for name, box in regions.items()}
+
+
+def _blank(box: Box, device, make) -> TensorState:
+    """A region's state tensors (master values, both moments) made by ``make`` (torch.empty or
+    torch.zeros), with no step yet."""
+    return TensorState(box, {k: make(tuple(b - a for a, b in box), dtype=torch.float32, device=device)
+                             for k in STATE_KINDS}, None)
 
 
 def _kept_whole(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
@@ -243,9 +247,8 @@ def _exchange_same_host(rank: int, transition: Transition, live: dict[str, Tenso
     for i, p in enumerate(moved):
         if p.src == rank:
             src = live[p.name]
-            idx = relative(p.box, src.box)
             step = float(src.step) if (p.with_step and src.step is not None) else None
-            sent[i] = ([src.tensors[k][idx] for k in STATE_KINDS], step)
+            sent[i] = (_parts(src, p.box, with_step=False), step)
             stats.bytes_sent += p.nbytes
     ex.publish(sent)
     wanted = []
