@@ -522,3 +522,50 @@ def test_same_host_reads_strided_slices_into_strided_views_and_names_a_peer_that
     assert e.value.rank == 1
     with pytest.raises(cma.PeerGone, match="process ended"):   # a receiver gone before it read
         cma.Exchange(store, "x", 1, {0: gone.pid}, timeout_s=5).serve({0})
+
+
+def _blocked_receiver_worker(rank, world, port, group_timeout_s):
+    import datetime
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL, RECONFIG_ENV, LiveReconfig
+
+    os.environ[RECONFIG_ENV] = str(port)
+    live = LiveReconfig.from_env(rank, world, group_timeout_s)
+    live.first_world()
+    if rank == 1:   # alive, holding its world: it never sends and never closes its connections
+        live.store.wait(["test/done"], datetime.timedelta(seconds=3 * group_timeout_s))
+        return None
+    # the launcher's signal arrives while the main thread is blocked in Gloo (no Python handler runs)
+    threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, PEER_LOST_SIGNAL))).start()
+    t0 = time.monotonic()
+    try:
+        dist.recv(torch.empty(4), src=1)
+        outcome = "received"
+    except Exception as e:  # noqa: BLE001 - what ended the wait is the result
+        outcome = str(e)
+    waited = time.monotonic() - t0
+    live.store.set("test/done", "1")   # the coordinator's store is still reachable
+    return {"waited": waited, "outcome": outcome, "aborted": live.aborted}
+
+
+@pytest.mark.slow
+def test_a_survivor_blocked_on_a_live_peer_wakes_at_the_launchers_signal():
+    """Gloo's abort does not end a receive blocked in C++, and a peer that keeps its groups never
+    closes the connection: the waker breaks this rank's connections instead, so the receive fails
+    within the grace, not at the group's timeout (the rare survivor that used to check in only at
+    the launcher's --timeout)."""
+    from hetero.runtime.reshard.live import Coordinator
+
+    coordinator = Coordinator()
+    try:
+        results = spawn(_blocked_receiver_worker, 2, args=(coordinator.port, 30.0), timeout=120)
+    finally:
+        coordinator.close()
+    got = results[0]
+    assert got["outcome"] != "received" and got["aborted"], got
+    assert got["waited"] < 5.0, f"the blocked receive waited {got['waited']:.1f} s (the group timeout is 30 s)"

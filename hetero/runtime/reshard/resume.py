@@ -7,8 +7,9 @@ worker itself, with the port of the launcher's coordinator store in :data:`RECON
 because a peer's process ended, :meth:`LiveReconfig.recover`
 
 1. reads its live state as regions of the virtual parameter space (no copy),
-2. drops the broken world: the unified communicator, every process group and the DTensor mesh,
-   so the peers blocked on this rank are woken by its closed connections,
+2. drops the broken world: first its connections are broken (:mod:`~.sockets`), so the peers
+   blocked on this rank wake at once, then the unified communicator, every process group and the
+   DTensor mesh are released,
 3. checks in with the coordinator, takes its decision and exchanges the intersections
    (:func:`hetero.runtime.reshard.live.reconfigure`) in the new generation's world,
 4. when the new plan leaves it out: it has served its state and leaves (``recover`` returns False);
@@ -45,10 +46,11 @@ the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watc
 
 
 WAKE_GRACE_S = 0.05
-"""How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its process groups are
-aborted under it (it is then blocked in a collective). The waker looks every millisecond whether the
-handler ran, so a main thread that takes the signal at once is never aborted under; one inside a
-long computation is, harmlessly (its next operation on a group fails, as it would anyway)."""
+"""How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its connections are
+broken under it (it is then blocked in a collective). The waker looks every millisecond whether the
+handler ran, so a main thread that takes the signal at once keeps them until it drops its world;
+one inside a long computation loses them, harmlessly (its next operation on a group fails, as it
+would anyway)."""
 
 
 class PeerLost(RuntimeError):
@@ -83,6 +85,7 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import connect
 
         self.store = connect(port, timeout_s)
+        self.port = port
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.gen = 0
 
@@ -106,8 +109,9 @@ class LiveReconfig:
     def _start_waker(self) -> None:
         """A thread that sees :data:`PEER_LOST_SIGNAL` even while the main thread is blocked inside a
         Gloo operation on a survivor (Python runs a signal's handler only between bytecodes): when
-        the main thread has not taken the signal within :data:`WAKE_GRACE_S`, it aborts this rank's
-        process groups, so the blocked operation fails at once instead of at the group's timeout."""
+        the main thread has not taken the signal within :data:`WAKE_GRACE_S`, it breaks this rank's
+        connections (:func:`~.sockets.break_connections`), so the blocked operation fails at once
+        instead of at the group's timeout (Gloo's abort does not end it)."""
         import signal
         import threading
 
@@ -126,14 +130,24 @@ class LiveReconfig:
                 while time.monotonic() < deadline and not (self.taken or self.recovering):
                     time.sleep(0.001)
                 if self.gen == generation and not (self.taken or self.recovering):
-                    from torch.distributed import distributed_c10d
-
-                    try:
-                        distributed_c10d._abort_process_group()
-                    except Exception:  # noqa: BLE001 - nothing to wake, or already torn down
-                        pass
+                    self.aborted = True   # what the blocked operation raises is the lost peer
+                    self.break_world()
 
         threading.Thread(target=wake, name="hetero-peer-lost-waker", daemon=True).start()
+
+    def break_world(self) -> None:
+        """Break every connection of the current world (not the coordinator's store): whatever
+        waits on one, here or on a peer, fails at once (:mod:`hetero.runtime.reshard.sockets`)."""
+        from hetero.runtime.reshard.sockets import break_connections
+
+        break_connections(self.keep_ports())
+
+    def keep_ports(self) -> set[int]:
+        """The stores' ports: connections to them outlive a world."""
+        ports = {self.port}
+        if os.environ.get("MASTER_PORT", "").isdigit():
+            ports.add(int(os.environ["MASTER_PORT"]))
+        return ports
 
     interruptible = False
     aborted = False
@@ -279,6 +293,7 @@ class LiveReconfig:
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
         if decision is None and self.world == 1:   # a lone rank is stopped at once for devices that join
             self._leave_history(trainer, self.gen + 1)
+        self.break_world()   # first: the peers blocked on this rank wake now, not after the teardown
         _drop_world(trainer)
         self.gen += 1
         gen, me = self.gen, self.rank
@@ -307,6 +322,7 @@ class LiveReconfig:
                 pass
             dist.destroy_process_group()
             self.store.set(timing_key(gen, me), json.dumps({**timing, "rebuild_s": 0.0, "ready_at": time.time()}))
+            _leave_trace(trainer, gen, me)
             return False
         members_world(self.store, gen, place, self.timeout_s)
         self._adopt(trainer, place, scale)
@@ -369,6 +385,21 @@ def _root_run_dir(run_dir: str) -> str:
     return os.path.dirname(run_dir.rstrip(os.sep)) if base.startswith("gen") and base[3:].isdigit() else run_dir
 
 
+def _leave_trace(trainer, gen: int, rank: int) -> None:
+    """With ``--trace``: this process's events so far, for the launcher's merged trace (the new plan
+    left it out, so the final ranks' trace at the end cannot have them)."""
+    opts = trainer.ctx.options
+    if not opts.trace:
+        return
+    from hetero.runtime.trace import LEFT_PART, trace_dict
+    from hetero.specs.io import write_text_atomic
+
+    events = [[] for _ in trainer.ctx.layout.ranks]
+    events[rank] = list(trainer.state.events)
+    path = os.path.join(_root_run_dir(opts.run_dir), LEFT_PART.format(gen=gen, rank=rank))
+    write_text_atomic(path, json.dumps(trace_dict(trainer.ctx.layout, events, ranks=[rank])), "--trace")
+
+
 def _rewind(trainer, step: int) -> None:
     """The trainer at ``step`` (the state's): later results dropped; a step whose update was applied
     but whose closing all-reduce was lost keeps a place with no loss (NaN: null in the summary)."""
@@ -384,9 +415,9 @@ def _rewind(trainer, step: int) -> None:
 
 
 def _drop_world(trainer) -> None:
-    """Leave the broken world: the communicator's worker thread stopped, every group and mesh
-    released, the default group destroyed (its connections close, which wakes the peers blocked
-    on this rank)."""
+    """Leave the broken world (its connections are broken already, :meth:`LiveReconfig.break_world`):
+    the communicator's worker thread stopped, every group and mesh released, the default group
+    destroyed, and what they held collected."""
     import torch.distributed as dist
 
     comm = trainer.comm
