@@ -149,16 +149,24 @@ def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothin
     for key in ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s"):
         assert 0 <= rc[key] < rc["reshard_time_s"], (key, rc)
     assert rc["predicted_downtime_s"] > 0
-    _assert_live_trace(tmp_path / "trace.json", rc["step"], ranks=rc["world_size_after"])
+    _assert_live_trace(tmp_path / "trace.json", rc["step"], ranks=rc["world_size_after"],
+                       left=3 - rc["world_size_after"])
 
 
-def _assert_live_trace(path, step: int, ranks: int):
+def _assert_live_trace(path, step: int, ranks: int, left: int = 0):
     """--trace of an in-process reshard: the new plan's ranks (the same processes) with their events of
-    every step, and a marker at the reconfiguration."""
+    every step, the ``left`` survivors the new plan left out with theirs up to the reconfiguration,
+    and a marker at the reconfiguration."""
     events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
     work = [e for e in events if e.get("ph") == "X"]
-    assert {e["args"]["step"] for e in work} == set(range(1, STEPS + 1))
-    assert len({e["pid"] for e in work}) == ranks
+    gone = {pid for pid, name in names.items() if "left at reconfiguration 1" in name}
+    assert len(gone) == left, names
+    assert {e["args"]["step"] for e in work if e["pid"] not in gone} == set(range(1, STEPS + 1))
+    assert len({e["pid"] for e in work if e["pid"] not in gone}) == ranks
+    for pid in gone:   # a process that left: its steps before the reconfiguration, none after
+        steps = {e["args"]["step"] for e in work if e["pid"] == pid}
+        assert steps and max(steps) <= step, (names[pid], steps)
     (mark,) = [e for e in events if e.get("ph") == "i"]
     assert mark["name"].startswith(f"reconfiguration before step {step}")
 

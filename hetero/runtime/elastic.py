@@ -34,6 +34,7 @@ run ends as without ``--elastic``.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -187,12 +188,19 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 summary = json.load(f)
             break
         if user_trace:
-            from hetero.runtime.trace import merge_traces
+            from hetero.runtime.trace import LEFT_PART, merge_traces
 
             for failed in failed_traces:
                 _failed_attempt_trace(*failed)
             present = [t if t and os.path.exists(t) else None for t in traces]
-            write_text_atomic(user_trace, json.dumps(merge_traces(present, reconfigurations)), "--trace")
+            labels = [f"attempt {k}" for k in range(len(present))]
+            for run_dir in sorted(glob.glob(os.path.join(base, "attempt*"))):
+                # processes an in-process reconfiguration left out wrote their events as they left
+                for part in sorted(glob.glob(os.path.join(run_dir, LEFT_PART.format(gen="*", rank="*")))):
+                    gen = os.path.basename(part).split("-")[1][3:]
+                    present.append(part)
+                    labels.append(f"{os.path.basename(run_dir)}, left at reconfiguration {gen}")
+            write_text_atomic(user_trace, json.dumps(merge_traces(present, reconfigurations, labels)), "--trace")
         merged = _merge(summary, done, reconfigurations)
         if user_summary:
             write_text_atomic(user_summary, json.dumps(merged, indent=2), "--summary")

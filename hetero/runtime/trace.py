@@ -21,14 +21,17 @@ _KINDS = {"F": (None, "forward"), "B": (None, "backward"), "S": ("gradient sync"
 """Event kind -> (name, or None for kind + micro-batch; category, as the predicted step's)."""
 
 
-def trace_dict(layout, events_by_rank: list) -> dict:
+def trace_dict(layout, events_by_rank: list, ranks: list[int] | None = None) -> dict:
     """A Chrome / Perfetto trace: one process per rank, one complete event per F / B, and per step
     the gradient sync (S) and the optimizer (O).
-    ``events_by_rank[r]``: rank r's ``(kind, micro_batch, step, start_unix_s, duration_s)``."""
+    ``events_by_rank[r]``: rank r's ``(kind, micro_batch, step, start_unix_s, duration_s)``;
+    ``ranks``: the ranks of ``layout`` to put in (default: all)."""
     all_t = [e[3] for evs in events_by_rank for e in evs]
     t0 = min(all_t) if all_t else 0.0
     out = []
     for info in layout.ranks:
+        if ranks is not None and info.rank not in ranks:
+            continue
         out.append({"name": "process_name", "ph": "M", "pid": info.rank, "tid": 0,
                     "args": {"name": f"rank {info.rank} {info.group} p{info.pipeline}r{info.replica}s{info.stage}"
                                      + (f" tp{info.tp_rank}" if info.tp_size > 1 else "")}})
@@ -56,12 +59,17 @@ def trace_dict(layout, events_by_rank: list) -> dict:
 PIDS_PER_ATTEMPT = 100_000
 """Attempt k's rank r is process ``k * PIDS_PER_ATTEMPT + r`` in a merged trace."""
 
+LEFT_PART = "left-gen{gen}-rank{rank}.trace.json"
+"""The trace part a process writes in the run directory when an in-process reconfiguration leaves it
+out (its events up to then; the final plan's ranks write the rest at the end)."""
 
-def merge_traces(paths: list[str | None], reconfigurations: list[dict]) -> dict:
+
+def merge_traces(paths: list[str | None], reconfigurations: list[dict], labels: list[str] | None = None) -> dict:
     """One trace of an elastic run: ``paths[k]`` is attempt k's trace (None: it left none), and
     ``reconfigurations`` the summary's entries with the wall-clock time each began (``_failed_at``).
-    Each attempt's ranks become processes named ``attempt k: rank ...``; each reconfiguration is a
-    global instant event at the failure or change that started it."""
+    Each attempt's ranks become processes named ``attempt k: rank ...`` (``labels[k]`` instead of
+    ``attempt k`` where given: the part of a process that left an in-process run); each
+    reconfiguration is a global instant event at the failure or change that started it."""
     traces = []
     for k, path in enumerate(paths):
         if path is None:
@@ -76,7 +84,8 @@ def merge_traces(paths: list[str | None], reconfigurations: list[dict]) -> dict:
         for e in trace["traceEvents"]:
             e = {**e, "pid": k * PIDS_PER_ATTEMPT + e["pid"]}
             if e.get("ph") == "M" and e["name"] == "process_name":
-                e["args"] = {"name": f"attempt {k}: {e['args']['name']}"}
+                label = labels[k] if labels is not None else f"attempt {k}"
+                e["args"] = {"name": f"{label}: {e['args']['name']}"}
             elif e.get("ph") == "M" and e["name"] == "process_sort_index":
                 e["args"] = {"sort_index": e["pid"]}
             elif "ts" in e:
