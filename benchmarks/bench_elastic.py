@@ -49,7 +49,8 @@ rounds; writes benchmarks/results/elastic_launch_live.json.
 
 With ``--launch-live-join``: the same 109M GPT joining from one ``fast`` device (the whole model on
 it) to the four of local-cpu.yaml through the real ``hetero launch --elastic``, 8 steps: once the
-rank trains, the cluster file is rewritten. The launcher starts the joining processes while the
+rank reports step 1 (its first update applied, so AdamW's moments exist and move), the cluster
+file is rewritten. The launcher starts the joining processes while the
 rank trains and asks for the pause once they are ready; every rank then reshards in-process. Per
 round it reads the ``reconfigurations`` entry: the joiners' start-up (overlapped with training),
 pause request -> first step under the new plan (``reshard_time_s``), split into stopping
@@ -66,10 +67,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -189,7 +192,6 @@ def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subproces
                             env=None if env is None else {**os.environ, **env})
     peak = 0.0
     out_parts: list[str] = []
-    import threading
 
     def drain(stream, into):
         into.append(stream.read())
@@ -306,15 +308,22 @@ def launch_live_join(rounds: int, steps: int = 8) -> dict:
         for i in range(rounds):
             start, out, run_dir = tmp / f"start{i}.yaml", tmp / f"join{i}.json", tmp / f"run{i}"
             start.write_text(one_c.read_text())
-            proc = subprocess.Popen(cmd(start, out, "--elastic", "--run-dir", str(run_dir)), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            # progress lines on stdout (not --quiet): the devices join once the rank has applied its
+            # first update, so the exchange moves real AdamW moments, not the zeros of a state not yet made
+            launch_cmd = [a for a in cmd(start, out, "--elastic", "--run-dir", str(run_dir)) if a != "--quiet"]
+            proc = subprocess.Popen(launch_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            err_parts: list[str] = []
+            drain = threading.Thread(target=lambda: err_parts.append(proc.stderr.read()), daemon=True)
+            drain.start()
             try:
-                marker = run_dir / "attempt0" / "rank0.training"
-                deadline = time.time() + 300
-                while not marker.exists() and time.time() < deadline and proc.poll() is None:
-                    time.sleep(0.05)
-                start.write_text(CLUSTER.read_text())   # three devices join
-                _, err = proc.communicate(timeout=900)
+                for line in proc.stdout:
+                    if re.match(r"\s*step\s+1\b", line):
+                        start.write_text(CLUSTER.read_text())   # three devices join
+                        break
+                proc.stdout.read()
+                proc.wait(timeout=900)
+                drain.join()
+                err = "".join(err_parts)
             finally:
                 if proc.poll() is None:
                     proc.kill()
