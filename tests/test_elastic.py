@@ -521,6 +521,10 @@ def test_devices_that_join_are_taken_in_in_process_with_the_losses_of_a_run_that
     assert rc["bytes_moved"] == rc["intersection_bytes"] > 0
     # the joiners started while training went on; the pause request came once they were ready
     assert rc["joiner_start_s"] > 0 and 0 <= rc["detect_s"] <= rc["reshard_time_s"] < 60
+    # ... and the running rank had prepared its new regions at a step boundary (not the wait's bound)
+    from hetero.runtime.elastic_join import PREPARE_WAIT_S
+
+    assert 0 <= rc["prepare_wait_s"] < PREPARE_WAIT_S
     for k in ("agree_replan_s", "regroup_s", "transfer_s", "rebuild_s"):
         assert 0 <= rc[k] <= rc["reshard_time_s"], (k, rc)
     first = int((tmp_path / "run" / "attempt0" / "rank0.pid").read_text())

@@ -6,9 +6,13 @@ launcher's :class:`~hetero.runtime.elastic_live.LiveRun` holds the pause request
 
 1. starts one worker per new rank at once, with the coordinator's port and :data:`JOIN_ENV`
    (``<generation>:<id>``; the id is the new rank plus the old world size, so it never meets an old
-   rank). Each imports what it will need, connects to the store and checks in as ready
-   (:func:`ready_key`) while the running ranks keep training;
-2. once every joiner is ready, asks the ranks to pause at the next step boundary (the request file
+   rank). Each imports what it will need, connects to the store, allocates and touches the regions
+   the new plan gives it, and checks in as ready (:func:`ready_key`) while the running ranks keep
+   training; the running ranks are told the new plan too (:func:`prepare_key`) and prepare their
+   new regions the same way at their next step boundary, so no rank's exchange writes into memory
+   mapped in the downtime;
+2. once every joiner is ready and every running rank prepared (or :data:`PREPARE_WAIT_S` passed),
+   asks the ranks to pause at the next step boundary (the request file
    of :mod:`~hetero.runtime.cluster_watch`); the pause-request -> first-step time then covers only
    the step under way, agree, regroup, transfer and rebuild, not the joiners' start-up. A lone rank
    is stopped at once instead (the launcher's signal, as after a failure): the step under way is
@@ -42,6 +46,23 @@ JOIN_ENV = "HETERO_JOIN"
 
 def ready_key(gen: int, me: int) -> str:
     return f"hetero/reconfig/gen{gen}/joined/{me}"
+
+
+def prepare_key(gen: int, rank: int) -> str:
+    """Where a running rank finds, while it trains, the run file of the plan it will reshard into
+    and its rank there (it prepares its new regions as the joiners do theirs)."""
+    return f"hetero/reconfig/gen{gen}/prepare/{rank}"
+
+
+def prepared_key(gen: int, rank: int) -> str:
+    """Set by a running rank once its new regions are prepared (:func:`prepare_key`)."""
+    return f"hetero/reconfig/gen{gen}/prepared/{rank}"
+
+
+PREPARE_WAIT_S = 30.0
+"""How long the pause waits, once every joiner is ready, for the running ranks to prepare their new
+regions (at their next step boundary); past it they pause unprepared (their exchange then maps its
+memory in the downtime)."""
 
 
 def history_key(gen: int) -> str:
@@ -90,8 +111,12 @@ class Joiners:
                 self.change, self.gen, self.asked_at = change, run.gen_no + 1, time.time()   # not started again
                 watch.release()
                 return
-        if store.check([ready_key(self.gen, self.id(nr)) for nr in self.procs]):
-            self.ready_at = self.asked_at = time.time()
+        if self.ready_at is None and store.check([ready_key(self.gen, self.id(nr)) for nr in self.procs]):
+            self.ready_at = time.time()
+        if self.ready_at is not None and (
+                store.check([prepared_key(self.gen, r) for r in self.members])
+                or time.time() - self.ready_at > PREPARE_WAIT_S):
+            self.asked_at = time.time()
             watch.release()
             if len(run.now.procs) == 1:
                 # a lone rank agrees with no one: it stops at once (anywhere but in its optimizer update,
@@ -146,6 +171,9 @@ class Joiners:
                        RECONFIG_ENV: str(run.coordinator.port), JOIN_ENV: f"{self.gen}:{self.id(nr)}"}
                 argv = [sys.executable, "-m", WORKER_MODULE, "--spec", launch.spec_path, *opts.extra]
                 self.procs[nr] = subprocess.Popen(argv, env=env, start_new_session=True)
+        for old, nr in members.items():   # the running ranks prepare their new regions while they train
+            run.coordinator.store.set(prepare_key(self.gen, old), json.dumps({"spec": launch.spec_path, "rank": nr,
+                                                                             "at": self.started_at}))
         run.print_fn(f"elastic: starting {len(self.procs)} process(es) for the joining devices while training goes "
                      f"on; the ranks pause once they are ready")
         return True
@@ -193,7 +221,8 @@ class Joiners:
               "predicted_tokens_per_s": change.result.tokens_per_s, "path": "in-process", "transport": transport,
               "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(transition, members, ranks, change.cluster),
-              "joiner_start_s": self.ready_at - self.started_at, "joiners": len(self.procs)}
+              "joiner_start_s": self.ready_at - self.started_at, "prepare_wait_s": self.asked_at - self.ready_at,
+              "joiners": len(self.procs)}
         joiners = [self.id(nr) for nr in self.procs]
         for nr, p in self.procs.items():   # the new plan's processes: the running ones and the joiners
             now.procs[self.id(nr)] = p

@@ -29,7 +29,6 @@ def join_run(live, spec):
     import torch
 
     import hetero
-    from hetero.layout import build_layout
     from hetero.runtime.elastic_join import JOIN_ENV, history_key, ready_key
     from hetero.runtime.reshard.live import await_decision, reconfigure
     from hetero.runtime.reshard.resume import import_training_modules, members_world, timing_key
@@ -46,9 +45,7 @@ def join_run(live, spec):
     live.space, live.rank = space, me
     # the regions the new plan gives this rank, allocated and touched now, while the others train:
     # the exchange then writes into mapped memory (a fresh 300 MB costs ~0.1 s of page faults)
-    plan = hetero.load_plan(spec.plan)
-    layout = build_layout(hetero.load_cluster(spec.cluster), plan)
-    prepared = prepare_regions(space.rank_regions(plan, layout.ranks[int(os.environ["RANK"])]))
+    prepared = prepare_regions(regions_in(space, spec, int(os.environ["RANK"])))
     gc.collect()   # as LiveReconfig.first_world: frozen before this process makes any process group
     gc.freeze()
     live.store.set(ready_key(gen, me), json.dumps({"pid": os.getpid(), "at": time.time()}))
@@ -74,6 +71,15 @@ def join_run(live, spec):
         "pid": os.getpid(), "rank_after": place.rank, "rebuild_s": time.perf_counter() - t0,
         "ready_at": time.time()}))
     return trainer, history["end"]
+
+
+def regions_in(space, spec, rank: int) -> dict:
+    """The regions rank ``rank`` of the plan in ``spec`` (a run file) holds: name -> box."""
+    import hetero
+    from hetero.layout import build_layout
+
+    plan = hetero.load_plan(spec.plan)
+    return space.rank_regions(plan, build_layout(hetero.load_cluster(spec.cluster), plan).ranks[rank])
 
 
 def _bare_trainer(ctx, results: list[dict]):
