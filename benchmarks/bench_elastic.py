@@ -52,7 +52,8 @@ it) to the four of local-cpu.yaml through the real ``hetero launch --elastic``, 
 rank reports step 1 (its first update applied, so AdamW's moments exist and move), the cluster
 file is rewritten. The launcher starts the joining processes while the
 rank trains and asks for the pause once they are ready; every rank then reshards in-process. Per
-round it reads the ``reconfigurations`` entry: the joiners' start-up (overlapped with training),
+round it reads the ``reconfigurations`` entry: the joiners' start-up (overlapped with training), the
+wait for the running rank to prepare its new regions at a step boundary (``prepare_wait_s``),
 pause request -> first step under the new plan (``reshard_time_s``), split into stopping
 (``detect_s``: the lone rank is stopped at once), the live state read and the old world left
 (``leave_s``), agree, regroup, transfer and rebuild, the bytes moved against the
@@ -288,7 +289,7 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             "machine": f"{os.cpu_count()} cores; load average {load_before:.2f} when it started"}
 
 
-JOIN_KEYS = ("joiner_start_s", "detect_s", "leave_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s",
+JOIN_KEYS = ("joiner_start_s", "prepare_wait_s", "detect_s", "leave_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s",
              "reshard_time_s", "predicted_downtime_s")
 
 
@@ -339,7 +340,8 @@ def launch_live_join(rounds: int, steps: int = 8) -> dict:
                  "plan_after": rc["plan"], "max_rel_loss_diff": max(diffs)}
             r["pause_to_first_step_beyond_the_step_under_way_s"] = r["reshard_time_s"] - r["detect_s"]
             rows.append(r)
-            print(f"round {i}: joiners ready in {r['joiner_start_s']:.2f} s (while training); pause request -> first "
+            print(f"round {i}: joiners ready in {r['joiner_start_s']:.2f} s (while training), the running rank prepared "
+                  f"{r['prepare_wait_s']:.2f} s later; pause request -> first "
                   f"step {r['reshard_time_s']:.2f} s (stopping {r['detect_s']:.2f}, state read and world left "
                   f"{r['leave_s']:.2f}, agree "
                   f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
