@@ -302,11 +302,11 @@ def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None
     from torch.distributed.tensor import DTensor
 
     from hetero.runtime.grads import make_optimizer
-    from hetero.runtime.model import StageModel, apply_tensor_parallel, rope_tables
+    from hetero.runtime.model import StageModel, apply_tensor_parallel, rope_tables, skip_init
 
     first, last = info.holds_ends(plan)
     chunks = info.chunk_layers(plan)
-    with torch.device("meta"):
+    with torch.device("meta"), skip_init():   # every value is replaced below
         module = StageModel(model, chunks[0], first, last, chunks)
     module.set_recompute(plan.recompute)
     if info.tp_size > 1:
