@@ -130,3 +130,41 @@ def test_a_paused_zero_run_reshards_in_process_to_what_the_checkpoint_loads(tmp_
         assert r["bad"] == [], (name, r["bad"])
         assert r["step"] == 3 and r["zero"] == new["zero_stage"] and r["sharded"] == (new["zero_stage"] > 0)
         assert r["steps"] > 0 and r["compared"] > 2 * 20   # the AdamW state was there to compare
+
+
+@pytest.mark.parametrize("with_checkpoint", [True, False], ids=["--save checkpoint", "none"])
+def test_after_a_lost_zero_rank_every_region_comes_from_the_checkpoint(tmp_path, capsys, with_checkpoint):
+    """A lost ZeRO rank's optimizer slices have no copy, so the survivor serves nothing (it could not
+    gather its moments without the lost rank) and its whole state comes from the checkpoint."""
+    import torch.distributed as dist
+
+    import hetero
+    from hetero.runtime.reshard import live as L
+    from hetero.runtime.reshard.space import ParameterSpace
+
+    ckpt = str(tmp_path / "ckpt")
+    _checkpoint(ckpt, MODEL)
+    old, new = (_cluster(2), _plan(_one_stage(2), 1)), (_cluster(1), _plan(_one_stage(1), 1))
+    coordinator = L.Coordinator()
+    try:
+        store = L.connect(coordinator.port)
+        L.regroup(store, 0, 0, 1, 20)
+        coordinator.publish(1, {0: 0}, L.decision_for(MODEL, old, new, [0], step=5, lost_slices=True,
+                                                      checkpoint=ckpt if with_checkpoint else None))
+        if not with_checkpoint:   # (the launcher ends the run before: tests/test_elastic.py)
+            with pytest.raises(L.ReconfigurationError, match="zero_stage 1: the lost rank's optimizer slices have "
+                                                             "no copy: the live state cannot be rebuilt .fix: run with --save, or a plan "
+                                                             "with zero_stage: 0"):
+                L.reconfigure(store, 1, 0, {}, timeout_s=20)
+            return
+        place = L.reconfigure(store, 1, 0, {}, timeout_s=20)
+        assert place.fallback == ckpt and place.step == 3 and place.stats.bytes_received == 0
+        assert "optimizer slices have no copy" in capsys.readouterr().out
+        want = ParameterSpace(hetero.load_model(MODEL)).shapes
+        assert sorted(place.state) == sorted(want)
+        assert all(place.state[n].tensors["exp_avg"].shape == want[n] and float(place.state[n].step) == 3.0
+                   for n in want)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        coordinator.close()

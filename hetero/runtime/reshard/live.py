@@ -225,11 +225,12 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
         if transition.missing:
             _, region = transition.missing[0]
             what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
+            fix = "a plan whose stages have data-parallel replicas, or run with --save"
         else:   # ZeRO: a lost rank's optimizer slices have no copy, and the survivors hold slices only
             what = f"zero_stage {plans[0].zero_stage}: the lost rank's optimizer slices have no copy"
+            fix = "run with --save, or a plan with zero_stage: 0"
         if not d.get("checkpoint"):
-            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: a "
-                                       f"plan whose stages have data-parallel replicas, or run with --save)")
+            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: {fix})")
         from hetero.runtime.reshard.transfer import ExchangeStats, load_regions
 
         state, step = load_regions(d["checkpoint"], targets.get(rank, {}), space.shapes)
