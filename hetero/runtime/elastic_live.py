@@ -298,6 +298,9 @@ class LiveRun:
         if not survivors:
             raise HeteroError(f"elastic: no rank survived {reason} (fix: restart from a --save checkpoint)")
         steps = {got[r]["applied_step"] for r in survivors}
+        lost_slices = bool(now.plan.zero_stage)   # ZeRO: a lost rank's optimizer slices have no copy
+        if lost_slices:   # the state comes from the checkpoint, whatever step each survivor reached
+            steps = {max(steps)}
         if len(steps) > 1:
             by = ", ".join(f"rank {r}: {got[r]['applied_step']}" for r in survivors)
             raise HeteroError(f"elastic: the surviving ranks stopped at different steps ({by}), so their live state "
@@ -308,7 +311,6 @@ class LiveRun:
         ahead = self._ahead.get(frozenset(lost_ranks)) or self._replan(lost_ranks)
         members = assign_ranks(now.layout, ahead.layout, survivors)
         checkpoint = self._checkpoint()
-        lost_slices = bool(now.plan.zero_stage)   # ZeRO: a lost rank's optimizer slices have no copy
         if lost_slices and not checkpoint:
             from hetero.runtime.elastic import _refuse_lost_slices
 

@@ -151,6 +151,9 @@ class LiveReconfig:
     critical = False
     """Inside an optimizer step, up to the step counted as applied: never interrupted."""
 
+    updated = False
+    """A ZeRO rank's optimizer update of the step under way ran (its parameters' all-gather may not)."""
+
     taken = False
     """Whether the main thread ran :meth:`_on_peer_lost` for the last signal (it is not blocked)."""
 
@@ -175,20 +178,28 @@ class LiveReconfig:
         engine, optimizer = trainer.engine, trainer.engine.optimizer
         train_step, optimizer_step = engine.train_step, optimizer.step
 
+        sharded = getattr(engine, "sharded", None) is not None
+
         def guarded_optimizer_step(*args, **kwargs):
             self.critical = True   # until the step is counted as applied (below)
-            return optimizer_step(*args, **kwargs)
+            out = optimizer_step(*args, **kwargs)
+            if sharded:   # ZeRO: the slices are updated; the parameters' all-gather after it may be cut
+                # (after a lost peer a ZeRO run's state comes from the checkpoint, never from them)
+                self.critical, self.updated = False, True
+            return out
 
         def interruptible_step(step, *args, **kwargs):
             if self.aborted:
                 raise PeerLost("a peer's process ended (the launcher said so)")
-            self.interruptible, self.critical = True, False
+            self.interruptible, self.critical, self.updated = True, False, False
             try:
                 out = train_step(step, *args, **kwargs)
             except BaseException:
                 self.interruptible = False
+                if self.updated:
+                    trainer.applied_step = step + 1
                 raise
-            if self.critical:   # the update was applied: counted before anything may interrupt again
+            if self.critical or self.updated:   # the update was applied: counted before anything may interrupt again
                 trainer.applied_step = step + 1
             self.critical = False
             if self.aborted and self.world > 1:   # the signal came during the update (a lone rank, stopped
