@@ -81,7 +81,7 @@ def sharded_live_state(module, sharded, regions: dict[str, Box]) -> dict[str, Te
     for name, p in module.named_parameters():
         box = regions[name]
         idx = tuple(slice(a, b) for a, b in box)   # full_state's tensors are whole: the region is a box of them
-        st = full.get(name)
+        st = full.pop(name, None)   # its whole tensors freed as its region is cut out
         tensors = {"param": st["param"][idx].contiguous() if st is not None and "param" in st
                    else local_part(p.detach())}
         if tuple(tensors["param"].shape) != tuple(b - a for a, b in box):
