@@ -26,10 +26,10 @@ the world sizes, the devices there are now (``devices_left``), added and removed
 counts from the pause request (finishing the step under way, then writing the state).
 
 What it needs: the native engine and every node slot launched from this machine. With ZeRO
-(``zero_stage`` > 0) only deliberate changes are taken in (every rank is alive, and the collective
-checkpoint gathers the optimizer slices); a failure ends the run, since a lost slice has no copy. A
-rank that raises on a working device (a bug, an out-of-memory error) is not a departed device: the
-run ends as without ``--elastic``.
+(``zero_stage`` > 0) deliberate changes are taken in (every rank is alive, and the optimizer
+slices are gathered whole); after a failure a lost slice has no copy, so the run goes on from the
+last ``--save`` checkpoint, or ends. A rank that raises on a working device (a bug, an
+out-of-memory error) is not a departed device: the run ends as without ``--elastic``.
 """
 from __future__ import annotations
 
@@ -61,8 +61,9 @@ def check_elastic(plan, options, node_rank: int | None) -> str | None:
                           "(fix: --engine native)")
     if plan.zero_stage:
         return (f"elastic with zero_stage {plan.zero_stage}: devices that join or leave through the cluster file "
-                f"are taken in, but a device lost to a failure ends the run, since ZeRO keeps each slice of the "
-                f"optimizer state on one rank only (a plan with zero_stage: 0 survives failures too)")
+                f"are taken in, but after a device lost to a failure the run goes on only from a --save "
+                f"checkpoint, since ZeRO keeps each slice of the optimizer state on one rank only (a plan with "
+                f"zero_stage: 0 survives failures too)")
     return None
 
 
@@ -152,8 +153,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                     _import_handoff_modules()
                     if k == 1:
                         print_fn(f"elastic: {why_not_live}: a lost device's state goes through the run directory "
-                                 f"and every worker restarts (the in-process reshard needs the native engine, "
-                                 f"zero_stage 0 and one launching machine)")
+                                 f"and every worker restarts (the in-process reshard needs the native engine "
+                                 f"and one launching machine)")
                     run(launch, print_fn=print_fn)
             except RankFailure as failure:
                 _close_timing(reconfigurations, attempt.run_dir, launch.layout.world_size)

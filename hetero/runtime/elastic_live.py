@@ -1,6 +1,6 @@
 """The launcher's side of in-process elastic reconfiguration (``hetero launch --elastic``).
 
-Where it applies (native engine, ``zero_stage: 0``, every node slot on this machine) the launcher
+Where it applies (native engine, every node slot on this machine) the launcher
 starts each worker itself, one process per rank in a session of its own (not through torchrun,
 whose agent ends a node's other workers when one of them fails), and hosts the coordinator's store
 (:class:`hetero.runtime.reshard.live.Coordinator`) the workers form their worlds on. The launcher
@@ -27,7 +27,11 @@ today's ``handoff_time_s`` (failure -> last check-in), ``replan_time_s``, ``rest
 
 Where no survivor holds a region (a stage without a replica) the ranks go on from the checkpoint the
 run was ``--load``-ed from or the ``--save`` directory, if one is there, and the lost steps are
-printed; without one the run ends naming the layers.
+printed; without one the run ends naming the layers. A ZeRO plan (``zero_stage`` 1 or 2) keeps each
+optimizer slice on one rank: a change of the cluster file is resharded in-process (every rank gathers
+its stage's moments whole before the exchange, :meth:`~hetero.runtime.reshard.resume.LiveReconfig.pause`),
+but after a lost rank the survivors' slices cannot be made whole, so the ranks go on from that
+checkpoint, or the run ends naming the fix.
 """
 from __future__ import annotations
 
@@ -50,8 +54,6 @@ def live_applies(plan, options, launch) -> str | None:
     handoff and a restart are used instead)."""
     if options.engine != "native":
         return f"--engine {options.engine}"
-    if plan.zero_stage:
-        return f"zero_stage {plan.zero_stage} (each optimizer slice lives on one rank)"
     if not launch.local:
         return "node slots on other machines"
     return None
@@ -296,6 +298,9 @@ class LiveRun:
         if not survivors:
             raise HeteroError(f"elastic: no rank survived {reason} (fix: restart from a --save checkpoint)")
         steps = {got[r]["applied_step"] for r in survivors}
+        lost_slices = bool(now.plan.zero_stage)   # ZeRO: a lost rank's optimizer slices have no copy
+        if lost_slices:   # the state comes from the checkpoint, whatever step each survivor reached
+            steps = {max(steps)}
         if len(steps) > 1:
             by = ", ".join(f"rank {r}: {got[r]['applied_step']}" for r in survivors)
             raise HeteroError(f"elastic: the surviving ranks stopped at different steps ({by}), so their live state "
@@ -306,6 +311,10 @@ class LiveRun:
         ahead = self._ahead.get(frozenset(lost_ranks)) or self._replan(lost_ranks)
         members = assign_ranks(now.layout, ahead.layout, survivors)
         checkpoint = self._checkpoint()
+        if lost_slices and not checkpoint:
+            from hetero.runtime.elastic import _refuse_lost_slices
+
+            _refuse_lost_slices(now.plan, reason)
         transition = (ahead.transition if ahead.survivors == tuple(survivors)
                       else self._transition(now, ahead, members, survivors))
         if transition.missing and not checkpoint:
@@ -324,8 +333,8 @@ class LiveRun:
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
             (ahead.cluster.to_dict(), ahead.result.plan.to_dict()), survivors, step,
-            checkpoint if transition.missing else None, transport=transport,
-            pids={r: now.procs[r].pid for r in survivors}))
+            checkpoint if transition.missing or lost_slices else None, transport=transport,
+            pids={r: now.procs[r].pid for r in survivors}, lost_slices=lost_slices))
         decided = time.time()
         replan_s = time.perf_counter() - t0
         self.print_fn(f"elastic: replanned on {ahead.cluster.num_devices} device(s) in {replan_s:.2f} s: "

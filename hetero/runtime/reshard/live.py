@@ -109,16 +109,17 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float, prefix: st
 
 def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
                  step: int, checkpoint: str | None = None, transport: str = "p2p",
-                 pids: dict[int, int] | None = None) -> dict:
+                 pids: dict[int, int] | None = None, lost_slices: bool = False) -> dict:
     """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
     after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
     in the exchange, then leaves), the step the state is at, the last ``--save`` checkpoint (the
     fallback when no survivor holds some region), the exchange's transport (:func:`choose_transport`)
     and the process id of every process in it (the launcher's; a same-host exchange watches its
-    peers by them)."""
+    peers by them). ``lost_slices``: a ZeRO run lost a rank, whose optimizer slices exist nowhere
+    else: every region comes from ``checkpoint``."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
             "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint, "transport": transport,
-            "pids": {str(k): v for k, v in (pids or {}).items()}}
+            "pids": {str(k): v for k, v in (pids or {}).items()}, "lost_slices": lost_slices}
 
 
 TRANSPORT_ENV = "HETERO_RESHARD_TRANSPORT"
@@ -220,12 +221,16 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     space = space or ParameterSpace(model)
     targets = space.layout_regions(plans[1], layouts[1])
     transition = transition_between(space, plans[0], layouts[0], targets, world_rank, layouts[1])
-    if transition.missing:
-        _, region = transition.missing[0]
-        what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
+    if transition.missing or d.get("lost_slices"):
+        if transition.missing:
+            _, region = transition.missing[0]
+            what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
+            fix = "a plan whose stages have data-parallel replicas, or run with --save"
+        else:   # ZeRO: a lost rank's optimizer slices have no copy, and the survivors hold slices only
+            what = f"zero_stage {plans[0].zero_stage}: the lost rank's optimizer slices have no copy"
+            fix = "run with --save, or a plan with zero_stage: 0"
         if not d.get("checkpoint"):
-            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: a "
-                                       f"plan whose stages have data-parallel replicas, or run with --save)")
+            raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: {fix})")
         from hetero.runtime.reshard.transfer import ExchangeStats, load_regions
 
         state, step = load_regions(d["checkpoint"], targets.get(rank, {}), space.shapes)

@@ -1,6 +1,6 @@
 """A worker's side of an in-process elastic reconfiguration: survive a lost peer and train on.
 
-``hetero launch --elastic`` (native engine, ``zero_stage: 0``, one launching machine) starts every
+``hetero launch --elastic`` (native engine, one launching machine) starts every
 worker itself, with the port of the launcher's coordinator store in :data:`RECONFIG_ENV`
 (:mod:`hetero.runtime.elastic_live`). The worker then forms its first world on that store
 (generation 0, :meth:`LiveReconfig.first_world`) instead of torchrun's, and when a step fails
@@ -22,6 +22,15 @@ because a peer's process ended, :meth:`LiveReconfig.recover`
 and the trainer goes on from the step the state is at, with the same global batch and the same
 global sample indices, so the losses are those of a run that lost nothing. What each phase took
 is put in the store for the launcher's ``reconfigurations`` entry.
+
+ZeRO (``zero_stage`` 1 or 2: each rank keeps AdamW state for a slice of each holder set only). At a
+pause every rank is alive, so after the decision each gathers its stage's moments (and a bf16
+model's fp32 masters) whole with a collective in the old world (:func:`~.transfer.sharded_live_state`):
+its live state is then what a ``zero_stage: 0`` rank holds, and the exchange is unchanged. Where the
+new plan shards too, the rebuilt engine's optimizer takes its slices of the exchanged states as
+from a checkpoint. After a lost peer no gather is possible (it would wait on the lost rank): the
+survivors serve nothing and take their state from the last checkpoint, which the launcher names
+(:mod:`hetero.runtime.elastic_live`).
 """
 from __future__ import annotations
 
@@ -163,6 +172,9 @@ class LiveReconfig:
     (0.05-0.1 s for the seven groups of a rank here), work the downtime need not wait for; their
     connections are broken already, so nothing waits on them meanwhile."""
 
+    updated = False
+    """A ZeRO rank's optimizer update of the step under way ran (its parameters' all-gather may not)."""
+
     taken = False
     """Whether the main thread ran :meth:`_on_peer_lost` for the last signal (it is not blocked)."""
 
@@ -187,20 +199,28 @@ class LiveReconfig:
         engine, optimizer = trainer.engine, trainer.engine.optimizer
         train_step, optimizer_step = engine.train_step, optimizer.step
 
+        sharded = getattr(engine, "sharded", None) is not None
+
         def guarded_optimizer_step(*args, **kwargs):
             self.critical = True   # until the step is counted as applied (below)
-            return optimizer_step(*args, **kwargs)
+            out = optimizer_step(*args, **kwargs)
+            if sharded:   # ZeRO: the slices are updated; the parameters' all-gather after it may be cut
+                # (after a lost peer a ZeRO run's state comes from the checkpoint, never from them)
+                self.critical, self.updated = False, True
+            return out
 
         def interruptible_step(step, *args, **kwargs):
             if self.aborted:
                 raise PeerLost("a peer's process ended (the launcher said so)")
-            self.interruptible, self.critical = True, False
+            self.interruptible, self.critical, self.updated = True, False, False
             try:
                 out = train_step(step, *args, **kwargs)
             except BaseException:
                 self.interruptible = False
+                if self.updated:
+                    trainer.applied_step = step + 1
                 raise
-            if self.critical:   # the update was applied: counted before anything may interrupt again
+            if self.critical or self.updated:   # the update was applied: counted before anything may interrupt again
                 trainer.applied_step = step + 1
             self.critical = False
             if self.aborted and self.world > 1:   # the signal came during the update (a lone rank, stopped
@@ -317,17 +337,39 @@ class LiveReconfig:
         if d.get("handoff"):
             self.gen = gen
             return None
+        if getattr(trainer.engine, "sharded", None) is not None:
+            # ZeRO: the moments are gathered whole for this rank's regions now, while every rank is
+            # in the old world (the decision came once all checked in); after a failure they cannot be
+            self.gathered = self._live(trainer)
         return self.recover(trainer, paused_at, decision=d)
+
+    gathered = None
+    """A ZeRO rank's live state, gathered in :meth:`pause` for the :meth:`recover` that follows."""
+
+    def _live(self, trainer) -> dict:
+        """This rank's live state as regions (:func:`~.transfer.live_state`); a ZeRO rank's gathered
+        whole (:func:`~.transfer.sharded_live_state`, a collective)."""
+        from hetero.runtime.reshard.transfer import live_state, sharded_live_state
+
+        engine = trainer.engine
+        if getattr(engine, "sharded", None) is not None:
+            return sharded_live_state(engine.module, engine.sharded, self.regions)
+        return live_state(engine.module, engine.optimizer, self.regions)
 
     def recover(self, trainer, detected_at: float, decision: dict | None = None) -> bool:
         """Reconfigure after a lost peer (see the module docstring); True: ``trainer`` is rebuilt for
         the new plan and goes on; False: the new plan leaves this rank out (its state was served)."""
         from hetero.runtime.reshard.live import reconfigure
-        from hetero.runtime.reshard.transfer import live_state
 
         self.recovering = True
         engine = trainer.engine
-        live = live_state(engine.module, engine.optimizer, self.regions)
+        live, self.gathered = self.gathered, None
+        if live is None:
+            # a ZeRO rank that lost a peer holds slices only, and a gather would wait on the lost
+            # rank: it serves nothing (the launcher's decision goes on from the last checkpoint);
+            # a lone rank (stopped for devices that join) has no peer to gather from
+            live = ({} if getattr(engine, "sharded", None) is not None and self.world > 1
+                    else self._live(trainer))
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
         if decision is None and self.world == 1:   # a lone rank is stopped at once for devices that join
             self._leave_history(trainer, self.gen + 1)
@@ -379,7 +421,7 @@ class LiveReconfig:
         """``trainer`` rebuilt for ``place`` (its rank in the new plan, the exchanged state)."""
         from hetero.runtime.collectives import Collectives
         from hetero.runtime.engine import NativeEngine, RunContext
-        from hetero.runtime.reshard.transfer import rebuild_stage
+        from hetero.runtime.reshard.transfer import full_states, rebuild_stage
         from hetero.runtime.spec import RunSpec, describe_rank
 
         old = trainer.ctx
@@ -400,6 +442,9 @@ class LiveReconfig:
         stage = rebuild_stage(ctx.model, ctx.plan, ctx.me, place.state, mesh=mesh, device=ctx.device,
                               lr=opts.lr, weight_decay=opts.weight_decay)
         engine = NativeEngine(ctx, comm, stage=stage)
+        if engine.sharded is not None:   # ZeRO: this rank keeps its slices of the exchanged states, as after a load
+            engine.sharded.load_full_state(full_states(*stage))
+        del stage
         if mesh is not None:
             engine.mesh = mesh
         if scale is not None and engine.scaler is not None:

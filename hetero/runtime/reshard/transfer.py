@@ -68,6 +68,45 @@ def live_state(module, optimizer, regions: dict[str, Box]) -> dict[str, TensorSt
     return out
 
 
+def sharded_live_state(module, sharded, regions: dict[str, Box]) -> dict[str, TensorState]:
+    """:func:`live_state` of a ZeRO rank (``sharded``: its :class:`~hetero.runtime.zero.ShardedAdamW`):
+    its stage's whole regions, as a ``zero_stage: 0`` rank holds them, with the moments (and a bf16
+    model's exact fp32 masters) gathered from the slices by :meth:`~hetero.runtime.zero.ShardedAdamW.full_state`.
+    A collective over the rank's holder sets: every rank of the world calls it while all are alive
+    (a pause), never after a failure."""
+    from hetero.runtime.grads import local_part
+
+    full = sharded.full_state(keep=lambda name: name in regions)   # waits for deferred gathers first
+    out = {}
+    for name, p in module.named_parameters():
+        box = regions[name]
+        idx = tuple(slice(a, b) for a, b in box)   # full_state's tensors are whole: the region is a box of them
+        st = full.pop(name, None)   # its whole tensors freed as its region is cut out
+        tensors = {"param": st["param"][idx].contiguous() if st is not None and "param" in st
+                   else local_part(p.detach())}
+        if tuple(tensors["param"].shape) != tuple(b - a for a, b in box):
+            raise RuntimeError(f"{name}: this rank holds {tuple(tensors['param'].shape)}, the parameter space "
+                               f"says {tuple(b - a for a, b in box)}")
+        for k in STATE_KINDS[1:]:
+            tensors[k] = st[k][idx].contiguous() if st is not None else torch.zeros_like(tensors["param"])
+        out[name] = TensorState(box, tensors, None if st is None else st["step"].reshape(()).detach().cpu())
+    return out
+
+
+def full_states(module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """A plain AdamW's state (:func:`rebuild_stage`'s) as the full per-parameter states
+    :meth:`~hetero.runtime.zero.ShardedAdamW.load_full_state` takes (a tp shard's moments gathered
+    inside its tp group: the tp ranks of a stage call it together)."""
+    out = {}
+    for name, p in module.named_parameters():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        whole = {k: st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k] for k in STATE_KINDS[1:]}
+        out[name] = {**whole, "step": torch.as_tensor(st["step"])}
+    return out
+
+
 @dataclass
 class ExchangeStats:
     bytes_sent: int = 0
