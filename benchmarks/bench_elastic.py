@@ -295,6 +295,7 @@ JOIN_KEYS = ("joiner_start_s", "prepare_wait_s", "detect_s", "leave_s", "agree_r
 
 def launch_live_join(rounds: int, steps: int = 8) -> dict:
     """The 109M GPT joining from one device to local-cpu.yaml's four, in-process (see the docstring)."""
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model, one_c, one_p = _gpt109_files(tmp)
@@ -360,7 +361,8 @@ def launch_live_join(rounds: int, steps: int = 8) -> dict:
     print(f"    bytes moved == intersection volume: {exact}; pid kept: {all(r['pids_kept'] for r in rows)}; "
           f"largest relative loss difference vs one device: {worst:.1e}")
     return {"method": "see --launch-live-join in the method above", "steps": steps, "rounds": rows, "medians": med,
-            "bytes_exact": exact, "max_rel_loss_diff": worst, "machine": "2 cores, shared with other jobs while measured"}
+            "bytes_exact": exact, "max_rel_loss_diff": worst,
+            "machine": f"{os.cpu_count()} cores; load average {load_before:.2f} when it started"}
 
 
 def main() -> int:
