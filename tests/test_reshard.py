@@ -318,6 +318,7 @@ def _survivor_worker(rank, world, ckpt, port, second_failure):
     from hetero.layout import build_layout
     from hetero.runtime.grads import local_part
     from hetero.runtime.reshard import live as L
+    from hetero.runtime.reshard.sockets import break_connections
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import live_state, rebuild_stage
 
@@ -336,6 +337,9 @@ def _survivor_worker(rank, world, ckpt, port, second_failure):
         raise AssertionError("an all-reduce with a dead peer succeeded")
     except RuntimeError:
         detect_s = time.perf_counter() - t
+    # as a survivor leaving the broken world does: the peers still blocked in the all-reduce on this
+    # rank fail at once instead of at the group's timeout (20 s)
+    break_connections({port})
     live = live_state(module, optimizer, ParameterSpace(model).rank_regions(plan, layout.ranks[rank]))
     if second_failure and rank == 1:   # lost again, after joining the new world, before the exchange
         L.report_alive(store, 1, rank)
