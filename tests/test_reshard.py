@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _spawn import spawn
-from helpers import local_cluster
+from helpers import local_cluster, random_state_checkpoint
 
 # an odd vocabulary, so tp 2 splits the embedding unevenly (255 + 254 rows)
 MODEL = {"name": "reshard", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -157,22 +157,6 @@ SCENARIOS = [
 ]
 
 
-def _state_checkpoint(path: str) -> None:
-    """A plan-independent checkpoint of MODEL at step 3 with every value random (no two alike)."""
-    import hetero
-    from hetero.runtime.checkpoint import save_assembled_checkpoint
-    from hetero.runtime.reshard.space import ParameterSpace
-
-    g = torch.Generator().manual_seed(0)
-    state = {}
-    for name, shape in ParameterSpace(hetero.load_model(MODEL)).shapes.items():
-        state[f"model/{name}"] = torch.randn(shape, generator=g)
-        state[f"optim/{name}/exp_avg"] = torch.randn(shape, generator=g) * 1e-3
-        state[f"optim/{name}/exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-6
-        state[f"optim/{name}/step"] = torch.tensor(3.0)
-    save_assembled_checkpoint(path, state, 3, None)
-
-
 def _stage_from(model, plan, layout, rank, groups, ckpt):
     """Rank ``rank`` of ``layout`` (None: a process without a place there) loaded from ``ckpt``; every
     process calls it (the checkpoint's load is a collective)."""
@@ -287,7 +271,7 @@ def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_p
     if same_host and not cma.usable():
         pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
     ckpt = str(tmp_path / "ckpt")
-    _state_checkpoint(ckpt)
+    random_state_checkpoint(ckpt, MODEL)
     max_bytes = 64 << 10   # small, so the bigger pieces travel as several messages
     results = spawn(_reshard_worker, 4, args=(ckpt, max_bytes, same_host), timeout=240)
     for name, *_ in SCENARIOS:
@@ -386,7 +370,7 @@ def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, se
         pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
 
     ckpt = str(tmp_path / "ckpt")
-    _state_checkpoint(ckpt)
+    random_state_checkpoint(ckpt, MODEL)
     coordinator = Coordinator()
     # the coordinator knows rank 3's process exited (the launcher watches its workers' pids)
     threading.Thread(target=_coordinate, args=(coordinator, [0, 1, 2], transport), daemon=True).start()
@@ -445,7 +429,7 @@ def test_a_region_no_survivor_holds_comes_from_the_last_checkpoint_or_ends_the_r
     from hetero.runtime.reshard.transfer import live_state, rebuild_stage
 
     ckpt = str(tmp_path / "ckpt")
-    _state_checkpoint(ckpt)
+    random_state_checkpoint(ckpt, MODEL)
     # two stages, no replica; rank 1 (layers 2-3) lost: this process is the one survivor
     c0, p0 = _cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 2), _stage("fast", 2, 4)]})
     c1, p1 = _cluster(1), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4)]})

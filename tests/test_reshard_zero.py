@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _spawn import spawn
-from helpers import local_cluster
+from helpers import local_cluster, random_state_checkpoint
 
 # an odd vocabulary: tp 2 splits the embedding unevenly, and no flat vector divides evenly
 MODEL = {"name": "reshard-zero", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -38,22 +38,6 @@ SCENARIOS = {
     "zero1 tp2 -> zero2 dp2": ("fp32", 2, (_cluster(2), _plan(_one_stage(1, tp=2), 1)),
                                (_cluster(2), _plan(_one_stage(2), 2))),
 }
-
-
-def _checkpoint(path: str, model: dict) -> None:
-    """A plan-independent checkpoint at step 3, every value random (no two alike, none a bf16 value)."""
-    import hetero
-    from hetero.runtime.checkpoint import save_assembled_checkpoint
-    from hetero.runtime.reshard.space import ParameterSpace
-
-    g = torch.Generator().manual_seed(0)
-    state = {}
-    for name, shape in ParameterSpace(hetero.load_model(model)).shapes.items():
-        state[f"model/{name}"] = torch.randn(shape, generator=g)
-        state[f"optim/{name}/exp_avg"] = torch.randn(shape, generator=g) * 1e-3
-        state[f"optim/{name}/exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-6
-        state[f"optim/{name}/step"] = torch.tensor(3.0)
-    save_assembled_checkpoint(path, state, 3, None)
 
 
 def _state(engine) -> dict[str, torch.Tensor]:
@@ -117,7 +101,7 @@ def test_a_paused_zero_run_reshards_in_process_to_what_the_checkpoint_loads(tmp_
 
     dtype, world, _, (_, new) = SCENARIOS[name]
     ckpt = str(tmp_path / "ckpt")
-    _checkpoint(ckpt, {**MODEL, "dtype": dtype})
+    random_state_checkpoint(ckpt, {**MODEL, "dtype": dtype})
     coordinator = Coordinator()
     threading.Thread(target=_coordinate, args=(coordinator, name, world), daemon=True).start()
     try:
@@ -143,7 +127,7 @@ def test_after_a_lost_zero_rank_every_region_comes_from_the_checkpoint(tmp_path,
     from hetero.runtime.reshard.space import ParameterSpace
 
     ckpt = str(tmp_path / "ckpt")
-    _checkpoint(ckpt, MODEL)
+    random_state_checkpoint(ckpt, MODEL)
     old, new = (_cluster(2), _plan(_one_stage(2), 1)), (_cluster(1), _plan(_one_stage(1), 1))
     coordinator = L.Coordinator()
     try:

@@ -146,6 +146,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
         trainer = Trainer(spec, rank, on_ready=(lambda: _write(base + ".ready", "ok")) if base else None)
     if live is not None:
         live.watch(trainer)
+        trainer.add_hook(lambda t, _result: live.prepare_ahead(t))   # devices about to join: regions ahead
     step_box["trainer"] = trainer
     opts = spec.options
     if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)

@@ -95,7 +95,6 @@ class LiveReconfig:
 
         self.store = connect(port, timeout_s)
         self.port = port
-        self._hooked = []   # the trainers whose step boundaries run prepare_ahead
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.gen = 0
 
@@ -199,7 +198,7 @@ class LiveReconfig:
         engine, optimizer = trainer.engine, trainer.engine.optimizer
         train_step, optimizer_step = engine.train_step, optimizer.step
 
-        sharded = getattr(engine, "sharded", None) is not None
+        sharded = engine.sharded is not None
 
         def guarded_optimizer_step(*args, **kwargs):
             self.critical = True   # until the step is counted as applied (below)
@@ -232,9 +231,6 @@ class LiveReconfig:
         engine.train_step = interruptible_step
         optimizer.step = guarded_optimizer_step
         trainer.train = self._interruptible_train(trainer.train)
-        if trainer not in self._hooked:
-            self._hooked.append(trainer)
-            trainer.add_hook(lambda t, _result: self.prepare_ahead(t))
         # No gc.freeze() here (see first_world): the process groups exist already, and frozen they
         # are never collected, so a dropped world would keep its connections open and a survivor
         # blocked on this rank would wait for the group timeout (every round of the 109M benchmark
@@ -245,7 +241,7 @@ class LiveReconfig:
     rank will hold after a change the launcher announced (:func:`~.elastic_join.prepare_key`)."""
 
     def prepare_ahead(self, trainer) -> None:
-        """At a step boundary: when the launcher announced the plan of the next generation (devices
+        """At a step boundary (a hook of the worker's trainer): when the launcher announced the plan of the next generation (devices
         join), allocate and touch this rank's regions in it now, while training goes on, so that the
         exchange copies into mapped memory (fresh memory costs ~0.5 s/GB of page faults here). A
         change replaced before the pause is announced again, and prepared again."""
@@ -337,7 +333,7 @@ class LiveReconfig:
         if d.get("handoff"):
             self.gen = gen
             return None
-        if getattr(trainer.engine, "sharded", None) is not None:
+        if trainer.engine.sharded is not None:
             # ZeRO: the moments are gathered whole for this rank's regions now, while every rank is
             # in the old world (the decision came once all checked in); after a failure they cannot be
             self.gathered = self._live(trainer)
@@ -352,7 +348,7 @@ class LiveReconfig:
         from hetero.runtime.reshard.transfer import live_state, sharded_live_state
 
         engine = trainer.engine
-        if getattr(engine, "sharded", None) is not None:
+        if engine.sharded is not None:
             return sharded_live_state(engine.module, engine.sharded, self.regions)
         return live_state(engine.module, engine.optimizer, self.regions)
 
@@ -368,7 +364,7 @@ class LiveReconfig:
             # a ZeRO rank that lost a peer holds slices only, and a gather would wait on the lost
             # rank: it serves nothing (the launcher's decision goes on from the last checkpoint);
             # a lone rank (stopped for devices that join) has no peer to gather from
-            live = ({} if getattr(engine, "sharded", None) is not None and self.world > 1
+            live = ({} if engine.sharded is not None and self.world > 1
                     else self._live(trainer))
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
         if decision is None and self.world == 1:   # a lone rank is stopped at once for devices that join
