@@ -21,6 +21,11 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
 4. the same transition through torch.distributed.checkpoint: the three survivors dcp.save their old
    state to /dev/shm and each new rank dcp.loads its stage (dcp_s = save + load, in the same world).
 
+Both paths run with the host allocator of the runtime's workers on a CPU device
+(hetero.runtime.host_memory: freed memory stays mapped). The DCP path runs second, so its load
+writes into the memory the live path's new state freed; the live path here has no reserve made
+ahead (the launcher's, which ``bench_elastic.py --launch-live`` measures).
+
 Reports medians over the rounds, the bytes moved against the transition's intersection volume, the
 predicted transfer time (hetero.runtime.reshard.predict, from local-cpu.yaml's 1.5 GB/s links), the
 coordinator's peak RSS (this process), and that the survivors kept their process ids.
@@ -55,12 +60,14 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
     import hetero
     from hetero.layout import build_layout
     from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.host_memory import keep_freed_host_memory
     from hetero.runtime.model import build_stage
     from hetero.runtime.reshard import live as L
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import live_state, rebuild_stage
 
     torch.set_num_threads(1)
+    keep_freed_host_memory()   # as the runtime's workers on a CPU device: for both paths below alike
     store = L.connect(port, 120)
     L.regroup(store, 0, rank, 4, 120)
     model, plan = hetero.load_model(MODEL), hetero.load_plan(PLAN)

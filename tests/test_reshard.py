@@ -204,7 +204,7 @@ def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
     from hetero.layout import build_layout
     from hetero.runtime.grads import local_part
     from hetero.runtime.reshard.space import ParameterSpace
-    from hetero.runtime.reshard.transfer import exchange, live_state, rebuild_stage
+    from hetero.runtime.reshard.transfer import exchange, fresh_bytes, live_state, rebuild_stage
     from hetero.runtime.reshard.transition import plan_transition
 
     dist.init_process_group("gloo")
@@ -235,6 +235,12 @@ def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
             host = (store, f"same-host/{name}", pids, 60.0)
         state, stats = exchange(rank, transition, live, targets.get(rank, {}), max_bytes=max_bytes,
                                 chunk_bytes=max_bytes // 2, same_host=host)
+        # what the exchange allocated (its tensors that are not the old state's), against what the
+        # launcher tells a rank to reserve for it
+        old_storages = {t.untyped_storage().data_ptr() for st in live.values() for t in st.tensors.values()}
+        allocated = sum(t.nbytes for st in state.values() for t in st.tensors.values()
+                        if t.untyped_storage().data_ptr() not in old_storages)
+        expected = fresh_bytes(rank, transition, {n: st.box for n, st in live.items()}, targets.get(rank, {}))
         ref, ref_opt, mesh = _stage_from(model, plans[1], layouts[1], new_of.get(rank), groups[1], ckpt)
         bad = []
         if rank in new_of:
@@ -258,6 +264,7 @@ def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
                     bad.append("forward")
         out[name] = {"bad": bad, "sent": stats.bytes_sent, "received": stats.bytes_received,
                      "peak": stats.peak_in_flight, "intersection": transition.intersection_bytes,
+                     "allocated": allocated, "fresh_bytes": expected,
                      "cross_vendor": sum(p.nbytes for p in transition.moved if vendors[p.src] != vendors[p.dst])}
         dist.barrier()
     return out
@@ -283,6 +290,8 @@ def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_p
         # both data-parallel ranks hold the whole model: each keeps its stage, nothing moves
         assert (sent == 0) == (name == "dp2->pp2"), name
         assert max(r["peak"] for r in per_rank) <= max_bytes, name
+        assert [r["allocated"] for r in per_rank] == [r["fresh_bytes"] for r in per_rank], name
+        assert not sent or any(r["allocated"] for r in per_rank), name   # what a rank receives is new
     # each tp-1 rank has a same-vendor tp peer that held the other half: nothing crosses the bridge
     assert results[0]["tp2->tp1 across vendors"]["cross_vendor"] == 0
 

@@ -104,6 +104,8 @@ class _Ahead:
     transition: object = None
     """The transition when every other rank survives (made ahead with the plan)."""
     survivors: tuple = ()
+    members: dict = dataclasses.field(default_factory=dict)
+    """Old rank -> its rank in this plan (the survivors it keeps)."""
 
 
 class LiveRun:
@@ -151,17 +153,37 @@ class LiveRun:
         from hetero.runtime.reshard import cma
 
         cma.usable()   # probed once, here, not in a downtime
-        now, table = self.now, self._ahead   # this generation's (a later one starts its own)
+        now, table, gen = self.now, self._ahead, self.gen_no   # this generation's (a later one starts its own)
         for info in now.layout.ranks:
             try:
                 ahead = self._replan({info.rank}, now)
                 survivors = [r for r in range(now.layout.world_size) if r != info.rank]
                 members = assign_ranks(now.layout, ahead.layout, survivors)
                 ahead.transition = self._transition(now, ahead, members, survivors)
-                ahead.survivors = tuple(survivors)
+                ahead.survivors, ahead.members = tuple(survivors), members
                 table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
+        if not now.plan.zero_stage:   # a ZeRO run goes on from a checkpoint after a loss: no exchange
+            self._publish_reserves(gen, now, list(table.values()))
+
+    def _publish_reserves(self, gen: int, now, aheads: list) -> None:
+        """Tell each rank of generation ``gen`` the most state its exchange allocates over the single
+        losses planned ahead, for it to keep that much host memory mapped while it trains
+        (:meth:`hetero.runtime.reshard.resume.LiveReconfig.reserve_ahead`)."""
+        from hetero.runtime.reshard.live import reserve_key
+        from hetero.runtime.reshard.transfer import fresh_bytes
+
+        space, need = self._space(), {}
+        for ahead in aheads:
+            for old, new in ahead.members.items():   # a member's rank in the exchange is its new rank
+                held = space.rank_regions(now.plan, now.layout.ranks[old])
+                targets = space.rank_regions(ahead.result.plan, ahead.layout.ranks[new])
+                need[old] = max(need.get(old, 0), fresh_bytes(new, ahead.transition, held, targets))
+        try:
+            self.coordinator.store.set(reserve_key(gen), json.dumps(need))
+        except Exception:  # noqa: BLE001 - the run ended meanwhile: nothing to prepare for
+            pass
 
     def _file(self, rank: int, suffix: str) -> str:
         return os.path.join(self.now.run_dir, f"rank{rank}.{suffix}")

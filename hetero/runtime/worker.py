@@ -147,6 +147,11 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
     if live is not None:
         live.watch(trainer)
         trainer.add_hook(lambda t, _result: live.prepare_ahead(t))   # devices about to join: regions ahead
+        if trainer.ctx.device.type == "cpu":   # what a step frees stays mapped for a reshard's tensors
+            from hetero.runtime.host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory()
+            trainer.add_hook(lambda t, _result: live.reserve_ahead(t))   # and as much as a loss needs
     step_box["trainer"] = trainer
     opts = spec.options
     if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)

@@ -37,6 +37,12 @@ def _key(gen: int, what: str) -> str:
     return f"hetero/reconfig/gen{gen}/{what}"
 
 
+def reserve_key(gen: int) -> str:
+    """Where the ranks of generation ``gen`` find, by rank, the most state their exchange would
+    allocate after any single loss (set by the launcher once it planned for each)."""
+    return _key(gen, "reserve")
+
+
 class Coordinator:
     """The store every worker's reconfiguration goes through, hosted in this process."""
 

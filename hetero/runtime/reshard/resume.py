@@ -263,6 +263,32 @@ class LiveReconfig:
         self.prepared = (self.gen + 1, told, prepare_regions(regions, trainer.ctx.device))
         self.store.set(prepared_key(self.gen + 1, self.rank), told)
 
+    reserved: int | None = None
+    """The generation whose reserve this rank made (:meth:`reserve_ahead`)."""
+
+    def reserve_ahead(self, trainer) -> None:
+        """At a step boundary (a hook of the worker's trainer), once per generation: when the launcher
+        has planned for every single loss (:func:`~hetero.runtime.reshard.live.reserve_key`), write
+        as much host memory as this rank's exchange would allocate after any of them, and free it.
+        Kept mapped (:mod:`hetero.runtime.host_memory`), it is where the exchange after a loss puts
+        its new tensors, instead of fresh memory and its page faults in the downtime (a join
+        prepares its exact regions instead, :meth:`prepare_ahead`). CPU devices only; the memory
+        stays this process's, as the blocks a GPU's caching allocator keeps."""
+        if self.reserved == self.gen or trainer.ctx.device.type != "cpu":
+            return
+        from hetero.runtime.host_memory import keep_freed_host_memory
+        from hetero.runtime.reshard.live import reserve_key
+
+        key = reserve_key(self.gen)
+        if not self.store.check([key]):
+            return
+        self.reserved = self.gen
+        need = json.loads(self.store.get(key)).get(str(self.rank), 0)
+        if need and keep_freed_host_memory():
+            import torch
+
+            torch.empty(need, dtype=torch.uint8).fill_(0)   # mapped, then freed into the heap
+
     def first_world(self) -> None:
         """Generation 0's world on the coordinator's store (the Trainer then finds it formed).
 
@@ -326,17 +352,19 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import await_decision, report_alive
 
         gen, paused_at = self.gen + 1, time.time()
+        if trainer.engine.sharded is not None:
+            # ZeRO: the moments are gathered whole for this rank's regions now, while every rank is
+            # in the old world (after a failure they cannot be), and before the check-in: the
+            # decision comes once all checked in, so no rank breaks its connections (recover) while
+            # a peer is still in the gather
+            self.gathered = self._live(trainer)
         self._leave_history(trainer, gen)
         report_alive(self.store, gen, self.rank, applied_step=trainer.applied_step, detected_at=paused_at,
                      host_memory=trainer.ctx.device.type == "cpu")
         d = await_decision(self.store, gen, self.timeout_s)
         if d.get("handoff"):
-            self.gen = gen
+            self.gen, self.gathered = gen, None
             return None
-        if trainer.engine.sharded is not None:
-            # ZeRO: the moments are gathered whole for this rank's regions now, while every rank is
-            # in the old world (the decision came once all checked in); after a failure they cannot be
-            self.gathered = self._live(trainer)
         return self.recover(trainer, paused_at, decision=d)
 
     gathered = None
@@ -517,6 +545,10 @@ def _drop_world(trainer) -> list:
     comm.hc = None
     trainer.engine.executor = None
     trainer.engine.reducer = None
+    # the interrupted step's gradients: the new plan trains that step again, and the exchange's
+    # tensors reuse their memory (mapped, on a CPU device: hetero.runtime.host_memory)
+    for p in trainer.engine.module.parameters():
+        p.grad = None
     groups = list(distributed_c10d._world.pg_map) if dist.is_initialized() else []
     if dist.is_initialized():
         try:   # abort first: a destroy waits for an operation still in flight on the communicator's thread

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetero.runtime.reshard.space import STATE_KINDS, Box, relative
+from hetero.runtime.reshard.space import BYTES_PER_ELEMENT, STATE_KINDS, Box, box_numel, relative
 from hetero.runtime.reshard.transition import Piece, Transition
 
 DEFAULT_MAX_BYTES = 256 << 20
@@ -260,13 +260,26 @@ def _kept_whole(rank: int, transition: Transition, live: dict[str, TensorState],
     their state tensors are taken over as they are, neither allocated again nor copied (the old
     stage and optimizer that held them are dropped after the exchange; a peer may still read
     them meanwhile, which is why nothing writes into them)."""
-    whole = {name for name, box in targets.items()
-             if name in live and live[name].box == box
-             and all(t.is_contiguous() and t.device == torch.device(device) for t in live[name].tensors.values())}
+    usable = {name: st.box for name, st in live.items()
+              if all(t.is_contiguous() and t.device == torch.device(device) for t in st.tensors.values())}
+    return kept_whole_names(rank, transition, usable, targets)
+
+
+def kept_whole_names(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box]) -> set[str]:
+    """The names whose ``targets`` box ``rank`` already holds (``held``: name -> its box) and keeps,
+    all of it, from itself: what :func:`exchange` takes over without a copy."""
+    whole = {name for name, box in targets.items() if held.get(name) == box}
     for p in transition.pieces:
         if p.dst == rank and p.name in whole and not (p.src == rank and p.box == targets[p.name]):
             whole.discard(p.name)
     return whole
+
+
+def fresh_bytes(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box]) -> int:
+    """Bytes of state tensors :func:`exchange` allocates on ``rank`` (``held``: its old boxes,
+    ``targets``: its new ones): every target region but those it keeps whole."""
+    kept = kept_whole_names(rank, transition, held, targets)
+    return sum(box_numel(box) for name, box in targets.items() if name not in kept) * BYTES_PER_ELEMENT
 
 
 _TAGS = len(STATE_KINDS) + 1

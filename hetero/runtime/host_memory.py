@@ -1,0 +1,69 @@
+"""Host memory a process frees stays mapped for its next tensors, as a GPU's caching allocator keeps
+device memory.
+
+An emulated accelerator (``base: cpu``) keeps its stage, gradients and optimizer state in host
+memory, allocated through glibc's ``malloc``. glibc serves a large block with its own ``mmap`` and
+gives it back to the kernel (``munmap``) when it is freed, so the next tensor of that size is fresh
+memory again: every page faults and is zeroed by the kernel on its first write. In the virtual
+machines this project is measured on that costs about 0.5 s per GB and core, six times a copy into
+memory already mapped. A GPU has no such cost between tensors: torch's caching allocator keeps the
+blocks a step frees and hands them to the next ones.
+
+:func:`keep_freed_host_memory` makes a process's host heap behave the same way: large blocks come
+from the heap (``M_MMAP_MAX`` 0) and a freed one stays mapped (``M_TRIM_THRESHOLD`` -1: never
+trimmed). What a step frees (its gradients, the optimizer's temporaries, activations) is then
+mapped memory that the next allocations reuse, in particular the tensors an in-process reshard
+(:mod:`hetero.runtime.reshard`) writes in the downtime. The cost is the caching allocator's: the
+process's resident memory stays at its peak, and a freed block is reused only by this process.
+
+glibc only (``mallopt``); elsewhere, or with ``HETERO_KEEP_FREED_HOST_MEMORY=0`` in the
+environment (a host short of memory), the call does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+KEEP_ENV = "HETERO_KEEP_FREED_HOST_MEMORY"
+# glibc's <malloc.h>
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+
+_kept: bool | None = None
+
+
+def keep_freed_host_memory() -> bool:
+    """Keep the memory this process frees mapped for its next allocations (see the module
+    docstring); True when it applies, False where ``mallopt`` is not there or ``KEEP_ENV`` is 0.
+    Idempotent."""
+    global _kept
+    if _kept is None:
+        _kept = os.environ.get(KEEP_ENV, "1") != "0" and _set_options()
+    return _kept
+
+
+def _set_options() -> bool:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):   # not glibc (musl, macOS): nothing to set
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # order matters: with mmap off first, no block freed between the two calls is unmapped
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
+
+
+def mapped_free_bytes() -> int:
+    """Bytes the heap holds free and mapped (glibc's ``mallinfo2().fordblks``), 0 where unknown:
+    what the next allocations can take without a page fault."""
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return 0
+    fn.restype = _Mallinfo2
+    return int(fn().fordblks)
