@@ -67,3 +67,35 @@ def test_a_rank_keeps_mapped_what_its_exchange_would_allocate_after_a_loss():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["reserved"] == 0
     assert got["before"] < 300 << 20 <= got["after"]   # rank 1's figure, not rank 0's
+
+
+@pytest.mark.parametrize("plan,reserved", [("tiny-local-cpu-replicated.yaml", True), ("tiny-local-cpu-pp.yaml", False)],
+                         ids=["every layer replicated", "no replica"])
+def test_the_launcher_reserves_for_the_losses_an_exchange_would_serve(tmp_path, plan, reserved):
+    """Planned ahead for every single loss, the launcher tells each rank the most state its exchange
+    would allocate: a share of the model where every layer has a copy elsewhere; nothing where each
+    loss leaves layers without a copy (that run goes on from a checkpoint, or ends)."""
+    import hetero
+    from hetero.runtime import launcher
+    from hetero.runtime.elastic_live import LiveRun
+    from hetero.runtime.reshard.live import reserve_key
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.spec import RunOptions
+
+    cluster = hetero.load_cluster("configs/clusters/local-cpu.yaml")
+    model = hetero.load_model("configs/models/tiny.yaml")
+    plan = hetero.load_plan(f"configs/plans/{plan}", cluster, model)
+    launch = launcher.prepare(cluster, model, plan, RunOptions(elastic=True), run_dir=str(tmp_path / "run"))
+    run = LiveRun(launch, cluster, model, plan, [])
+    try:
+        run._plan_ahead()   # what start() runs beside the workers
+        got = json.loads(run.coordinator.store.get(reserve_key(0)))
+    finally:
+        run.coordinator.close()
+    if not reserved:
+        assert got == {}
+        return
+    whole = ParameterSpace(model).total_bytes()
+    members = {str(r) for ahead in run._ahead.values() for r in ahead.members}   # ranks some new plan keeps
+    assert len(run._ahead) == launch.layout.world_size and set(got) == members and members
+    assert all(0 < b < whole for b in got.values()), (got, whole)

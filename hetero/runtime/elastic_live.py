@@ -176,6 +176,8 @@ class LiveRun:
 
         space, need = self._space(), {}
         for ahead in aheads:
+            if ahead.transition.missing:   # that loss goes on from a checkpoint, or ends: no exchange
+                continue
             for old, new in ahead.members.items():   # a member's rank in the exchange is its new rank
                 held = space.rank_regions(now.plan, now.layout.ranks[old])
                 targets = space.rank_regions(ahead.result.plan, ahead.layout.ranks[new])
