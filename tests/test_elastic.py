@@ -16,7 +16,7 @@ import torch
 from _spawn import end_launcher
 from helpers import CLUSTER, GPT, LLAMA, LR, ROOT, STEPS, local_cluster
 from helpers import assert_matches_reference as _assert_matches, launch as _launch, leftover as _leftover
-from helpers import plan_dict as _plan, write_yaml as _write
+from helpers import plan_dict as _plan, reference as _reference, write_yaml as _write
 
 REPLICATED = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]},
                                                                    {"group": "slow", "layers": [2, 4]}]}])
@@ -381,6 +381,27 @@ def test_zero_ends_at_a_failure_with_the_reason(tmp_path):
     assert "zero_stage 1" in proc.stderr and "no copy" in proc.stderr and "zero_stage: 0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "summary.json").exists()
     assert "reshard in-process" not in proc.stdout    # the survivors were never asked to serve slices
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_zero_run_that_loses_a_rank_goes_on_from_its_checkpoint_and_trains_the_lost_steps_again(tmp_path):
+    """The same loss with a checkpoint to go on from (the one the run was ``--load``-ed from): the
+    survivors take the whole state from it in-process, the lost steps are said, and the run trains
+    them again, continuing the single-device reference."""
+    plan = {**REPLICATED, "zero_stage": 1}
+    ckpt = str(tmp_path / "ckpt")
+    for d in ("save", "resume"):
+        (tmp_path / d).mkdir()
+    _launch(tmp_path / "save", GPT, plan, "--steps", "2", "--save", ckpt)
+    summary, proc = _elastic(tmp_path / "resume", plan, "--load", ckpt, "--steps", str(STEPS - 2),
+                             "--inject-failure", "4:1")
+    (rc,) = summary["reconfigurations"]
+    assert rc["step"] == 4 and rc["path"] == "in-process" and rc["pids_kept"] is True, rc
+    assert "going on from the checkpoint" in proc.stdout and "steps 3-3 are lost" in proc.stdout, proc.stdout
+    losses, _ = _reference(GPT)
+    got = summary["losses"]   # the steps before the --load are not this run's
+    assert got[:2] == [None, None] and got[2:] == pytest.approx(losses[2:], rel=1e-3), (got, losses)
 
 
 @pytest.mark.slow
