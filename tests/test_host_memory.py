@@ -39,29 +39,27 @@ def test_a_freed_tensor_stays_mapped_only_where_the_worker_keeps_freed_memory():
 
 
 RESERVE = r"""
-import json, types, torch
+import json, sys
+sys.path.insert(0, sys.argv[1])   # tests/, for helpers
+from helpers import DictStore
 from hetero.runtime.host_memory import mapped_free_bytes
 from hetero.runtime.reshard.live import reserve_key
 from hetero.runtime.reshard.resume import LiveReconfig
 
-class Store(dict):   # the coordinator's store, as reserve_ahead reads it
-    def check(self, keys):
-        return all(k in self for k in keys)
-
 live = LiveReconfig.__new__(LiveReconfig)
-live.store, live.gen, live.rank = Store(), 0, 1
-trainer = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cpu")))
-live.reserve_ahead(trainer)   # nothing published yet: nothing made
+live.store, live.gen, live.rank = DictStore(), 0, 1
+live.reserve_ahead()   # nothing published yet: nothing made
 before = mapped_free_bytes()
 live.store[reserve_key(0)] = json.dumps({"0": 1 << 20, "1": 300 << 20})
-live.reserve_ahead(trainer)
+live.reserve_ahead()
 print(json.dumps({"before": before, "after": mapped_free_bytes(), "reserved": live.reserved}))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_a_rank_keeps_mapped_what_its_exchange_would_allocate_after_a_loss():
-    out = subprocess.run([sys.executable, "-c", RESERVE], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", RESERVE, os.path.dirname(__file__)], capture_output=True, text=True,
+                         timeout=120,
                          env={**os.environ, KEEP_ENV: "1"})
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _spawn import spawn
-from helpers import local_cluster, random_state_checkpoint
+from helpers import DictStore, local_cluster, random_state_checkpoint
 
 # an odd vocabulary, so tp 2 splits the embedding unevenly (255 + 254 rows)
 MODEL = {"name": "reshard", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -500,17 +500,7 @@ def test_same_host_reads_strided_slices_into_strided_views_and_names_a_peer_that
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
 
-    class Store(dict):
-        def set(self, k, v):
-            self[k] = v
-
-        def check(self, keys):
-            return all(k in self for k in keys)
-
-        def get(self, k):
-            return self[k]
-
-    store = Store()
+    store = DictStore()
     store["x/src/1"] = json.dumps({"pid": gone.pid, "pieces": {"0": {"parts": [[part.data_ptr(), [6, 4], [10, 1]]],
                                                                       "step": None}}})
     ex = cma.Exchange(store, "x", 0, {1: gone.pid}, timeout_s=5)

@@ -164,8 +164,9 @@ class LiveRun:
                 table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
-        if not now.plan.zero_stage:   # a ZeRO run goes on from a checkpoint after a loss: no exchange
-            self._publish_reserves(gen, now, list(table.values()))
+        # a ZeRO run goes on from a checkpoint after a loss: no exchange, nothing to reserve (said all
+        # the same, so that its ranks stop looking)
+        self._publish_reserves(gen, now, [] if now.plan.zero_stage else list(table.values()))
 
     def _publish_reserves(self, gen: int, now, aheads: list) -> None:
         """Tell each rank of generation ``gen`` the most state its exchange allocates over the single
@@ -175,13 +176,13 @@ class LiveRun:
         from hetero.runtime.reshard.transfer import fresh_bytes
 
         space, need = self._space(), {}
+        held = space.layout_regions(now.plan, now.layout)
         for ahead in aheads:
             if ahead.transition.missing:   # that loss goes on from a checkpoint, or ends: no exchange
                 continue
             for old, new in ahead.members.items():   # a member's rank in the exchange is its new rank
-                held = space.rank_regions(now.plan, now.layout.ranks[old])
                 targets = space.rank_regions(ahead.result.plan, ahead.layout.ranks[new])
-                need[old] = max(need.get(old, 0), fresh_bytes(new, ahead.transition, held, targets))
+                need[old] = max(need.get(old, 0), fresh_bytes(new, ahead.transition, held[old], targets))
         try:
             self.coordinator.store.set(reserve_key(gen), json.dumps(need))
         except Exception:  # noqa: BLE001 - the run ended meanwhile: nothing to prepare for

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 KEEP_ENV = "HETERO_KEEP_FREED_HOST_MEMORY"
@@ -43,27 +44,34 @@ def keep_freed_host_memory() -> bool:
     return _kept
 
 
-def _set_options() -> bool:
-    name = ctypes.util.find_library("c")
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library, or None where it cannot be loaded."""
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):   # not glibc (musl, macOS): nothing to set
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
+def _set_options() -> bool:
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:   # not glibc (musl, macOS): nothing to set
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # order matters: with mmap off first, no block freed between the two calls is unmapped
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 def mapped_free_bytes() -> int:
     """Bytes the heap holds free and mapped (glibc's ``mallinfo2().fordblks``), 0 where unknown:
     what the next allocations can take without a page fault."""
-    class _Mallinfo2(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
-    except (OSError, AttributeError, TypeError):
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is None:
         return 0
     fn.restype = _Mallinfo2
     return int(fn().fordblks)

@@ -151,7 +151,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
             from hetero.runtime.host_memory import keep_freed_host_memory
 
             keep_freed_host_memory()
-            trainer.add_hook(lambda t, _result: live.reserve_ahead(t))   # and as much as a loss needs
+            trainer.add_hook(lambda _t, _result: live.reserve_ahead())   # and as much as a loss needs
     step_box["trainer"] = trainer
     opts = spec.options
     if base and opts.elastic:   # the launcher times an elastic restart up to here (state loaded)

@@ -30,6 +30,7 @@ Processes (:mod:`helpers.processes`): ``with_communicator(fn, vendors=[...], arg
 ``assert_no_leftover(run_dir, files=[...])`` fails when a process of the run is alive or an output
 (or a half-written one beside it) exists; ``leftover(run_dir)`` lists those processes. They build on
 ``tests/_spawn.py`` (``spawn``, ``run_launcher``, ``end_launcher``), re-exported here.
+``DictStore()`` stands in for the coordinator's store (``set``, ``get``, ``check``) in one process.
 
 Checkpoints (:mod:`helpers.checkpoints`): ``random_state_checkpoint(path, model)`` writes a
 plan-independent checkpoint at step 3 with every value random (the reshard tests' reference).
@@ -40,12 +41,12 @@ from _spawn import SpawnError, end_launcher, free_port, run_launcher, spawn
 
 from .checkpoints import random_state_checkpoint
 from .launching import LR, ROOT, RTOL, STEPS, assert_matches_reference, launch, launch_summary, reference, write_yaml
-from .processes import assert_no_leftover, leftover, with_communicator
+from .processes import DictStore, assert_no_leftover, leftover, with_communicator
 from .specs import (CLUSTER, GPT, LLAMA, cluster_dict, emulated_device, group_dict, link_dict, local_cluster,
                     network_dict, plan_dict, stage_dict, tiny_model)
 
 __all__ = ["SpawnError", "end_launcher", "free_port", "run_launcher", "spawn",
            "LR", "ROOT", "RTOL", "STEPS", "assert_matches_reference", "launch", "launch_summary", "reference",
-           "write_yaml", "assert_no_leftover", "leftover", "with_communicator", "random_state_checkpoint",
+           "write_yaml", "DictStore", "assert_no_leftover", "leftover", "with_communicator", "random_state_checkpoint",
            "CLUSTER", "GPT", "LLAMA", "cluster_dict", "emulated_device", "group_dict", "link_dict", "local_cluster",
            "network_dict", "plan_dict", "stage_dict", "tiny_model"]

@@ -1,4 +1,5 @@
-"""Multi-process tests: ranks with a communicator, and the check that a run leaves nothing behind.
+"""Multi-process tests: ranks with a communicator, the check that a run leaves nothing behind, and
+a stand-in for the coordinator's store.
 
 Both build on ``tests/_spawn.py`` (one process per rank, a timeout, every process ended on the way
 out); a test that starts processes is marked ``slow`` and has a timeout of its own.
@@ -11,7 +12,7 @@ from typing import Any
 
 from _spawn import processes_naming, spawn
 
-__all__ = ["leftover", "assert_no_leftover", "with_communicator"]
+__all__ = ["leftover", "assert_no_leftover", "with_communicator", "DictStore"]
 
 
 def leftover(run_dir: Path | str) -> list[int]:
@@ -67,3 +68,17 @@ def with_communicator(fn: Callable[..., Any], vendors: Sequence[str], args: Sequ
     :func:`_spawn.spawn`)."""
     return spawn(_communicator_rank, len(vendors), args=(fn, list(vendors), bridge, comm_timeout, tuple(args)),
                  timeout=timeout, **spawn_options)
+
+
+class DictStore(dict):
+    """The part of a ``torch.distributed`` store a reconfiguration's helpers use (``set``, ``get``,
+    ``check``), in one process's memory."""
+
+    def set(self, key, value):
+        self[key] = value
+
+    def get(self, key):
+        return self[key]
+
+    def check(self, keys):
+        return all(k in self for k in keys)

@@ -266,15 +266,15 @@ class LiveReconfig:
     reserved: int | None = None
     """The generation whose reserve this rank made (:meth:`reserve_ahead`)."""
 
-    def reserve_ahead(self, trainer) -> None:
+    def reserve_ahead(self) -> None:
         """At a step boundary (a hook of the worker's trainer), once per generation: when the launcher
         has planned for every single loss (:func:`~hetero.runtime.reshard.live.reserve_key`), write
         as much host memory as this rank's exchange would allocate after any of them, and free it.
         Kept mapped (:mod:`hetero.runtime.host_memory`), it is where the exchange after a loss puts
         its new tensors, instead of fresh memory and its page faults in the downtime (a join
-        prepares its exact regions instead, :meth:`prepare_ahead`). CPU devices only; the memory
-        stays this process's, as the blocks a GPU's caching allocator keeps."""
-        if self.reserved == self.gen or trainer.ctx.device.type != "cpu":
+        prepares its exact regions instead, :meth:`prepare_ahead`). The worker hooks it on CPU
+        devices only; the memory stays this process's, as the blocks a GPU's caching allocator keeps."""
+        if self.reserved == self.gen:
             return
         from hetero.runtime.host_memory import keep_freed_host_memory
         from hetero.runtime.reshard.live import reserve_key
