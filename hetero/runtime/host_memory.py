@@ -4,9 +4,9 @@ device memory.
 An emulated accelerator (``base: cpu``) keeps its stage, gradients and optimizer state in host
 memory, allocated through glibc's ``malloc``. glibc serves a large block with its own ``mmap`` and
 gives it back to the kernel (``munmap``) when it is freed, so the next tensor of that size is fresh
-memory again: every page faults and is zeroed by the kernel on its first write. In the virtual
-machines this project is measured on that costs about 0.5 s per GB and core, six times a copy into
-memory already mapped. A GPU has no such cost between tensors: torch's caching allocator keeps the
+memory again: every page faults and is zeroed by the kernel on its first write, several times the
+cost of a copy into memory already mapped (measured in docs/elastic.md). A GPU has no such cost
+between tensors: torch's caching allocator keeps the
 blocks a step frees and hands them to the next ones.
 
 :func:`keep_freed_host_memory` makes a process's host heap behave the same way: large blocks come

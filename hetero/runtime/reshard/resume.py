@@ -241,10 +241,11 @@ class LiveReconfig:
     rank will hold after a change the launcher announced (:func:`~.elastic_join.prepare_key`)."""
 
     def prepare_ahead(self, trainer) -> None:
-        """At a step boundary (a hook of the worker's trainer): when the launcher announced the plan of the next generation (devices
-        join), allocate and touch this rank's regions in it now, while training goes on, so that the
-        exchange copies into mapped memory (fresh memory costs ~0.5 s/GB of page faults here). A
-        change replaced before the pause is announced again, and prepared again."""
+        """At a step boundary (a hook of the worker's trainer): when the launcher announced the plan
+        of the next generation (devices join), allocate and touch this rank's regions in it now,
+        while training goes on, so that the exchange copies into mapped memory, not fresh pages that
+        fault on their first write. A change replaced before the pause is announced again, and
+        prepared again."""
         from hetero.runtime.elastic_join import prepare_key, prepared_key
 
         key = prepare_key(self.gen + 1, self.rank)
