@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from _spawn import run_launcher
-from helpers import CLUSTER, GPT, LLAMA, LR, ROOT, RTOL, STEPS, cluster_dict, group_dict, launching, local_cluster
+from helpers import (CLUSTER, GPT, LLAMA, LR, ROOT, RTOL, STEPS, cluster_dict, emulated_device, group_dict, launching,
+                     local_cluster)
 from helpers import assert_matches_reference as _assert_matches, launch as _launch, leftover as _leftover
 from helpers import plan_dict as _plan, reference as _reference, write_yaml as _write
 
@@ -797,6 +798,51 @@ def test_successful_launches_print_nothing_from_torchrun(tmp_path):
         _, proc = _launch(tmp_path / str(i), GPT, plan, "--steps", "1", timeout=100)
         assert proc.stderr == "", proc.stderr[-3000:]
     assert time.time() - t0 < 110
+
+
+def test_emulated_groups_fork_their_workers_and_gpu_groups_start_fresh_ones(tmp_path, monkeypatch):
+    """A node slot of emulated (CPU) devices forks its workers from its torchrun, which imports torch
+    once; a GPU slot never does (a CUDA runtime must not be forked); HETERO_WORKER_START=spawn asks
+    for fresh workers everywhere. The node launcher forks only the hetero worker module."""
+    import hetero
+    from hetero.runtime import torchrun_loopback as wrapper
+    from hetero.runtime.launcher import prepare
+    from hetero.runtime.spec import RunOptions
+
+    model = hetero.load_model(GPT)
+    mixed = hetero.load_cluster(cluster_dict(group_dict("a100", "A100-SXM4-80GB", 1, 2),
+                                             group_dict("fast", "cpu-emu-a", 1, 2), name="mixed",
+                                             devices={"cpu-emu-a": emulated_device("emu-a")}))
+    plan = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "a100", "layers": [0, 2]},
+                                                                   {"group": "fast", "layers": [2, 4]}]}]))
+    monkeypatch.delenv(wrapper.FORK_ENV, raising=False)
+    starts = {n.group: n.env.get(wrapper.FORK_ENV)
+              for n in prepare(mixed, model, plan, RunOptions(), run_dir=str(tmp_path / "a")).nodes}
+    assert starts == {"a100": None, "fast": "fork"}
+    monkeypatch.setenv(wrapper.FORK_ENV, "spawn")
+    starts = {n.group: n.env.get(wrapper.FORK_ENV)
+              for n in prepare(mixed, model, plan, RunOptions(), run_dir=str(tmp_path / "b")).nodes}
+    assert starts == {"a100": None, "fast": "spawn"}
+    argv = ["--nnodes=1", "--master-port=1", "-m", "hetero.runtime.worker", "--spec", "run.json"]
+    assert wrapper._worker_args(argv) is None   # spawn asked for
+    monkeypatch.setenv(wrapper.FORK_ENV, "fork")
+    assert wrapper._worker_args(argv) == ["--spec", "run.json"]
+    assert wrapper._worker_args(["--nnodes=1", "-m", "some.other.module", "--spec", "run.json"]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_forked_and_fresh_workers_train_alike(tmp_path, monkeypatch):
+    """The same two-slot plan (two vendors, so two node launchers) trains the reference's losses with
+    workers forked from their node launcher (the default here) and with fresh ones."""
+    plan = _plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 2]},
+                                                   {"group": "slow", "layers": [2, 4]}]}])
+    for start in ("fork", "spawn"):
+        monkeypatch.setenv("HETERO_WORKER_START", start)
+        (tmp_path / start).mkdir()
+        summary, proc = _launch(tmp_path / start, GPT, plan)
+        assert proc.stderr == "", proc.stderr[-3000:]
+        _assert_matches(summary, GPT)
 
 
 @pytest.mark.timeout(60)

@@ -41,7 +41,7 @@ from hetero.backends import registry
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import is_loopback
+from hetero.runtime.torchrun_loopback import FORK_ENV, is_loopback
 from hetero.specs.units import plural
 
 WORKER_MODULE = "hetero.runtime.worker"
@@ -248,6 +248,8 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         if local and addr == "127.0.0.1":
             env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
         env["OMP_NUM_THREADS"] = str(max(1, options.threads))
+        if family == "cpu":   # emulated devices: workers forked from their node launcher (see there)
+            env[FORK_ENV] = os.environ.get(FORK_ENV, "fork")
         # c10d's C++ warnings (a store or socket read that fails once a peer is gone, with dozens of
         # stack-frame lines) would bury hetero's one-line failure reports; its errors still print.
         # A TORCH_CPP_LOG_LEVEL set by the user wins.
