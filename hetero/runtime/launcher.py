@@ -257,7 +257,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         args = [f"--nnodes={len(layout.nodes)}", f"--node-rank={slot}", f"--nproc-per-node={node.num_ranks}",
                 "--rdzv-backend=static", f"--master-addr={addr}", f"--master-port={port}",
-                "--max-restarts=0", "--monitor-interval=0.2",
+                "--max-restarts=0", "--monitor-interval=0.05",
                 f"--log-dir={os.path.join(options.run_dir, 'torchelastic')}",  # else a torchelastic_* dir in /tmp
                 "-m", WORKER_MODULE, "--spec", spec_path,
                 *options.extra]
