@@ -63,10 +63,12 @@ launcher; ``spawn`` or unset: torchrun starts each as ``python -m hetero.runtime
 WORKER_MODULE = "hetero.runtime.worker"
 
 _NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
-          "Error waiting on exit barrier", "Got termination signal")
+          "Error waiting on exit barrier", "Got termination signal", "Terminating process %s via signal")
 """torchelastic log lines this wrapper replaces: the agent being stopped, the failure summary that
-precedes ChildFailedError, and the exit-barrier race."""
-_NOISY_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+precedes ChildFailedError, the exit-barrier race, and (forked workers) torch.multiprocessing ending
+a node's other workers after one failed."""
+_NOISY_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                  "torch.multiprocessing.spawn")
 
 
 def torchrun_option(argv: list[str], name: str) -> str | None:
