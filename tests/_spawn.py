@@ -17,8 +17,8 @@ Leftover processes are always terminated, then killed. A worker's process exits 
 reporting (``os._exit``), so a wedged process-group teardown cannot hang a test.
 
 The ranks start from multiprocessing's fork server, which imports torch, torch.distributed and
-the compiler stack torch.optim loads once per test session (:data:`PRELOAD`): a fresh interpreter
-spent about 2 s of CPU on them per rank. Each rank still gets this process's environment and
+the compiler stack torch.optim loads once per test session (:data:`PRELOAD`), instead of each
+rank importing them again (docs/testing.md). Each rank still gets this process's environment and
 working directory as they are when it starts, as a spawned one would.
 """
 from __future__ import annotations

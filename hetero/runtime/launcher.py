@@ -41,10 +41,9 @@ from hetero.backends import registry
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import FORK_ENV, is_loopback
+from hetero.runtime.torchrun_loopback import FORK_ENV, WORKER_MODULE, is_loopback
 from hetero.specs.units import plural
 
-WORKER_MODULE = "hetero.runtime.worker"
 NODE_LAUNCHER_MODULE = "hetero.runtime.torchrun_loopback"
 DEFAULT_PORT = 29500
 """Rendezvous port of a launch whose node slots start in calls of their own (torchrun's default)."""

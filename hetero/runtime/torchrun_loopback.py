@@ -19,7 +19,7 @@ and what a node slot prints:
 - Workers of a node slot whose devices are emulated (the launcher sets :data:`FORK_ENV`) are forked
   from this process, torchrun's own function entrypoint with ``--start-method=fork``, instead of
   each starting a fresh interpreter: torch and the runtime's modules are imported once, here, before
-  any worker exists (a fresh worker spent about 2.4 s of CPU importing them). A slot of GPUs or
+  any worker exists (what that saves is measured in docs/emulation.md). A slot of GPUs or
   NPUs keeps torchrun's fresh processes (a CUDA or CANN runtime must not be forked); so does any
   worker with ``HETERO_WORKER_START=spawn`` in the environment.
 - Failures are said in one line at most, not in torchelastic's tracebacks: a worker that reported
@@ -57,10 +57,12 @@ def is_loopback(addr: str | None) -> bool:
     except ValueError:
         return False
 
+
 FORK_ENV = "HETERO_WORKER_START"
 """``fork`` (set by the launcher for emulated device groups): workers are forked from the node
 launcher; ``spawn`` or unset: torchrun starts each as ``python -m hetero.runtime.worker``."""
 WORKER_MODULE = "hetero.runtime.worker"
+"""The module every node launcher runs as its workers (named in its torchrun arguments)."""
 
 _NOISE = ("Received %s death signal", "Sending process %s closing signal", "failed (exitcode: ",
           "Error waiting on exit barrier", "Got termination signal", "Terminating process %s via signal")
@@ -166,10 +168,10 @@ def _check_out(store, slot: int, nnodes: int, addr: str, port: int) -> None:
     client.set(CHECKOUT_KEY.format(slot=slot), "1")
 
 
-def _quiet_exit() -> None:
-    """torchelastic's handlers raise SignalException on SIGTERM even after torchrun returned: the
-    launcher's teardown then printed a traceback from the interpreter's exit. Once torchrun is done
-    a stop signal just ends this process."""
+def _default_stop_signals() -> None:
+    """Put SIGTERM, SIGHUP and SIGQUIT back to ending the process. torchelastic's handlers raise
+    SignalException on them: after torchrun returned, the launcher's teardown then printed a
+    traceback from the interpreter's exit; and a worker forked from this process inherits them."""
     import signal
 
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
@@ -192,7 +194,7 @@ def _worker_args(argv: list[str]) -> list[str] | None:
 def _preload() -> None:
     """Import what every worker imports, once, before they are forked (no thread is started by it,
     and no device runtime is initialised)."""
-    import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it (0.5 s per process)
+    import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it
 
     import hetero.runtime.trainer  # noqa: F401
     import hetero.runtime.worker  # noqa: F401
@@ -205,10 +207,7 @@ def _forked_worker(*argv: str) -> None:
     the worker's report (see hetero.runtime.worker's end); success returns, for torchrun's count."""
     import signal
 
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            signal.signal(sig, signal.SIG_DFL)
+    _default_stop_signals()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from hetero.runtime import worker
 
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(slot_text, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         return 1
     finally:
-        _quiet_exit()
+        _default_stop_signals()
     try:
         _check_out(store, slot, nnodes, addr, port)
     except Exception:  # noqa: BLE001 - the run succeeded; a check-out nobody waits for any more is moot
@@ -276,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit(code: int) -> None:
     """End the node launcher once its work is done: exit handlers run and output is flushed, but
-    the interpreter's teardown of torch and the compiler stack (about 1 s here, with nothing left to
-    release: the workers are gone and the store is ended by the exit itself) is skipped."""
+    the interpreter's teardown of torch and the compiler stack (slow, with nothing left to release:
+    the workers are gone and the store is ended by the exit itself) is skipped."""
     import atexit
 
     atexit._run_exitfuncs()
