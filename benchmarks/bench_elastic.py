@@ -257,7 +257,7 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             r = {"round": i, **{k: rc.get(k) for k in LIVE_KEYS}, "bytes_moved": rc["bytes_moved"],
                  "intersection_bytes": rc["intersection_bytes"], "pids_kept": rc["pids_kept"],
                  "world_size_after": rc["world_size_after"], "launcher_peak_rss_mb": rss,
-                 "max_rel_loss_diff": max(diffs), "dcp_s": dcp["dcp_s"],
+                 "max_rel_loss_diff": max(diffs), "dcp_s": dcp["dcp_s"], "dcp_save_s": dcp["dcp_save_s"],
                  "standalone_downtime_s": dcp["downtime_s"]}
             r["transport"] = rc.get("transport")
             r.update(p2p_transfer_s=p2p["transfer_s"], p2p_reshard_time_s=p2p["reshard_time_s"])
@@ -271,8 +271,8 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
                   f"[predicted {r['predicted_downtime_s']:.2f}], rebuild {r['rebuild_s']:.2f}); "
                   f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
                   f"launcher peak RSS {rss:.0f} MB; pids kept {r['pids_kept']}; losses vs one device "
-                  f"{r['max_rel_loss_diff']:.1e}; DCP via /dev/shm {r['dcp_s']:.2f} s", flush=True)
-    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_over_transition", "dcp_over_downtime",
+                  f"{r['max_rel_loss_diff']:.1e}; DCP via /dev/shm {r['dcp_s']:.2f} s (save {r['dcp_save_s']:.2f})", flush=True)
+    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_save_s", "dcp_over_transition", "dcp_over_downtime",
             "p2p_transfer_s", "p2p_reshard_time_s", "standalone_downtime_s")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     print(f"\nin-process reshard through hetero launch --elastic, medians over {rounds} rounds (109M GPT, rank "

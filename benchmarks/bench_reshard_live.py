@@ -33,6 +33,7 @@ coordinator's peak RSS (this process), and that the survivors kept their process
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -49,7 +50,7 @@ PLAN = {"global_batch_size": 8, "micro_batch_size": 1, "schedule": "1f1b", "reco
         "pipelines": [{"replicas": 2, "micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]},
                                                                      {"group": "slow", "layers": [4, 8]}]}]}
 LOST = 3
-TIMES = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s", "downtime_s", "dcp_s")
+TIMES = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s", "downtime_s", "dcp_s", "dcp_save_s")
 
 
 def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
@@ -98,7 +99,12 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
     rebuild_s = time.perf_counter() - t0
     t_ready = time.time()
     del place.state
-    # the same transition through torch.distributed.checkpoint and /dev/shm, in the same world
+    # the same transition through torch.distributed.checkpoint and /dev/shm, in the same world; its
+    # load writes into mapped memory, as the live exchange does (the runtime reserves that memory
+    # ahead, LiveReconfig.reserve_ahead): as much as its targets take is written once and freed first
+    space = ParameterSpace(model)
+    shapes = space.rank_regions(place.plan, place.info) if place.member else {}
+    torch.empty(sum(math.prod(b - a for a, b in box) for box in shapes.values()) * 12, dtype=torch.uint8).fill_(0)
     dist.barrier()
     t0 = time.perf_counter()
     saved = {}
@@ -106,8 +112,8 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
         for k, v in st.tensors.items():
             saved[f"{k}/{name}"] = v
     dcp.save(saved, checkpoint_id=shm)
-    space = ParameterSpace(model)
-    shapes = space.rank_regions(place.plan, place.info) if place.member else {}
+    dist.barrier()
+    dcp_save_s = time.perf_counter() - t0
 
     def target(name, box):   # a tp slice is a DTensor shard, which dcp reads out of the full tensor
         local = torch.empty(tuple(b - a for a, b in box))
@@ -127,7 +133,7 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "new_rank": place.rank, "member": place.member, "pid_before": pid, "pid_after": os.getpid(),
                    "detect_s": t_detect - died_at, **place.timings, "rebuild_s": rebuild_s,
-                   "ready_after_s": t_ready - died_at, "dcp_s": dcp_s, "bytes_sent": place.stats.bytes_sent,
+                   "ready_after_s": t_ready - died_at, "dcp_s": dcp_s, "dcp_save_s": dcp_save_s, "bytes_sent": place.stats.bytes_sent,
                    "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,
                    "messages": place.stats.messages, "intersection_bytes": place.transition.intersection_bytes},
                   f)
@@ -200,7 +206,7 @@ def one_round(i: int, tmp: Path) -> dict:
            "plans_made_ahead_s": plan_ahead_s,
            "predicted_transfer_s": predicted,
            **{k: max(r[k] for r in ranks) for k in ("detect_s", "agree_replan_s", "regroup_s", "transfer_s",
-                                                    "rebuild_s", "dcp_s")},
+                                                    "rebuild_s", "dcp_s", "dcp_save_s")},
            "downtime_s": max(r["ready_after_s"] for r in ranks),
            "bytes_moved": sum(r["bytes_sent"] for r in ranks), "bytes_received": sum(r["bytes_received"] for r in ranks),
            "intersection_bytes": ranks[0]["intersection_bytes"], "bytes_kept_local": sum(r["bytes_local"] for r in ranks),
@@ -209,7 +215,7 @@ def one_round(i: int, tmp: Path) -> dict:
           f"agree+replan {row['agree_replan_s']:.2f}, regroup {row['regroup_s']:.2f}, transfer {row['transfer_s']:.2f} "
           f"[predicted {predicted:.2f}], rebuild {row['rebuild_s']:.2f}); {row['bytes_moved'] / 1e6:.0f} MB moved "
           f"(intersection {row['intersection_bytes'] / 1e6:.0f} MB, kept {row['bytes_kept_local'] / 1e6:.0f} MB); "
-          f"dcp via /dev/shm {row['dcp_s']:.2f} s; pids kept {row['pids_kept']}", flush=True)
+          f"dcp via /dev/shm {row['dcp_s']:.2f} s (save {row['dcp_save_s']:.2f}); pids kept {row['pids_kept']}", flush=True)
     return row
 
 

@@ -97,3 +97,27 @@ def test_the_launcher_reserves_for_the_losses_an_exchange_would_serve(tmp_path, 
     members = {str(r) for ahead in run._ahead.values() for r in ahead.members}   # ranks some new plan keeps
     assert len(run._ahead) == launch.layout.world_size and set(got) == members and members
     assert all(0 < b < whole for b in got.values()), (got, whole)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED): Linux")
+def test_the_pages_outside_a_kept_view_go_back_to_the_kernel():
+    """A tp half kept as a view of the old whole tensor (the exchange's copy-free keep): once the old
+    tensor is dropped, the pages only the other half used are given back; the view's values stay."""
+    import torch
+
+    from hetero.runtime.host_memory import release_unused_pages
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    whole = torch.arange(1 << 20, dtype=torch.float32)   # 4 MB, several hundred pages
+    for keep_second in (False, True):
+        w = whole.clone()
+        half = w[(1 << 19):] if keep_second else w[:1 << 19]
+        want = half.clone()
+        released = release_unused_pages([half])
+        assert torch.equal(half, want)
+        other = w[:1 << 19] if keep_second else w[(1 << 19):]
+        # whole pages of the other half only: at most one partial page at each end is kept
+        assert other.nbytes - 2 * page <= released <= other.nbytes
+        dropped = (other == 0).sum().item()   # a dropped page reads as zeros when touched again
+        assert dropped * 4 >= released
+    assert release_unused_pages([whole]) == 0   # a tensor using its whole storage: nothing to give back

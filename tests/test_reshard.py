@@ -101,6 +101,41 @@ def test_pp2_dp2_to_tp2_moves_the_intersections_and_keeps_what_each_rank_has():
     assert t.intersection_bytes == sum(t.link_bytes().values())
 
 
+def test_a_part_of_a_tensor_is_contiguous_when_only_its_first_partial_dimension_is_cut():
+    from hetero.runtime.reshard.space import contiguous_within
+
+    whole = ((0, 8), (0, 6))
+    assert contiguous_within(((0, 4), (0, 6)), whole)        # tp half along dim 0
+    assert not contiguous_within(((0, 8), (0, 3)), whole)    # tp half along dim 1: strided rows
+    assert contiguous_within(((2, 3), (1, 4)), whole)        # within one row
+    assert contiguous_within(((0, 8),), ((0, 16),)) and contiguous_within((), ())
+    assert contiguous_within(((1, 2), (0, 3), (0, 5)), ((0, 4), (0, 6), (0, 5)))
+    assert not contiguous_within(((1, 2), (0, 3), (0, 4)), ((0, 4), (0, 6), (0, 5)))
+
+
+def test_a_whole_stage_becoming_a_tp_half_keeps_its_dim0_halves_without_a_copy():
+    """What a rank keeps of its own tensors is taken over (a view, no allocation) where the new box is
+    a contiguous part of the old one, and what the launcher reserves for the exchange excludes it."""
+    from hetero.runtime.reshard.space import BYTES_PER_ELEMENT, box_numel, contiguous_within
+    from hetero.runtime.reshard.transfer import fresh_bytes, kept_names
+    from hetero.runtime.reshard.transition import plan_transition
+
+    old, _ = _regions(_cluster(2), _plan({"replicas": 2, "micro_batches": 4, "stages": [_stage("fast", 0, 4)]}))
+    new, _ = _regions(_cluster(2), _plan({"micro_batches": 8, "stages": [_stage("fast", 0, 4, tp=2)]}))
+    t = plan_transition(old, new, {0: "a", 1: "a"})
+    assert not t.moved   # each replica held everything: all local
+    for rank in (0, 1):
+        kept = kept_names(rank, t, old[rank], new[rank])
+        whole = kept_names(rank, t, old[rank], new[rank], views=False)
+        assert whole < kept   # replicated tensors (norms) whole; dim-0 halves as views
+        for name in kept - whole:
+            assert new[rank][name] != old[rank][name] and contiguous_within(new[rank][name], old[rank][name])
+        copied = [n for n in new[rank] if n not in kept]
+        assert copied and all(not contiguous_within(new[rank][n], old[rank][n]) for n in copied)   # dim-1 halves
+        assert fresh_bytes(rank, t, old[rank], new[rank]) == sum(box_numel(new[rank][n]) for n in copied) * \
+            BYTES_PER_ELEMENT
+
+
 def test_sources_prefer_the_destinations_vendor_and_share_the_links():
     from hetero.runtime.reshard.transition import plan_transition
 
@@ -240,6 +275,9 @@ def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
         old_storages = {t.untyped_storage().data_ptr() for st in live.values() for t in st.tensors.values()}
         allocated = sum(t.nbytes for st in state.values() for t in st.tensors.values()
                         if t.untyped_storage().data_ptr() not in old_storages)
+        # kept without a copy as a part of an old tensor (a tp half along dim 0 of a whole one)
+        views = sum(1 for n, st in state.items() if n in live and st.box != live[n].box
+                    and st.tensors["param"].untyped_storage().data_ptr() in old_storages)
         expected = fresh_bytes(rank, transition, {n: st.box for n, st in live.items()}, targets.get(rank, {}))
         ref, ref_opt, mesh = _stage_from(model, plans[1], layouts[1], new_of.get(rank), groups[1], ckpt)
         bad = []
@@ -264,7 +302,7 @@ def _reshard_worker(rank, world, ckpt, max_bytes, same_host=False):
                     bad.append("forward")
         out[name] = {"bad": bad, "sent": stats.bytes_sent, "received": stats.bytes_received,
                      "peak": stats.peak_in_flight, "intersection": transition.intersection_bytes,
-                     "allocated": allocated, "fresh_bytes": expected,
+                     "allocated": allocated, "fresh_bytes": expected, "views": views,
                      "cross_vendor": sum(p.nbytes for p in transition.moved if vendors[p.src] != vendors[p.dst])}
         dist.barrier()
     return out
@@ -292,6 +330,8 @@ def test_a_live_reshard_equals_loading_the_checkpoint_into_the_target_plan(tmp_p
         assert max(r["peak"] for r in per_rank) <= max_bytes, name
         assert [r["allocated"] for r in per_rank] == [r["fresh_bytes"] for r in per_rank], name
         assert not sent or any(r["allocated"] for r in per_rank), name   # what a rank receives is new
+    # a whole stage becoming a tp half: the dim-0 halves are kept as views of the old tensors
+    assert all(r["pp2->tp2"]["views"] > 0 for r in results[:2])
     # each tp-1 rank has a same-vendor tp peer that held the other half: nothing crosses the bridge
     assert results[0]["tp2->tp1 across vendors"]["cross_vendor"] == 0
 
@@ -398,6 +438,80 @@ def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, se
         assert got.get("bad") == [], (r, got)
         assert got["pid"] == got["pid_before"] and got["rank"] == r
     assert sum(results[r]["sent"] for r in (0, 1, 2)) == results[0]["intersection"] > 0
+
+
+def _tiny_live_run(tmp_path):
+    import hetero
+    from hetero.runtime import launcher
+    from hetero.runtime.elastic_live import LiveRun
+    from hetero.runtime.spec import RunOptions
+
+    cluster = hetero.load_cluster("configs/clusters/local-cpu.yaml")
+    model = hetero.load_model("configs/models/tiny.yaml")
+    plan = hetero.load_plan("configs/plans/tiny-local-cpu-replicated.yaml", cluster, model)
+    launch = launcher.prepare(cluster, model, plan, RunOptions(elastic=True), run_dir=str(tmp_path / "run"))
+    return LiveRun(launch, cluster, model, plan, [], print_fn=lambda *_: None), cluster, model, plan
+
+
+def test_a_worker_resolves_ahead_the_transition_each_single_loss_would_need(tmp_path):
+    """The launcher publishes its decision for each single loss as it plans them; a worker works out
+    the plans, regions and transition at a step boundary, and the decision a loss brings (its step,
+    process ids, transport) finds them made: the launcher's own transition, nothing computed then."""
+    from hetero.runtime.reshard import live as L
+    from hetero.runtime.reshard.resume import LiveReconfig
+
+    run, cluster, model, plan = _tiny_live_run(tmp_path)
+    try:
+        run._plan_ahead()   # what start() runs beside the workers
+        published = run.coordinator.store.get(L.ahead_key(0))
+    finally:
+        run.coordinator.close()
+    L._RESOLVED.clear()
+    worker = LiveReconfig.__new__(LiveReconfig)
+    worker.store, worker.gen, worker.rank, worker.space = DictStore(), 0, 0, None
+    worker.resolve_ahead()   # nothing published yet: nothing made, and asked again later
+    assert not L._RESOLVED and worker.resolved is None
+    worker.store[L.ahead_key(0)] = published
+    worker.resolve_ahead()
+    assert len(L._RESOLVED) == 3   # the losses rank 0 survives (every layer has a replica)
+    ahead = run._ahead[frozenset([3])]
+    d = L.decision_for(model.to_dict(), (cluster.to_dict(), plan.to_dict()),
+                       (ahead.cluster.to_dict(), ahead.result.plan.to_dict()), list(ahead.survivors), 3,
+                       transport="same-host", pids={r: 1000 + r for r in ahead.survivors})
+    d["members"] = dict(ahead.members)   # as await_decision gives them: int keys
+    got = L.resolve(d)
+    assert len(L._RESOLVED) == 3 and got.transition.pieces == ahead.transition.pieces
+    L._RESOLVED.clear()
+
+
+def test_after_a_reshard_the_launcher_plans_ahead_once_every_rank_is_ready(tmp_path):
+    """Planning for the next losses takes a core: it starts once the new plan's ranks all reported
+    ready, not while they exchange their state."""
+    import threading
+    from types import SimpleNamespace
+
+    from hetero.runtime.reshard.resume import timing_key
+
+    run, *_ = _tiny_live_run(tmp_path)
+    started = threading.Event()
+    run._plan_ahead = started.set
+    try:
+        ahead = run._replan({3})
+        survivors = [0, 1, 2]
+        members = {r: r for r in range(len(ahead.layout.ranks))}
+        run.now.procs = {r: SimpleNamespace(pid=1000 + r, poll=lambda: 0) for r in range(4)}
+        rc = {"_failed_at": 1.0, "_launched_at": 2.0, "predicted_downtime_s": 0.1}
+        run._switch(rc, 1, survivors, members, {3}, ahead)
+        run._collect_timings()
+        assert not started.wait(0.2)   # the ranks have not reported yet
+        for r in survivors:
+            run.coordinator.store.set(timing_key(1, r), json.dumps(
+                {"detected_at": 1.1, "leave_s": 0.0, "agree_replan_s": 0.0, "regroup_s": 0.0, "transfer_s": 0.1,
+                 "rebuild_s": 0.1, "bytes_sent": 0, "bytes_received": 0, "pid": 1000 + r, "ready_at": 2.5}))
+        run._collect_timings()
+        assert started.wait(5) and rc["pids_kept"] is True
+    finally:
+        run.coordinator.close()
 
 
 def test_the_predicted_transfer_is_the_busiest_ranks_bytes_over_its_links():

@@ -125,6 +125,7 @@ class LiveRun:
         self.lost_procs: list = []
         self._ahead: dict[frozenset, _Ahead] = {}
         self._pending: dict | None = None
+        self._plan_after_reshard = False
         self.joiners = None
         if watch is not None:   # devices that join get their processes before the ranks pause
             from hetero.runtime.elastic_join import Joiners
@@ -166,7 +167,24 @@ class LiveRun:
                 pass
         # a ZeRO run goes on from a checkpoint after a loss: no exchange, nothing to reserve (said all
         # the same, so that its ranks stop looking)
-        self._publish_reserves(gen, now, [] if now.plan.zero_stage else list(table.values()))
+        aheads = [] if now.plan.zero_stage else [a for a in table.values() if not a.transition.missing]
+        self._publish_reserves(gen, now, aheads)
+        self._publish_decisions(gen, now, aheads)
+
+    def _publish_decisions(self, gen: int, now, aheads: list) -> None:
+        """The decision for each single loss planned ahead, without what only the loss tells (the
+        step, the process ids), for the ranks of generation ``gen`` to resolve at a step boundary
+        (:func:`hetero.runtime.reshard.live.resolve`): after a loss their transition is ready."""
+        from hetero.runtime.reshard.live import ahead_key, decision_for
+
+        old = (now.cluster.to_dict(), now.plan.to_dict())
+        decisions = [{**decision_for(self.model.to_dict(), old, (a.cluster.to_dict(), a.result.plan.to_dict()),
+                                     list(a.survivors), 0),
+                      "members": {str(k): v for k, v in a.members.items()}} for a in aheads]
+        try:
+            self.coordinator.store.set(ahead_key(gen), json.dumps(decisions))
+        except Exception:  # noqa: BLE001 - the run ended meanwhile: nothing to prepare for
+            pass
 
     def _publish_reserves(self, gen: int, now, aheads: list) -> None:
         """Tell each rank of generation ``gen`` the most state its exchange allocates over the single
@@ -177,9 +195,7 @@ class LiveRun:
 
         space, need = self._space(), {}
         held = space.layout_regions(now.plan, now.layout)
-        for ahead in aheads:
-            if ahead.transition.missing:   # that loss goes on from a checkpoint, or ends: no exchange
-                continue
+        for ahead in aheads:   # a loss that leaves some region without a copy has no exchange
             for old, new in ahead.members.items():   # a member's rank in the exchange is its new rank
                 targets = space.rank_regions(ahead.result.plan, ahead.layout.ranks[new])
                 need[old] = max(need.get(old, 0), fresh_bytes(new, ahead.transition, held[old], targets))
@@ -391,7 +407,7 @@ class LiveRun:
             self.options.run_dir, f"gen{gen}"), {members[r]: now.procs[r] for r in members})
         os.makedirs(self.now.run_dir, exist_ok=True)
         self._ahead = {}
-        threading.Thread(target=self._plan_ahead, daemon=True).start()
+        self._plan_after_reshard = True   # not now: the planner would take a core from the exchange
         if self.on_new_plan:
             self.on_new_plan(self.now)
 
@@ -554,6 +570,15 @@ class LiveRun:
                       f"{seconds_cell(rc['predicted_downtime_s'])} s, measured {rc['transfer_s']:.2f} s); "
                       f"{rc['bytes_moved'] / 1e6:,.1f} MB moved; the survivors kept their processes")
         self._pending = None
+        self._start_planning_ahead()
+
+    def _start_planning_ahead(self) -> None:
+        """Plan for every single loss of the current generation, in the background, once its ranks
+        train (after a reshard: once every rank is ready, so that the planner does not compete with
+        the exchange for the cores)."""
+        if self._plan_after_reshard:
+            self._plan_after_reshard = False
+            threading.Thread(target=self._plan_ahead, daemon=True).start()
 
 
 def _signal(pid: int, sig) -> None:

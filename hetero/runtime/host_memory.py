@@ -62,6 +62,37 @@ def _set_options() -> bool:
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1
 
 
+MADV_DONTNEED = 4
+"""<sys/mman.h>: the pages' contents are dropped and their memory given back; the next touch maps
+a zero page."""
+
+
+def release_unused_pages(tensors) -> int:
+    """Give back to the kernel the whole pages of each CPU tensor's storage that lie outside the
+    tensor's own bytes (a view kept of a larger tensor, :func:`hetero.runtime.reshard.transfer.exchange`),
+    once nothing else reads them: what a copy into a tensor of its own would have freed, without
+    the copy. Each storage must have no other live view (the storage stays allocated; its dropped
+    pages read as zeros if touched). Returns the bytes given back; 0 where ``madvise`` is missing."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
+        return 0
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    page = os.sysconf("SC_PAGE_SIZE")
+    released = 0
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        storage = t.untyped_storage()
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        used_lo = t.data_ptr()
+        used_hi = used_lo + t.numel() * t.element_size()
+        for a, b in ((lo, used_lo), (used_hi, hi)):   # whole pages only: a page the view touches stays
+            a, b = -(-a // page) * page, b // page * page
+            if b > a and madvise(a, b - a, MADV_DONTNEED) == 0:
+                released += b - a
+    return released
+
+
 class _Mallinfo2(ctypes.Structure):
     _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -147,6 +147,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
     if live is not None:
         live.watch(trainer)
         trainer.add_hook(lambda t, _result: live.prepare_ahead(t))   # devices about to join: regions ahead
+        trainer.add_hook(lambda _t, _result: live.resolve_ahead())   # each single loss's transition, ahead
         if trainer.ctx.device.type == "cpu":   # what a step frees stays mapped for a reshard's tensors
             from hetero.runtime.host_memory import keep_freed_host_memory
 

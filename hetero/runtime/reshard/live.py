@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -175,6 +176,60 @@ def transition_between(space, old_plan, old_layout, targets: dict, world_rank: d
     return plan_transition(sources, targets, vendors)
 
 
+@dataclass
+class Resolved:
+    """What a decision means for every rank alike: the model, the (old, new) plans and layouts, the
+    new plan's regions by rank and the transition (:func:`resolve`)."""
+
+    model: object
+    space: object
+    plans: list
+    layouts: list
+    targets: dict
+    transition: object
+
+
+_RESOLVED: dict[str, Resolved] = {}
+_RESOLVED_MAX = 16
+
+
+def resolve(d: dict, space=None) -> Resolved:
+    """:class:`Resolved` for decision ``d`` (:func:`decision_for`'s fields and ``members``),
+    computed once per distinct (model, old, new, survivors, members): a worker resolves the
+    decisions the launcher made ahead for each single loss (:func:`ahead_key`) at a step boundary,
+    so that after a loss the transition is already there. ``space``: the model's
+    :class:`~hetero.runtime.reshard.space.ParameterSpace`, if made already."""
+    import hetero
+    from hetero.layout import build_layout
+    from hetero.runtime.reshard.space import ParameterSpace
+
+    members = {int(k): v for k, v in d["members"].items()}
+    survivors = sorted(d.get("survivors", sorted(members)))
+    key = json.dumps([d["model"], d["old"], d["new"], survivors, sorted(members.items())], sort_keys=True)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    model = hetero.load_model(d["model"])
+    plans = [hetero.load_plan(d["old"]["plan"]), hetero.load_plan(d["new"]["plan"])]
+    layouts = [build_layout(hetero.load_cluster(d["old"]["cluster"]), plans[0]),
+               build_layout(hetero.load_cluster(d["new"]["cluster"]), plans[1])]
+    space = space or ParameterSpace(model)
+    targets = space.layout_regions(plans[1], layouts[1])
+    transition = transition_between(space, plans[0], layouts[0], targets, exchange_ranks(members, survivors),
+                                    layouts[1])
+    if len(_RESOLVED) >= _RESOLVED_MAX:   # an earlier generation's: not asked again
+        _RESOLVED.clear()
+    hit = _RESOLVED[key] = Resolved(model, space, plans, layouts, targets, transition)
+    return hit
+
+
+def ahead_key(gen: int) -> str:
+    """Where the ranks of generation ``gen`` find the decisions the launcher made ahead, one per
+    single loss (:func:`decision_for`'s plan fields, ``survivors`` and ``members``), to
+    :func:`resolve` them at a step boundary."""
+    return _key(gen, "ahead")
+
+
 class NewPlace:
     """A survivor's place in the new world after :func:`reconfigure`: its rank, whether the new plan
     has it (``member``; if not, it served its state and leaves), its ``info``
@@ -199,9 +254,6 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world);
     ``prepared``: state tensors allocated (and touched) ahead for the regions this process expects
     to hold (:func:`~hetero.runtime.reshard.transfer.exchange`)."""
-    import hetero
-    from hetero.layout import build_layout
-    from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import DEFAULT_MAX_BYTES, exchange
 
     t0 = time.perf_counter()
@@ -215,18 +267,14 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
     if me not in world_rank:
         raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
-    model = hetero.load_model(d["model"])
-    plans = [hetero.load_plan(d["old"]["plan"]), hetero.load_plan(d["new"]["plan"])]
-    layouts = [build_layout(hetero.load_cluster(d["old"]["cluster"]), plans[0]),
-               build_layout(hetero.load_cluster(d["new"]["cluster"]), plans[1])]
+    known = resolve(d, space)   # made ahead at a step boundary where the launcher planned this loss
+    model, space, plans, layouts = known.model, known.space, known.plans, known.layouts
+    targets, transition = known.targets, known.transition
     t1 = time.perf_counter()
     rank, world = world_rank[me], len(world_rank)
     regroup(store, gen, rank, world, timeout_s)
     mesh = _tp_meshes(layouts[1], rank) if meshes else None
     t2 = time.perf_counter()
-    space = space or ParameterSpace(model)
-    targets = space.layout_regions(plans[1], layouts[1])
-    transition = transition_between(space, plans[0], layouts[0], targets, world_rank, layouts[1])
     if transition.missing or d.get("lost_slices"):
         if transition.missing:
             _, region = transition.missing[0]

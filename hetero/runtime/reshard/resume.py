@@ -290,6 +290,27 @@ class LiveReconfig:
 
             torch.empty(need, dtype=torch.uint8).fill_(0)   # mapped, then freed into the heap
 
+    resolved: int | None = None
+    """The generation whose decisions ahead this rank resolved (:meth:`resolve_ahead`)."""
+
+    def resolve_ahead(self) -> None:
+        """At a step boundary (a hook of the worker's trainer), once per generation: when the launcher
+        has published its decision for each single loss (:func:`~hetero.runtime.reshard.live.ahead_key`),
+        work out what each means for this rank (:func:`~hetero.runtime.reshard.live.resolve`: the
+        plans, layouts, regions and transition), so that the downtime after a loss starts at the
+        exchange."""
+        if self.resolved == self.gen:
+            return
+        from hetero.runtime.reshard.live import ahead_key, resolve
+
+        key = ahead_key(self.gen)
+        if not self.store.check([key]):
+            return
+        self.resolved = self.gen
+        for d in json.loads(self.store.get(key)):
+            if self.rank in d["survivors"]:
+                resolve(d, self.space)
+
     def first_world(self) -> None:
         """Generation 0's world on the coordinator's store (the Trainer then finds it formed).
 
@@ -433,7 +454,11 @@ class LiveReconfig:
             _leave_trace(trainer, gen, me)
             return False
         members_world(self.store, gen, place, self.timeout_s)
-        self._adopt(trainer, place, scale)
+        self._adopt(trainer, place, scale)   # the old stage and optimizer are dropped here
+        if trainer.ctx.device.type == "cpu":   # what is left of an old tensor kept as a view
+            from hetero.runtime.host_memory import release_unused_pages
+
+            release_unused_pages(t for st in place.state.values() for t in st.tensors.values())
         self.rank, self.world = place.rank, members
         self.aborted = self.recovering = self.taken = False
         self.watch(trainer)

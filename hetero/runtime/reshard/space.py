@@ -65,6 +65,16 @@ def relative(box: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(box, within))
 
 
+def contiguous_within(box: Box, within: Box) -> bool:
+    """Whether ``box`` (inside ``within``) is one contiguous run of a row-major tensor that holds
+    exactly ``within``: single indices first, then one partial range, then whole dimensions (a tp
+    slice along dim 0 is; one along dim 1 of a matrix is not)."""
+    k = 0
+    while k < len(box) and box[k][1] - box[k][0] == 1:
+        k += 1
+    return all(box[d] == within[d] for d in range(k + 1, len(box)))
+
+
 def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """The ``[start, stop)`` that part ``index`` of ``parts`` holds of a dimension of size ``n``, as
     torch's ``Shard`` placement splits it (``torch.chunk``: ceil-sized parts, the last ones shorter

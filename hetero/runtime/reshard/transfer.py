@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetero.runtime.reshard.space import BYTES_PER_ELEMENT, STATE_KINDS, Box, box_numel, relative
+from hetero.runtime.reshard.space import BYTES_PER_ELEMENT, STATE_KINDS, Box, box_numel, contiguous_within, relative
 from hetero.runtime.reshard.transition import Piece, Transition
 
 DEFAULT_MAX_BYTES = 256 << 20
@@ -159,16 +159,20 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
     if chunk_bytes > max_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} exceeds max_bytes {max_bytes}")
     stats = ExchangeStats()
-    kept = _kept_whole(rank, transition, live, targets, device)
+    kept = _kept(rank, transition, live, targets, device)
     prepared = prepared or {}
 
     def fresh(name: str, box: Box) -> TensorState:
         if name in prepared and prepared[name].box == box:
             return TensorState(box, dict(prepared[name].tensors), None)
         return _blank(box, device, torch.empty)
-    new = {name: (TensorState(box, dict(live[name].tensors), None if live[name].step is None
-                              else live[name].step.clone()) if name in kept else fresh(name, box))
-           for name, box in targets.items()}
+
+    def keep(name: str, box: Box) -> TensorState:   # the old tensors themselves, or a view of them
+        old = live[name]
+        idx = relative(box, old.box)
+        tensors = dict(old.tensors) if box == old.box else {k: t[idx] for k, t in old.tensors.items()}
+        return TensorState(box, tensors, None if old.step is None else old.step.clone())
+    new = {name: keep(name, box) if name in kept else fresh(name, box) for name, box in targets.items()}
     for p in transition.pieces:   # what this rank keeps: its own tensors, or a copy where the box changed
         if p.src == rank and p.dst == rank:
             stats.bytes_local += p.nbytes
@@ -254,31 +258,45 @@ def _blank(box: Box, device, make) -> TensorState:
                              for k in STATE_KINDS}, None)
 
 
-def _kept_whole(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
-                device) -> set[str]:
-    """The tensors whose new region this rank already holds exactly (the same box, all of it kept):
-    their state tensors are taken over as they are, neither allocated again nor copied (the old
-    stage and optimizer that held them are dropped after the exchange; a peer may still read
-    them meanwhile, which is why nothing writes into them)."""
+def _kept(rank: int, transition: Transition, live: dict[str, TensorState], targets: dict[str, Box],
+          device) -> set[str]:
+    """The tensors whose new region this rank keeps from what it holds, neither allocated again nor
+    copied: the old state tensors themselves where the box is the same, and in host memory a
+    contiguous view of them where the new box is a contiguous part of the old one (a tp slice along
+    dim 0); :func:`~hetero.runtime.host_memory.release_unused_pages` gives the rest of such a
+    tensor back once the old stage is dropped. The old stage and optimizer that held them are
+    dropped after the exchange; a peer may still read them meanwhile, which is why nothing writes
+    into them."""
+    device = torch.device(device)
     usable = {name: st.box for name, st in live.items()
-              if all(t.is_contiguous() and t.device == torch.device(device) for t in st.tensors.values())}
-    return kept_whole_names(rank, transition, usable, targets)
+              if all(t.is_contiguous() and t.device == device for t in st.tensors.values())}
+    return kept_names(rank, transition, usable, targets, views=device.type == "cpu")
 
 
-def kept_whole_names(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box]) -> set[str]:
-    """The names whose ``targets`` box ``rank`` already holds (``held``: name -> its box) and keeps,
-    all of it, from itself: what :func:`exchange` takes over without a copy."""
-    whole = {name for name, box in targets.items() if held.get(name) == box}
+def kept_names(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box],
+               views: bool = True) -> set[str]:
+    """The names whose ``targets`` box ``rank`` keeps, all of it, from itself, out of the box it
+    holds (``held``: name -> box of a contiguous tensor): the same box, or with ``views`` a contiguous
+    part of it (:func:`~hetero.runtime.reshard.space.contiguous_within`). :func:`exchange` takes
+    them over without a copy."""
+    def keepable(name: str, box: Box) -> bool:
+        old = held.get(name)
+        if old is None:
+            return False
+        if old == box:
+            return True
+        return views and all(a <= x and y <= b for (x, y), (a, b) in zip(box, old)) and contiguous_within(box, old)
+    kept = {name for name, box in targets.items() if keepable(name, box)}
     for p in transition.pieces:
-        if p.dst == rank and p.name in whole and not (p.src == rank and p.box == targets[p.name]):
-            whole.discard(p.name)
-    return whole
+        if p.dst == rank and p.name in kept and not (p.src == rank and p.box == targets[p.name]):
+            kept.discard(p.name)
+    return kept
 
 
 def fresh_bytes(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box]) -> int:
-    """Bytes of state tensors :func:`exchange` allocates on ``rank`` (``held``: its old boxes,
-    ``targets``: its new ones): every target region but those it keeps whole."""
-    kept = kept_whole_names(rank, transition, held, targets)
+    """Bytes of state tensors :func:`exchange` allocates on ``rank`` in host memory (``held``: its old
+    boxes, ``targets``: its new ones): every target region but those it keeps (:func:`kept_names`)."""
+    kept = kept_names(rank, transition, held, targets)
     return sum(box_numel(box) for name, box in targets.items() if name not in kept) * BYTES_PER_ELEMENT
 
 
