@@ -53,7 +53,7 @@ LOST = 3
 TIMES = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s", "downtime_s", "dcp_s", "dcp_save_s")
 
 
-def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
+def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -81,6 +81,10 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     pid = os.getpid()
+    # what the runtime's worker does at a step boundary (LiveReconfig.reserve_ahead): as much host
+    # memory as its exchange would allocate after any single loss, written once and freed, so the
+    # exchange writes into mapped memory
+    torch.empty(reserve, dtype=torch.uint8).fill_(0)
     dist.barrier()
     if rank == LOST:
         store.set("died_at", repr(time.time()))
@@ -141,6 +145,31 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str) -> None:
     os._exit(0)
 
 
+def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
+    """Old rank -> the most state its exchange allocates after any single loss planned ``ahead``
+    (what the runtime's launcher publishes for its ranks to reserve)."""
+    from hetero.layout import build_layout
+    from hetero.runtime.elastic_live import assign_ranks
+    from hetero.runtime.reshard.live import exchange_ranks, transition_between
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import fresh_bytes
+
+    space, need = ParameterSpace(model), {}
+    held = space.layout_regions(plan, layout)
+    for lost, (left, result) in ahead.items():
+        new_layout = build_layout(left, result.plan)
+        survivors = [r for r in range(len(layout.ranks)) if r != lost]
+        world = exchange_ranks(assign_ranks(layout, new_layout, survivors), survivors)
+        targets = space.layout_regions(result.plan, new_layout)
+        transition = transition_between(space, plan, layout, targets, world, new_layout)
+        if transition.missing:
+            continue
+        for old, new in world.items():
+            if new < len(new_layout.ranks):
+                need[old] = max(need.get(old, 0), fresh_bytes(new, transition, held[old], targets.get(new, {})))
+    return need
+
+
 def one_round(i: int, tmp: Path) -> dict:
     import yaml
 
@@ -166,9 +195,11 @@ def one_round(i: int, tmp: Path) -> dict:
         left = without_devices(cluster, [layout.ranks[r]])
         ahead[r] = (left, replan(left, model, plan))
     plan_ahead_s = time.perf_counter() - t0
+    reserve = _reserves(cluster, layout, model, plan, ahead)
     coordinator = Coordinator(timeout_s=120)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm, reserve.get(r, 0)),
+                         daemon=True)
              for r in range(4)]
     for p in procs:
         p.start()
