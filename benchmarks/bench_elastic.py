@@ -41,8 +41,10 @@ ids; the losses are compared with one run of the whole model on one device. On t
 exchange reads the senders' memory (``transport: same-host``); each round also runs the same failure
 with the exchange over torch.distributed (``HETERO_RESHARD_TRANSPORT=p2p``: Gloo's loopback TCP) for
 comparison. The same transition through torch.distributed.checkpoint save + load via /dev/shm is
-timed in the same benchmark run (benchmarks/bench_reshard_live.py's rounds: the same model, plan and
-loss), against the live transition (regroup + transfer) and the whole downtime. Medians over the
+timed in the same benchmark run, first in each round (benchmarks/bench_reshard_live.py's rounds: the
+same model, plan and loss; memory reserved for its live exchange and for DCP's load alike), against
+the live transition (regroup + transfer) of the launched run and of that stand-alone run, and the
+whole downtime. Medians over the
 rounds; writes benchmarks/results/elastic_launch_live.json.
 
     .venv/bin/python benchmarks/bench_elastic.py --launch-live [--rounds 3]

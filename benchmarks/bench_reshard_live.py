@@ -22,9 +22,10 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
    state to /dev/shm and each new rank dcp.loads its stage (dcp_s = save + load, in the same world).
 
 Both paths run with the host allocator of the runtime's workers on a CPU device
-(hetero.runtime.host_memory: freed memory stays mapped). The DCP path runs second, so its load
-writes into the memory the live path's new state freed; the live path here has no reserve made
-ahead (the launcher's, which ``bench_elastic.py --launch-live`` measures).
+(hetero.runtime.host_memory: freed memory stays mapped) and write into mapped memory: before the
+failure each worker writes and frees as much as its exchange would allocate after any single loss
+(what the runtime's launcher tells its ranks to reserve), and before DCP as much as its load targets
+take. dcp_save_s times the save alone.
 
 Reports medians over the rounds, the bytes moved against the transition's intersection volume, the
 predicted transfer time (hetero.runtime.reshard.predict, from local-cpu.yaml's 1.5 GB/s links), the
