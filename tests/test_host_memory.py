@@ -121,3 +121,10 @@ def test_the_pages_outside_a_kept_view_go_back_to_the_kernel():
         dropped = (other == 0).sum().item()   # a dropped page reads as zeros when touched again
         assert dropped * 4 >= released
     assert release_unused_pages([whole]) == 0   # a tensor using its whole storage: nothing to give back
+    # two tensors of one storage (a flat vector): only the pages neither uses go
+    flat = torch.arange(1 << 20, dtype=torch.float32)
+    a, b = flat[:1 << 18], flat[3 << 18:]
+    wa, wb = a.clone(), b.clone()
+    released = release_unused_pages([b, a])
+    assert torch.equal(a, wa) and torch.equal(b, wb)
+    assert (2 << 18) * 4 - 2 * page <= released <= (2 << 18) * 4

@@ -68,28 +68,35 @@ a zero page."""
 
 
 def release_unused_pages(tensors) -> int:
-    """Give back to the kernel the whole pages of each CPU tensor's storage that lie outside the
-    tensor's own bytes (a view kept of a larger tensor, :func:`hetero.runtime.reshard.transfer.exchange`),
-    once nothing else reads them: what a copy into a tensor of its own would have freed, without
-    the copy. Each storage must have no other live view (the storage stays allocated; its dropped
-    pages read as zeros if touched). Returns the bytes given back; 0 where ``madvise`` is missing."""
+    """Give back to the kernel the whole pages of the CPU tensors' storages that none of ``tensors``
+    uses (a view kept of a larger tensor, :func:`hetero.runtime.reshard.transfer.exchange`), once
+    nothing else reads them: what a copy into tensors of their own would have freed, without the
+    copy. Every live user of those storages must be among ``tensors`` (the old stage dropped): the
+    pages any of them touches stay (several views of one flat vector keep all theirs), and a
+    dropped page reads as zeros if touched again. Returns the bytes given back; 0 where
+    ``madvise`` is missing."""
     madvise = getattr(_libc(), "madvise", None)
     if madvise is None:
         return 0
     madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
     page = os.sysconf("SC_PAGE_SIZE")
-    released = 0
+    used: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # storage start -> (its end, ranges in use)
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous():
+        if t.device.type != "cpu" or t.numel() == 0:
             continue
         storage = t.untyped_storage()
-        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        used_lo = t.data_ptr()
-        used_hi = used_lo + t.numel() * t.element_size()
-        for a, b in ((lo, used_lo), (used_hi, hi)):   # whole pages only: a page the view touches stays
-            a, b = -(-a // page) * page, b // page * page
-            if b > a and madvise(a, b - a, MADV_DONTNEED) == 0:
-                released += b - a
+        lo = storage.data_ptr()
+        first = t.data_ptr()   # the span of t's elements (whatever its strides)
+        last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+        used.setdefault(lo, (lo + storage.nbytes(), []))[1].append((first, last))
+    released = 0
+    for lo, (hi, ranges) in used.items():
+        at = lo
+        for a, b in sorted(ranges) + [(hi, hi)]:
+            start, stop = -(-at // page) * page, a // page * page   # whole pages only
+            if stop > start and madvise(start, stop - start, MADV_DONTNEED) == 0:
+                released += stop - start
+            at = max(at, b)
     return released
 
 
