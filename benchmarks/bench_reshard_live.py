@@ -153,22 +153,19 @@ def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
     from hetero.runtime.elastic_live import assign_ranks
     from hetero.runtime.reshard.live import exchange_ranks, transition_between
     from hetero.runtime.reshard.space import ParameterSpace
-    from hetero.runtime.reshard.transfer import fresh_bytes
+    from hetero.runtime.reshard.transfer import reserve_bytes
 
-    space, need = ParameterSpace(model), {}
-    held = space.layout_regions(plan, layout)
+    space = ParameterSpace(model)
+    losses = []
     for lost, (left, result) in ahead.items():
         new_layout = build_layout(left, result.plan)
         survivors = [r for r in range(len(layout.ranks)) if r != lost]
-        world = exchange_ranks(assign_ranks(layout, new_layout, survivors), survivors)
-        targets = space.layout_regions(result.plan, new_layout)
-        transition = transition_between(space, plan, layout, targets, world, new_layout)
-        if transition.missing:
-            continue
-        for old, new in world.items():
-            if new < len(new_layout.ranks):
-                need[old] = max(need.get(old, 0), fresh_bytes(new, transition, held[old], targets.get(new, {})))
-    return need
+        members = assign_ranks(layout, new_layout, survivors)
+        transition = transition_between(space, plan, layout, space.layout_regions(result.plan, new_layout),
+                                        exchange_ranks(members, survivors), new_layout)
+        if not transition.missing:
+            losses.append((members, transition, result.plan, new_layout))
+    return reserve_bytes(space, space.layout_regions(plan, layout), losses)
 
 
 def one_round(i: int, tmp: Path) -> dict:

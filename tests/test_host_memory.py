@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from helpers import live_run
 from hetero.runtime.host_memory import KEEP_ENV
 
 PROBE = r"""
@@ -73,18 +74,10 @@ def test_the_launcher_reserves_for_the_losses_an_exchange_would_serve(tmp_path, 
     """Planned ahead for every single loss, the launcher tells each rank the most state its exchange
     would allocate: a share of the model where every layer has a copy elsewhere; nothing where each
     loss leaves layers without a copy (that run goes on from a checkpoint, or ends)."""
-    import hetero
-    from hetero.runtime import launcher
-    from hetero.runtime.elastic_live import LiveRun
     from hetero.runtime.reshard.live import reserve_key
     from hetero.runtime.reshard.space import ParameterSpace
-    from hetero.runtime.spec import RunOptions
 
-    cluster = hetero.load_cluster("configs/clusters/local-cpu.yaml")
-    model = hetero.load_model("configs/models/tiny.yaml")
-    plan = hetero.load_plan(f"configs/plans/{plan}", cluster, model)
-    launch = launcher.prepare(cluster, model, plan, RunOptions(elastic=True), run_dir=str(tmp_path / "run"))
-    run = LiveRun(launch, cluster, model, plan, [])
+    run, _, model, _, launch = live_run(tmp_path, plan)
     try:
         run._plan_ahead()   # what start() runs beside the workers
         got = json.loads(run.coordinator.store.get(reserve_key(0)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _spawn import spawn
-from helpers import DictStore, local_cluster, random_state_checkpoint
+from helpers import DictStore, live_run, local_cluster, random_state_checkpoint
 
 # an odd vocabulary, so tp 2 splits the embedding unevenly (255 + 254 rows)
 MODEL = {"name": "reshard", "architecture": "gpt", "num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -440,19 +440,6 @@ def test_survivors_reshard_in_process_and_a_second_failure_is_named(tmp_path, se
     assert sum(results[r]["sent"] for r in (0, 1, 2)) == results[0]["intersection"] > 0
 
 
-def _tiny_live_run(tmp_path):
-    import hetero
-    from hetero.runtime import launcher
-    from hetero.runtime.elastic_live import LiveRun
-    from hetero.runtime.spec import RunOptions
-
-    cluster = hetero.load_cluster("configs/clusters/local-cpu.yaml")
-    model = hetero.load_model("configs/models/tiny.yaml")
-    plan = hetero.load_plan("configs/plans/tiny-local-cpu-replicated.yaml", cluster, model)
-    launch = launcher.prepare(cluster, model, plan, RunOptions(elastic=True), run_dir=str(tmp_path / "run"))
-    return LiveRun(launch, cluster, model, plan, [], print_fn=lambda *_: None), cluster, model, plan
-
-
 def test_a_worker_resolves_ahead_the_transition_each_single_loss_would_need(tmp_path):
     """The launcher publishes its decision for each single loss as it plans them; a worker works out
     the plans, regions and transition at a step boundary, and the decision a loss brings (its step,
@@ -460,7 +447,7 @@ def test_a_worker_resolves_ahead_the_transition_each_single_loss_would_need(tmp_
     from hetero.runtime.reshard import live as L
     from hetero.runtime.reshard.resume import LiveReconfig
 
-    run, cluster, model, plan = _tiny_live_run(tmp_path)
+    run, cluster, model, plan, _ = live_run(tmp_path)
     try:
         run._plan_ahead()   # what start() runs beside the workers
         published = run.coordinator.store.get(L.ahead_key(0))
@@ -492,7 +479,7 @@ def test_after_a_reshard_the_launcher_plans_ahead_once_every_rank_is_ready(tmp_p
 
     from hetero.runtime.reshard.resume import timing_key
 
-    run, *_ = _tiny_live_run(tmp_path)
+    run, *_ = live_run(tmp_path)
     started = threading.Event()
     run._plan_ahead = started.set
     try:

@@ -165,8 +165,9 @@ class LiveRun:
                 table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
-        # a ZeRO run goes on from a checkpoint after a loss: no exchange, nothing to reserve (said all
-        # the same, so that its ranks stop looking)
+        # a ZeRO run goes on from a checkpoint after a loss, and so does a loss that leaves some region
+        # without a copy: no exchange, nothing to reserve or resolve (said all the same, so that the
+        # ranks stop looking)
         aheads = [] if now.plan.zero_stage else [a for a in table.values() if not a.transition.missing]
         self._publish_reserves(gen, now, aheads)
         self._publish_decisions(gen, now, aheads)
@@ -191,14 +192,11 @@ class LiveRun:
         losses planned ahead, for it to keep that much host memory mapped while it trains
         (:meth:`hetero.runtime.reshard.resume.LiveReconfig.reserve_ahead`)."""
         from hetero.runtime.reshard.live import reserve_key
-        from hetero.runtime.reshard.transfer import fresh_bytes
+        from hetero.runtime.reshard.transfer import reserve_bytes
 
-        space, need = self._space(), {}
-        held = space.layout_regions(now.plan, now.layout)
-        for ahead in aheads:   # a loss that leaves some region without a copy has no exchange
-            for old, new in ahead.members.items():   # a member's rank in the exchange is its new rank
-                targets = space.rank_regions(ahead.result.plan, ahead.layout.ranks[new])
-                need[old] = max(need.get(old, 0), fresh_bytes(new, ahead.transition, held[old], targets))
+        space = self._space()
+        need = reserve_bytes(space, space.layout_regions(now.plan, now.layout),
+                             [(a.members, a.transition, a.result.plan, a.layout) for a in aheads])
         try:
             self.coordinator.store.set(reserve_key(gen), json.dumps(need))
         except Exception:  # noqa: BLE001 - the run ended meanwhile: nothing to prepare for

@@ -23,7 +23,9 @@ writes the three files, runs ``hetero launch`` for ``STEPS`` steps in a session 
 timeout ends its whole tree), fails the test if a process of the run outlives it, and returns
 ``(summary, process)``; ``launch_summary(...)`` returns the summary alone.
 ``assert_matches_reference(summary, model)`` compares the losses and gradient norms with one
-process training the whole model (``reference(model)``), to ``RTOL``.
+process training the whole model (``reference(model)``), to ``RTOL``. ``live_run(tmp_path, plan)``:
+the launcher's in-process elastic controller for the tiny model on local-cpu.yaml, workers not
+started.
 
 Processes (:mod:`helpers.processes`): ``with_communicator(fn, vendors=[...], args)`` runs
 ``fn(comm, *args)`` in one process per vendor tag, each with a ``hetero.comm.Communicator``;
@@ -40,13 +42,14 @@ How to run the tiers and the rules for tests that start processes: docs/testing.
 from _spawn import SpawnError, end_launcher, free_port, run_launcher, spawn
 
 from .checkpoints import random_state_checkpoint
-from .launching import LR, ROOT, RTOL, STEPS, assert_matches_reference, launch, launch_summary, reference, write_yaml
+from .launching import (LR, ROOT, RTOL, STEPS, assert_matches_reference, launch, launch_summary, live_run, reference,
+                        write_yaml)
 from .processes import DictStore, assert_no_leftover, leftover, with_communicator
 from .specs import (CLUSTER, GPT, LLAMA, cluster_dict, emulated_device, group_dict, link_dict, local_cluster,
                     network_dict, plan_dict, stage_dict, tiny_model)
 
 __all__ = ["SpawnError", "end_launcher", "free_port", "run_launcher", "spawn",
-           "LR", "ROOT", "RTOL", "STEPS", "assert_matches_reference", "launch", "launch_summary", "reference",
+           "LR", "ROOT", "RTOL", "STEPS", "assert_matches_reference", "launch", "launch_summary", "live_run", "reference",
            "write_yaml", "DictStore", "assert_no_leftover", "leftover", "with_communicator", "random_state_checkpoint",
            "CLUSTER", "GPT", "LLAMA", "cluster_dict", "emulated_device", "group_dict", "link_dict", "local_cluster",
            "network_dict", "plan_dict", "stage_dict", "tiny_model"]

@@ -22,7 +22,7 @@ from .processes import assert_no_leftover
 from .specs import CLUSTER
 
 __all__ = ["ROOT", "LR", "STEPS", "RTOL", "write_yaml", "launch", "launch_summary", "reference",
-           "assert_matches_reference"]
+           "assert_matches_reference", "live_run"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LR = 1e-2  # large enough that a wrong gradient shows in the losses within 5 steps
@@ -85,3 +85,20 @@ def assert_matches_reference(summary: dict, model: dict, gbs: int = 8) -> None:
     assert summary["steps"] == STEPS
     assert summary["losses"] == pytest.approx(losses, rel=RTOL), (summary["losses"], losses)
     assert summary["grad_norms"] == pytest.approx(norms, rel=RTOL), (summary["grad_norms"], norms)
+
+
+def live_run(tmp_path: Path, plan: str = "tiny-local-cpu-replicated.yaml"):
+    """The launcher's in-process elastic controller (:class:`hetero.runtime.elastic_live.LiveRun`) for
+    configs/models/tiny.yaml on configs/clusters/local-cpu.yaml with ``configs/plans/<plan>``, its
+    workers not started (a test calls its planning and publishing directly; it closes
+    ``run.coordinator``). Returns ``(run, cluster, model, plan, launch)``."""
+    import hetero
+    from hetero.runtime import launcher
+    from hetero.runtime.elastic_live import LiveRun
+    from hetero.runtime.spec import RunOptions
+
+    cluster = hetero.load_cluster(str(ROOT / "configs/clusters/local-cpu.yaml"))
+    model = hetero.load_model(str(ROOT / "configs/models/tiny.yaml"))
+    loaded = hetero.load_plan(str(ROOT / "configs/plans" / plan), cluster, model)
+    prepared = launcher.prepare(cluster, model, loaded, RunOptions(elastic=True), run_dir=str(tmp_path / "run"))
+    return LiveRun(prepared, cluster, model, loaded, [], print_fn=lambda *_: None), cluster, model, loaded, prepared

@@ -178,13 +178,15 @@ def transition_between(space, old_plan, old_layout, targets: dict, world_rank: d
 
 @dataclass
 class Resolved:
-    """What a decision means for every rank alike: the model, the (old, new) plans and layouts, the
-    new plan's regions by rank and the transition (:func:`resolve`)."""
+    """What a decision means for every rank alike: the model, the (old, new) plans and layouts, each
+    survivor's rank in the exchange (:func:`exchange_ranks`), the new plan's regions by rank and the
+    transition (:func:`resolve`)."""
 
     model: object
     space: object
     plans: list
     layouts: list
+    world_rank: dict
     targets: dict
     transition: object
 
@@ -214,12 +216,12 @@ def resolve(d: dict, space=None) -> Resolved:
     layouts = [build_layout(hetero.load_cluster(d["old"]["cluster"]), plans[0]),
                build_layout(hetero.load_cluster(d["new"]["cluster"]), plans[1])]
     space = space or ParameterSpace(model)
+    world_rank = exchange_ranks(members, survivors)
     targets = space.layout_regions(plans[1], layouts[1])
-    transition = transition_between(space, plans[0], layouts[0], targets, exchange_ranks(members, survivors),
-                                    layouts[1])
+    transition = transition_between(space, plans[0], layouts[0], targets, world_rank, layouts[1])
     if len(_RESOLVED) >= _RESOLVED_MAX:   # an earlier generation's: not asked again
         _RESOLVED.clear()
-    hit = _RESOLVED[key] = Resolved(model, space, plans, layouts, targets, transition)
+    hit = _RESOLVED[key] = Resolved(model, space, plans, layouts, world_rank, targets, transition)
     return hit
 
 
@@ -264,12 +266,11 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
             on_checked_in()
     d = decision or await_decision(store, gen, timeout_s)
     members = d["members"]
-    world_rank = exchange_ranks(members, d.get("survivors", sorted(members)))
-    if me not in world_rank:
-        raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
     known = resolve(d, space)   # made ahead at a step boundary where the launcher planned this loss
     model, space, plans, layouts = known.model, known.space, known.plans, known.layouts
-    targets, transition = known.targets, known.transition
+    world_rank, targets, transition = known.world_rank, known.targets, known.transition
+    if me not in world_rank:
+        raise ReconfigurationError(f"reconfiguration {gen}: this process (rank {me}) is not among the survivors")
     t1 = time.perf_counter()
     rank, world = world_rank[me], len(world_rank)
     regroup(store, gen, rank, world, timeout_s)

@@ -275,16 +275,11 @@ class LiveReconfig:
         its new tensors, instead of fresh memory and its page faults in the downtime (a join
         prepares its exact regions instead, :meth:`prepare_ahead`). The worker hooks it on CPU
         devices only; the memory stays this process's, as the blocks a GPU's caching allocator keeps."""
-        if self.reserved == self.gen:
-            return
         from hetero.runtime.host_memory import keep_freed_host_memory
         from hetero.runtime.reshard.live import reserve_key
 
-        key = reserve_key(self.gen)
-        if not self.store.check([key]):
-            return
-        self.reserved = self.gen
-        need = json.loads(self.store.get(key)).get(str(self.rank), 0)
+        told = self._published_once("reserved", reserve_key(self.gen))
+        need = 0 if told is None else told.get(str(self.rank), 0)
         if need and keep_freed_host_memory():
             import torch
 
@@ -299,17 +294,20 @@ class LiveReconfig:
         work out what each means for this rank (:func:`~hetero.runtime.reshard.live.resolve`: the
         plans, layouts, regions and transition), so that the downtime after a loss starts at the
         exchange."""
-        if self.resolved == self.gen:
-            return
         from hetero.runtime.reshard.live import ahead_key, resolve
 
-        key = ahead_key(self.gen)
-        if not self.store.check([key]):
-            return
-        self.resolved = self.gen
-        for d in json.loads(self.store.get(key)):
+        for d in self._published_once("resolved", ahead_key(self.gen)) or []:
             if self.rank in d["survivors"]:
                 resolve(d, self.space)
+
+    def _published_once(self, done: str, key: str):
+        """What the launcher published at ``key`` for this generation, read once: None while it is
+        not there, and once this generation's is taken (``done``: the attribute that records the
+        generation it was taken for)."""
+        if getattr(self, done) == self.gen or not self.store.check([key]):
+            return None
+        setattr(self, done, self.gen)
+        return json.loads(self.store.get(key))
 
     def first_world(self) -> None:
         """Generation 0's world on the coordinator's store (the Trainer then finds it formed).

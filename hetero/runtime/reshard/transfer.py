@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetero.runtime.reshard.space import BYTES_PER_ELEMENT, STATE_KINDS, Box, box_numel, contiguous_within, relative
+from hetero.runtime.reshard.space import (BYTES_PER_ELEMENT, STATE_KINDS, Box, box_numel, contiguous_within, intersect,
+                                          relative)
 from hetero.runtime.reshard.transition import Piece, Transition
 
 DEFAULT_MAX_BYTES = 256 << 20
@@ -285,12 +286,24 @@ def kept_names(rank: int, transition: Transition, held: dict[str, Box], targets:
             return False
         if old == box:
             return True
-        return views and all(a <= x and y <= b for (x, y), (a, b) in zip(box, old)) and contiguous_within(box, old)
+        return views and intersect(box, old) == box and contiguous_within(box, old)
     kept = {name for name, box in targets.items() if keepable(name, box)}
     for p in transition.pieces:
         if p.dst == rank and p.name in kept and not (p.src == rank and p.box == targets[p.name]):
             kept.discard(p.name)
     return kept
+
+
+def reserve_bytes(space, held: dict[int, dict[str, Box]], losses) -> dict[int, int]:
+    """Old rank -> the most state its exchange allocates over ``losses`` (each: ``(members``, old rank
+    -> rank in the new plan, ``transition, new plan, new layout)``, a loss with an exchange);
+    ``held``: old rank -> its regions. What the launcher tells each rank to reserve."""
+    need: dict[int, int] = {}
+    for members, transition, plan, layout in losses:
+        for old, new in members.items():   # a member's rank in the exchange is its new rank
+            targets = space.rank_regions(plan, layout.ranks[new])
+            need[old] = max(need.get(old, 0), fresh_bytes(new, transition, held[old], targets))
+    return need
 
 
 def fresh_bytes(rank: int, transition: Transition, held: dict[str, Box], targets: dict[str, Box]) -> int:
