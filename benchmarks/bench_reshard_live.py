@@ -22,7 +22,8 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
    state to /dev/shm and each new rank dcp.loads its stage (dcp_s = save + load, in the same world).
 
 Both paths run with the host allocator of the runtime's workers on a CPU device
-(hetero.runtime.host_memory: freed memory stays mapped) and write into mapped memory: before the
+(hetero.runtime.host_memory: large tensors in transparent huge pages, freed memory stays mapped;
+/dev/shm's files take whatever the kernel's shmem huge-page setting gives them) and write into mapped memory: before the
 failure each worker writes and frees as much as its exchange would allocate after any single loss
 (what the runtime's launcher tells its ranks to reserve), and before DCP as much as its load targets
 take. dcp_save_s times the save alone.
@@ -175,6 +176,7 @@ def one_round(i: int, tmp: Path) -> dict:
     from hetero.layout import build_layout
     from hetero.runtime.elastic import replan, without_devices
     from hetero.runtime.elastic_live import assign_ranks
+    from hetero.runtime.host_memory import huge_pages_env
     from hetero.runtime.reshard.live import Coordinator, choose_transport, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s
     from hetero.runtime.reshard.space import ParameterSpace
@@ -196,6 +198,8 @@ def one_round(i: int, tmp: Path) -> dict:
     reserve = _reserves(cluster, layout, model, plan, ahead)
     coordinator = Coordinator(timeout_s=120)
     ctx = mp.get_context("spawn")
+    # the workers start with the environment the runtime's launcher gives a CPU device's (huge pages)
+    os.environ.update(huge_pages_env())
     procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm, reserve.get(r, 0)),
                          daemon=True)
              for r in range(4)]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import live_run
-from hetero.runtime.host_memory import KEEP_ENV
+from hetero.runtime.host_memory import HUGE_PAGES_ENV, KEEP_ENV, huge_pages_env
 
 PROBE = r"""
 import json, sys, torch
@@ -121,3 +121,53 @@ def test_the_pages_outside_a_kept_view_go_back_to_the_kernel():
     released = release_unused_pages([b, a])
     assert torch.equal(a, wa) and torch.equal(b, wb)
     assert (2 << 18) * 4 - 2 * page <= released <= (2 << 18) * 4
+
+
+HUGE = r"""
+import json, sys, torch
+from hetero.runtime.host_memory import keep_freed_host_memory
+keep_freed_host_memory()   # as a CPU-device worker: the heap serves large blocks too
+tensors = [torch.empty(64 << 20, dtype=torch.uint8).fill_(1) for _ in range(2)]   # a stage's state
+huge = 0
+for t in tensors:
+    ptr = t.data_ptr()
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:   # a mapping's address range starts its block
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            huge += int(line.split()[1]) << 10
+print(json.dumps({"huge": huge}))
+"""
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _huge_bytes(env: dict) -> int:
+    clean = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_ENV}
+    out = subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True, timeout=120,
+                         env={**clean, **env, KEEP_ENV: "1"})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["huge"]
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="this kernel gives no transparent huge pages "
+                    "(/sys/kernel/mm/transparent_hugepage/enabled missing or [never])")
+def test_a_cpu_device_workers_environment_maps_its_large_tensors_in_huge_pages():
+    """What the launcher adds to a CPU-device worker's environment makes torch's allocator map a
+    stage's large tensors in 2 MB pages, the heap kept as the worker keeps it (what a same-host
+    exchange reads twice as fast, docs/elastic.md); a user's own setting wins."""
+    env = huge_pages_env({})
+    assert env == {HUGE_PAGES_ENV: "1"}
+    assert huge_pages_env({HUGE_PAGES_ENV: "0"}) == {}
+    assert _huge_bytes(env) >= 64 << 20   # at least half of the two 64 MB tensors in huge pages
+    if _thp_mode() == "madvise":          # only asked-for memory gets them: off without the variable
+        assert _huge_bytes({HUGE_PAGES_ENV: "0"}) == 0

@@ -803,7 +803,8 @@ def test_successful_launches_print_nothing_from_torchrun(tmp_path):
 def test_emulated_groups_fork_their_workers_and_gpu_groups_start_fresh_ones(tmp_path, monkeypatch):
     """A node slot of emulated (CPU) devices forks its workers from its torchrun, which imports torch
     once; a GPU slot never does (a CUDA runtime must not be forked); HETERO_WORKER_START=spawn asks
-    for fresh workers everywhere. The node launcher forks only the hetero worker module."""
+    for fresh workers everywhere. The node launcher forks only the hetero worker module. Emulated
+    devices' workers also ask torch for huge pages, unless the user set that variable."""
     import hetero
     from hetero.runtime import torchrun_loopback as wrapper
     from hetero.runtime.launcher import prepare
@@ -823,6 +824,15 @@ def test_emulated_groups_fork_their_workers_and_gpu_groups_start_fresh_ones(tmp_
     starts = {n.group: n.env.get(wrapper.FORK_ENV)
               for n in prepare(mixed, model, plan, RunOptions(), run_dir=str(tmp_path / "b")).nodes}
     assert starts == {"a100": None, "fast": "spawn"}
+    # an emulated device's state in huge pages (host_memory), unless the user chose otherwise
+    from hetero.runtime.host_memory import HUGE_PAGES_ENV
+    monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
+    huge = {n.group: n.env.get(HUGE_PAGES_ENV)
+            for n in prepare(mixed, model, plan, RunOptions(), run_dir=str(tmp_path / "c")).nodes}
+    assert huge == {"a100": None, "fast": "1"}
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
+    assert all(HUGE_PAGES_ENV not in n.env
+               for n in prepare(mixed, model, plan, RunOptions(), run_dir=str(tmp_path / "d")).nodes)
     argv = ["--nnodes=1", "--master-port=1", "-m", "hetero.runtime.worker", "--spec", "run.json"]
     assert wrapper._worker_args(argv) is None   # spawn asked for
     monkeypatch.setenv(wrapper.FORK_ENV, "fork")

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from hetero.backends import registry
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
+from hetero.runtime.host_memory import huge_pages_env
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 from hetero.runtime.torchrun_loopback import FORK_ENV, WORKER_MODULE, is_loopback
 from hetero.specs.units import plural
@@ -249,6 +250,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         env["OMP_NUM_THREADS"] = str(max(1, options.threads))
         if family == "cpu":   # emulated devices: workers forked from their node launcher (see there)
             env[FORK_ENV] = os.environ.get(FORK_ENV, "fork")
+            env.update(huge_pages_env())   # their state in huge pages, as device memory (host_memory)
         # c10d's C++ warnings (a store or socket read that fails once a peer is gone, with dozens of
         # stack-frame lines) would bury hetero's one-line failure reports; its errors still print.
         # A TORCH_CPP_LOG_LEVEL set by the user wins.
