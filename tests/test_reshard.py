@@ -612,6 +612,46 @@ def test_same_host_reads_strided_slices_into_strided_views_and_names_a_peer_that
         cma.Exchange(store, "x", 1, {0: gone.pid}, timeout_s=5).serve({0})
 
 
+@pytest.mark.parametrize("iov_max,call_bytes", [(1024, 1 << 30), (3, 64)], ids=["as Linux takes", "tiny calls"])
+def test_same_host_reads_of_several_parts_go_out_together_in_calls_the_kernel_takes(monkeypatch, iov_max, call_bytes):
+    """The parts read from one process (contiguous tensors and strided slices) are gathered into one
+    set of ranges and read in as few calls as the kernel takes: with at most ``iov_max`` ranges and
+    ``call_bytes`` per call (a range longer than that cut), every byte still lands where it belongs."""
+    from hetero.runtime.reshard import cma
+
+    if not cma.usable():
+        pytest.skip("this machine does not let a process read another's memory (process_vm_readv)")
+    monkeypatch.setattr(cma, "IOV_MAX", iov_max)
+    monkeypatch.setattr(cma, "MAX_CALL_BYTES", call_bytes)
+    calls, real = [], cma._libc()
+
+    def counted(pid, liov, lcount, riov, rcount, flags):
+        got = real(pid, liov, lcount, riov, rcount, flags)
+        calls.append((lcount, got))
+        return got
+    monkeypatch.setattr(cma, "_libc", lambda: counted)
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(100, generator=g)              # one 400-byte range
+    table = torch.randn(8, 12, generator=g)
+    half = table[:, 6:]                                # a tp slice along dim 1: 8 rows
+    empty = torch.empty(0)
+    into_whole, into_half, into_empty = torch.zeros(100), torch.zeros(8, 6), torch.zeros(0)
+    wide = torch.zeros(8, 10)
+    into_strided = wide[:, 2:8]                        # a strided destination for the same slice
+    segments = cma.Segments()
+    for view, src in ((into_whole, whole), (into_half, half), (into_empty, empty), (into_strided, half)):
+        segments.add(view, src.data_ptr(), list(src.shape), list(src.stride()))
+    local, remote, lengths = segments.arrays()
+    assert int(lengths.sum()) == (100 + 2 * 48) * 4
+    assert cma._read(os.getpid(), local, remote, lengths) == (100 + 2 * 48) * 4
+    assert all(count <= iov_max and got <= call_bytes for count, got in calls)
+    # all four parts in one call; or with tiny calls: ``whole`` cut into six 64-byte pieces, its 16-byte
+    # tail with two 24-byte rows, then the other 14 rows two to a call
+    assert len(calls) == (1 if iov_max == 1024 else 6 + 1 + 7)
+    assert torch.equal(into_whole, whole) and torch.equal(into_half, half) and torch.equal(into_strided, half)
+    assert wide[:, :2].abs().sum() == 0 and wide[:, 8:].abs().sum() == 0
+
+
 def _blocked_receiver_worker(rank, world, port, group_timeout_s):
     import datetime
     import signal

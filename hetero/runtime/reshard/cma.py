@@ -36,7 +36,10 @@ import time
 import torch
 
 IOV_MAX = 1024
-"""Segments per system call (Linux's UIO_MAXIOV)."""
+"""Ranges per system call (Linux's UIO_MAXIOV)."""
+MAX_CALL_BYTES = 1 << 30
+"""Bytes per system call: Linux moves at most about 2 GiB in one (MAX_RW_COUNT) and returns a
+partial read beyond it."""
 
 POLL_S = 0.001
 
@@ -120,19 +123,80 @@ def pair(local: Runs, remote: Runs) -> tuple[torch.Tensor, torch.Tensor, int]:
     return cut(la, ln), cut(ra, rn), g
 
 
-def _read(pid: int, local: torch.Tensor, remote: torch.Tensor, length: int) -> int:
-    """Copy ``length`` bytes at each remote address of process ``pid`` to the local address of the
-    same index; the bytes read. The iovec arrays are int64 pairs (address, length) in one tensor."""
+def _dense(shape: list[int], strides: list[int]) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` is row-major contiguous (one run)."""
+    inner = 1
+    for n, stride in zip(reversed(shape), reversed(strides)):
+        if n != 1 and stride != inner:
+            return False
+        inner *= n
+    return True
+
+
+class Segments:
+    """The byte ranges of several reads from one process, gathered so that they go out in as few
+    system calls as the kernel takes (:func:`_read`): a piece's parts are mostly whole contiguous
+    tensors, each one range, which are kept as plain numbers; strided ones are cut into runs
+    (:func:`pair`)."""
+
+    def __init__(self):
+        self._local: list[int] = []
+        self._remote: list[int] = []
+        self._lengths: list[int] = []
+        self._runs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def add(self, view: torch.Tensor, address: int, shape: list[int], strides: list[int]) -> None:
+        """Read the remote tensor at ``address`` (its shape and strides, in elements) into ``view``."""
+        if view.is_contiguous() and _dense(shape, strides):
+            if view.numel():
+                self._local.append(view.data_ptr())
+                self._remote.append(address)
+                self._lengths.append(view.numel() * view.element_size())
+        else:
+            local, remote, length = pair(runs(view), remote_runs(address, shape, strides, view.element_size()))
+            if length:
+                self._runs.append((local, remote, length))
+
+    def arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(local addresses, remote addresses, lengths), int64, for :func:`_read`."""
+        def i64(values):
+            return torch.tensor(values, dtype=torch.int64)
+        local = [i64(self._local)] + [r[0] for r in self._runs]
+        remote = [i64(self._remote)] + [r[1] for r in self._runs]
+        lengths = [i64(self._lengths)] + [torch.full_like(r[0], r[2]) for r in self._runs]
+        return torch.cat(local), torch.cat(remote), torch.cat(lengths)
+
+
+def _bounded(local: torch.Tensor, remote: torch.Tensor, lengths: torch.Tensor, cap: int):
+    """The same ranges with any longer than ``cap`` bytes cut into pieces of at most ``cap``."""
+    if not bool((lengths > cap).any()):
+        return local, remote, lengths
+    k = (lengths + cap - 1) // cap   # pieces per range
+    which = torch.repeat_interleave(torch.arange(lengths.numel()), k)
+    offset = (torch.arange(int(k.sum())) - torch.repeat_interleave(k.cumsum(0) - k, k)) * cap
+    return local[which] + offset, remote[which] + offset, torch.clamp(lengths[which] - offset, max=cap)
+
+
+def _read(pid: int, local: torch.Tensor, remote: torch.Tensor, length: int | torch.Tensor) -> int:
+    """Copy the bytes at each remote address of process ``pid`` to the local address of the same
+    index, ``length`` bytes each (one number, or one per address); the bytes read. As few system
+    calls as Linux takes: at most :data:`IOV_MAX` ranges and :data:`MAX_CALL_BYTES` each."""
     fn, total, n = _libc(), 0, local.numel()
     if n == 0:
         return 0
-    lv, rv = torch.empty((n, 2), dtype=torch.int64), torch.empty((n, 2), dtype=torch.int64)
-    lv[:, 0], rv[:, 0] = local, remote
-    lv[:, 1] = rv[:, 1] = length
+    lengths = length if isinstance(length, torch.Tensor) else torch.full((n,), length, dtype=torch.int64)
+    local, remote, lengths = _bounded(local, remote, lengths, MAX_CALL_BYTES)
+    n = local.numel()
+    # the iovec arrays: int64 pairs (address, length), one tensor per side
+    lv, rv = torch.stack((local, lengths), 1).contiguous(), torch.stack((remote, lengths), 1).contiguous()
+    ends = lengths.cumsum(0)
     iov = ctypes.POINTER(_IOVec)
-    for lo in range(0, n, IOV_MAX):
-        count = min(IOV_MAX, n - lo)
-        want = count * length
+    lo = 0
+    while lo < n:
+        base = int(ends[lo - 1]) if lo else 0
+        fits = int(torch.searchsorted(ends, base + MAX_CALL_BYTES, right=True))
+        hi = max(lo + 1, min(n, lo + IOV_MAX, fits))
+        want, count = int(ends[hi - 1]) - base, hi - lo
         got = fn(pid, ctypes.cast(lv.data_ptr() + 16 * lo, iov), count, ctypes.cast(rv.data_ptr() + 16 * lo, iov),
                  count, 0)
         if got < 0:
@@ -141,6 +205,7 @@ def _read(pid: int, local: torch.Tensor, remote: torch.Tensor, length: int) -> i
         if got != want:   # a partial read: the remote range ended (the peer is tearing down)
             raise OSError(errno.EFAULT, f"read {got} of {want} bytes")
         total += got
+        lo = hi
     return total
 
 
@@ -192,15 +257,21 @@ class Exchange:
         piece's step. Then says this rank is done."""
         cache: dict[int, dict] = {}
         steps = {}
+        by_source: dict[int, list[tuple[int, list[torch.Tensor]]]] = {}
         for index, src, views in pieces:
+            by_source.setdefault(src, []).append((index, views))
+        for src, wanted in by_source.items():   # one source's pieces together: fewer system calls
             meta = self._source(src, cache)
-            desc = meta["pieces"][str(index)]
-            try:
+            segments = Segments()
+            for index, views in wanted:
+                desc = meta["pieces"][str(index)]
                 for view, (address, shape, strides) in zip(views, desc["parts"]):
-                    _read(meta["pid"], *pair(runs(view), remote_runs(address, shape, strides, view.element_size())))
+                    segments.add(view, address, shape, strides)
+                steps[index] = desc["step"]
+            try:
+                _read(meta["pid"], *segments.arrays())
             except OSError as e:
                 raise PeerGone(src, f"reading its state failed: {e}") from None
-            steps[index] = desc["step"]
         self.store.set(self._key(f"done/{self.rank}"), "1")
         return steps
 
