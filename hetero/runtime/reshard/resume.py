@@ -504,13 +504,20 @@ class LiveReconfig:
 
 def import_training_modules() -> None:
     """Import what training and a rebuild import (tensor parallelism's DTensor stack, 1-2 s on two
-    cores, the engine, the trainer), so a reconfiguration does not import it in its downtime."""
+    cores, the engine, the trainer, and what those import where they are first used: the unified
+    communicator, the memory model that says whether a stage sums into gradient buffers, the
+    overlapped reduction, ZeRO), so a reconfiguration, or a process joining one, does not import it
+    in its downtime."""
     import torch._dynamo  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     import torch.distributed.tensor.parallel  # noqa: F401
 
+    import hetero.comm  # noqa: F401
+    import hetero.predictor.memory  # noqa: F401
     import hetero.runtime.engine  # noqa: F401
+    import hetero.runtime.overlap  # noqa: F401
     import hetero.runtime.trainer  # noqa: F401
+    import hetero.runtime.zero  # noqa: F401
 
 
 def _root_run_dir(run_dir: str) -> str:
