@@ -23,8 +23,8 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
 
 Both paths run with the host allocator of the runtime's workers on a CPU device
 (hetero.runtime.host_memory: large tensors in transparent huge pages, freed memory stays mapped;
-/dev/shm's files take whatever the kernel's shmem huge-page setting gives them) and write into mapped memory: before the
-failure each worker writes and frees as much as its exchange would allocate after any single loss
+/dev/shm's files take whatever the kernel's shmem huge-page setting gives them) and write into
+mapped memory: before the failure each worker writes and frees as much as its exchange would allocate after any single loss
 (what the runtime's launcher tells its ranks to reserve), and before DCP as much as its load targets
 take. dcp_save_s times the save alone.
 

@@ -164,7 +164,7 @@ def _huge_bytes(env: dict) -> int:
 def test_a_cpu_device_workers_environment_maps_its_large_tensors_in_huge_pages():
     """What the launcher adds to a CPU-device worker's environment makes torch's allocator map a
     stage's large tensors in 2 MB pages, the heap kept as the worker keeps it (what a same-host
-    exchange reads twice as fast, docs/elastic.md); a user's own setting wins."""
+    exchange reads faster, docs/elastic.md); a user's own setting wins."""
     env = huge_pages_env({})
     assert env == {HUGE_PAGES_ENV: "1"}
     assert huge_pages_env({HUGE_PAGES_ENV: "0"}) == {}

@@ -676,7 +676,7 @@ print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("he
 def test_a_rebuild_imports_nothing_that_was_not_imported_ahead(tmp_path):
     """A process joining a run, or a survivor, imports ahead what its rebuild under the new plan uses
     (:func:`~hetero.runtime.reshard.resume.import_training_modules`): a module first imported in the
-    rebuild (the unified communicator, the memory model) is downtime, 0.04-0.2 s each on two busy cores."""
+    rebuild (the unified communicator, the memory model) is downtime (docs/elastic.md)."""
     import subprocess
     import sys
     from pathlib import Path

@@ -23,8 +23,8 @@ environment (a host short of memory), the call does nothing.
 torch's CPU allocator then asks for transparent huge pages (``THP_MEM_ALLOC_ENABLE``: blocks of 2 MB
 and more aligned to 2 MB and ``madvise(MADV_HUGEPAGE)`` before their first touch), as a GPU's memory
 is mapped in large pages. A 2 MB page is one fault and one TLB entry instead of 512: a step's fresh
-memory maps faster, and another process reads this one's state (the same-host exchange of a reshard,
-:mod:`hetero.runtime.reshard.cma`) at about twice the rate (docs/elastic.md). torch reads the variable
+memory maps faster, and another process reads this one's state faster (the same-host exchange of a
+reshard, :mod:`hetero.runtime.reshard.cma`; measured in docs/elastic.md). torch reads the variable
 once, at its first allocation, so it must be in the environment the process starts with. Where the
 kernel's THP setting is ``never`` the advice does nothing; a ``THP_MEM_ALLOC_ENABLE`` the user set
 (``0`` to turn it off) wins.

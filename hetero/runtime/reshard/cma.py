@@ -100,14 +100,21 @@ def remote_runs(address: int, shape: list[int], strides: list[int], size: int = 
     one in another process: one run per index of the dims before the longest dense trailing block."""
     if any(n == 0 for n in shape):
         return torch.empty(0, dtype=torch.int64), 0
-    inner, k = 1, len(shape)
-    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == inner):
-        inner *= shape[k - 1]
-        k -= 1
+    k, inner = _dense_tail(shape, strides)
     offsets = torch.zeros((), dtype=torch.int64)
     for n, stride in zip(shape[:k], strides[:k]):
         offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
     return address + size * offsets.reshape(-1), inner * size
+
+
+def _dense_tail(shape: list[int], strides: list[int]) -> tuple[int, int]:
+    """(how many leading dims lie outside the longest dense trailing block, that block's elements):
+    a row-major contiguous tensor is all one block (0 leading dims)."""
+    inner, k = 1, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == inner):
+        inner *= shape[k - 1]
+        k -= 1
+    return k, inner
 
 
 def pair(local: Runs, remote: Runs) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -121,16 +128,6 @@ def pair(local: Runs, remote: Runs) -> tuple[torch.Tensor, torch.Tensor, int]:
     def cut(addresses: torch.Tensor, n: int) -> torch.Tensor:
         return (addresses.unsqueeze(-1) + torch.arange(0, n, g, dtype=torch.int64)).reshape(-1)
     return cut(la, ln), cut(ra, rn), g
-
-
-def _dense(shape: list[int], strides: list[int]) -> bool:
-    """Whether a tensor of ``shape`` and ``strides`` is row-major contiguous (one run)."""
-    inner = 1
-    for n, stride in zip(reversed(shape), reversed(strides)):
-        if n != 1 and stride != inner:
-            return False
-        inner *= n
-    return True
 
 
 class Segments:
@@ -147,7 +144,7 @@ class Segments:
 
     def add(self, view: torch.Tensor, address: int, shape: list[int], strides: list[int]) -> None:
         """Read the remote tensor at ``address`` (its shape and strides, in elements) into ``view``."""
-        if view.is_contiguous() and _dense(shape, strides):
+        if view.is_contiguous() and _dense_tail(shape, strides)[0] == 0:
             if view.numel():
                 self._local.append(view.data_ptr())
                 self._remote.append(address)
