@@ -1,6 +1,7 @@
 """The planner's search knobs (:class:`Options`); :func:`hetero.planner.search` takes them as keywords."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .space import RECOMPUTE
@@ -26,6 +27,14 @@ class Options:
     refine_top: int = 3
     refine_rounds: int = 2
     workers: int | None = None
-    """Processes for the shape enumeration (None: 2 on big clusters, else 1)."""
+    """Processes for the shape enumeration and the predictions (None: 2 on big clusters, else 1)."""
     mixed: bool = True
     """Consider pipelines whose stages span several groups."""
+
+
+def workers_for(opts: Options, cluster) -> int:
+    """Processes the search uses: ``opts.workers``, or by default 2 for clusters of 256 devices and
+    more where the machine has two cores (smaller searches take less than a pool's start-up)."""
+    if opts.workers is not None:
+        return opts.workers
+    return 2 if cluster.num_devices >= 256 and (os.cpu_count() or 1) > 1 else 1

@@ -16,13 +16,16 @@ from .options import Options
 
 
 class _Scorer:
-    """Memoised ``predict()`` on plans (keyed by the plan's dict)."""
+    """Memoised ``predict()`` on plans (keyed by the plan's dict); :meth:`predict_many` spreads a
+    list of plans over ``workers`` processes."""
 
-    def __init__(self, cluster, model, calibration, predict_fn, cost_model=None):
+    def __init__(self, cluster, model, calibration, predict_fn, cost_model=None, workers: int = 1):
         self.cluster, self.model, self.cal, self.fn = cluster, model, calibration, predict_fn
         self.cache: dict = {}
         self.calls = 0
         self.extra = {}
+        # a predictor passed in (tests, spies) runs here, where its caller sees every call
+        self.workers = workers if predict_fn is None else 1
         if predict_fn is None:  # the real predictor: share the planner's warm cost model
             from hetero.predictor import cost_model_for, predict
 
@@ -31,17 +34,87 @@ class _Scorer:
                           # fit by the fitted ratio: recording every candidate's stages would take seconds each
                           "replay": False}
 
+    def _predict(self, plan: Plan):
+        """The prediction of ``plan``, or the exception that rejected it."""
+        try:
+            check_plan(plan, self.cluster, self.model, "<planner>")
+            return self.fn(self.cluster, self.model, plan, calibration=self.cal, **self.extra)
+        except Exception as e:  # a plan the predictor rejects is not a candidate
+            return e
+
     def __call__(self, plan: Plan):
         key = repr(plan.to_dict())
         if key not in self.cache:
             self.calls += 1
-            try:
-                check_plan(plan, self.cluster, self.model, "<planner>")
-                self.cache[key] = self.fn(self.cluster, self.model, plan, calibration=self.cal, **self.extra)
-            except Exception as e:  # a plan the predictor rejects is not a candidate
-                self.cache[key] = e
+            self.cache[key] = self._predict(plan)
         res = self.cache[key]
         return None if isinstance(res, Exception) else res
+
+    def predict_many(self, plans: list[Plan], progress=None) -> list:
+        """``[self(plan) for plan in plans]``, the plans not yet predicted spread over the worker
+        processes (forked: they share this process's cost model as it stands) when there are
+        enough of them to pay for starting the processes. ``progress(done, total)`` as results come."""
+        keys = [repr(p.to_dict()) for p in plans]
+        todo = {}
+        for key, plan in zip(keys, plans):
+            if key not in self.cache:
+                todo.setdefault(key, plan)
+        parallel = self.workers > 1 and len(todo) >= MIN_PARALLEL_PREDICTIONS
+        if parallel:
+            for key, res in zip(todo, _predict_in_processes(self, list(todo.values()), progress)):
+                self.calls += 1
+                self.cache[key] = res
+        out = []
+        for i, (key, plan) in enumerate(zip(keys, plans)):
+            if key not in self.cache:
+                self.calls += 1
+                self.cache[key] = self._predict(plan)
+            res = self.cache[key]
+            out.append(None if isinstance(res, Exception) else res)
+            if progress is not None and not parallel:
+                progress(i + 1, len(plans))
+        return out
+
+
+MIN_PARALLEL_PREDICTIONS = 16
+"""Fewer plans than this are predicted in the search's own process: forking the workers and
+sending the results back costs more than predicting them."""
+
+_worker_scorer: _Scorer | None = None
+
+
+def _adopt_scorer(scorer: _Scorer) -> None:
+    global _worker_scorer
+    _worker_scorer = scorer
+
+
+def _predict_in_worker(plan: Plan):
+    res = _worker_scorer._predict(plan)
+    if isinstance(res, Exception):   # only its message travels back (exceptions may not pickle)
+        return RuntimeError(f"{type(res).__name__}: {res}")
+    return res
+
+
+def _predict_in_processes(scorer: _Scorer, plans: list[Plan], progress) -> list:
+    """The predictions (or rejecting exceptions) of ``plans``, in order, from ``scorer.workers``
+    forked processes; in this process where processes cannot be forked."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if "fork" in multiprocessing.get_all_start_methods():
+        try:
+            # fork: the workers inherit the scorer (cluster, model, warm cost model) without pickling it
+            with ProcessPoolExecutor(max_workers=scorer.workers, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_adopt_scorer, initargs=(scorer,)) as pool:
+                out = []
+                for res in pool.map(_predict_in_worker, plans, chunksize=max(1, len(plans) // (8 * scorer.workers))):
+                    out.append(res)
+                    if progress is not None:
+                        progress(len(out), len(plans))
+                return out
+        except Exception:  # no processes here (sandbox), a broken pool: predict them here
+            pass
+    return [scorer._predict(p) for p in plans]
 
 
 def _score(pred) -> float:
@@ -92,6 +165,13 @@ def _structure(plan: Plan) -> tuple:
                   for p in plan.pipelines))
 
 
+def _score_all(scorer: _Scorer, plans: list[tuple[Plan, Candidate]], scored: list) -> None:
+    """Predict ``(plan, candidate)`` pairs together, append them to ``scored`` in order and re-sort it."""
+    preds = scorer.predict_many([plan for plan, _ in plans])
+    scored += [(_score(pred), plan, pred, c) for (plan, c), pred in zip(plans, preds)]
+    scored.sort(key=lambda x: -x[0])
+
+
 def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options, scorer: _Scorer, progress
                      ) -> list[tuple[float, Plan, object, Candidate]]:
     """``(score, plan, prediction, candidate)`` for the predicted and refined plans, best first.
@@ -109,34 +189,23 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
     for c in candidates[: opts.max_predictions]:
         if c not in pool:
             pool.append(c)
-    scored: list[tuple[float, Plan, object, Candidate]] = []
-    total = len(pool)
-    for i, c in enumerate(pool):
-        plan = c.to_plan(B, L)
-        pred = scorer(plan)
-        scored.append((_score(pred), plan, pred, c))
-        progress("predict", i + 1, total)
+    plans = [c.to_plan(B, L) for c in pool]
+    preds = scorer.predict_many(plans, lambda done, total: progress("predict", done, total))
+    scored: list[tuple[float, Plan, object, Candidate]] = [
+        (_score(pred), plan, pred, c) for plan, pred, c in zip(plans, preds, pool)]
     scored.sort(key=lambda x: -x[0])
     # even-split twins of the best (so the tuned split is never worse than the uniform one), and
     # higher ZeRO stages (sharding the optimizer step can pay even where memory does not need it)
+    twins = []
     for s, plan, pred, c in list(scored[: max(opts.refine_top, 5)]):
         u = dataclasses.replace(c, uniform=True)
-        uplan = u.to_plan(B, L)
-        upred = scorer(uplan)
-        scored.append((_score(upred), uplan, upred, u))
-        for z in opts.zero_stages:
-            if z > plan.zero_stage:
-                zplan = dataclasses.replace(plan, zero_stage=z)
-                zpred = scorer(zplan)
-                scored.append((_score(zpred), zplan, zpred, c))
-    scored.sort(key=lambda x: -x[0])
+        twins.append((u.to_plan(B, L), u))
+        twins += [(dataclasses.replace(plan, zero_stage=z), c) for z in opts.zero_stages if z > plan.zero_stage]
+    _score_all(scorer, twins, scored)
     # interleaved twins of the best (more chunks per device: a smaller bubble, more transfers and
     # more activations held), the ZeRO twins among them
-    for s, plan, pred, c in list(scored[: max(opts.refine_top, 5)]):
-        for iplan in interleaved_twins(plan, opts.interleaves):
-            ipred = scorer(iplan)
-            scored.append((_score(ipred), iplan, ipred, c))
-    scored.sort(key=lambda x: -x[0])
+    _score_all(scorer, [(iplan, c) for s, plan, pred, c in list(scored[: max(opts.refine_top, 5)])
+                        for iplan in interleaved_twins(plan, opts.interleaves)], scored)
     # hill climb on the best plan of each of the top few structures: the list above holds twins
     # (even-split, higher ZeRO) that would climb to the same place and crowd out a structure whose
     # first split was one layer off (a mixed pipeline ranked third behind two copies of one plan)
@@ -150,8 +219,8 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
     for idx, (s, plan, pred, c) in enumerate(starts):
         for _ in range(opts.refine_rounds * 8):
             best = (s, plan, pred)
-            for nb in _neighbours(plan):
-                np_ = scorer(nb)
+            neighbours = list(_neighbours(plan))
+            for nb, np_ in zip(neighbours, scorer.predict_many(neighbours)):
                 if _score(np_) > best[0] * (1 + 1e-9):
                     best = (_score(np_), nb, np_)
             if best[1] is plan:

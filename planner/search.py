@@ -27,7 +27,7 @@ from hetero.errors import HeteroError
 from hetero.specs.plan import Plan
 
 from .candidates import Candidate, allocate, candidates_from_shapes, combine
-from .options import Options
+from .options import Options, workers_for
 from .scoring import _score, _Scorer, score_and_refine
 from .shapes import enumerate_all, enumerate_blocks
 from .space import mbs_options
@@ -150,7 +150,8 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
     ``cost_model`` / ``predict_fn`` replace the predictor (tests).
     ``allocator`` (``caching`` | ``planned``): fit is judged by what that allocator reserves
     (:mod:`hetero.predictor.allocator`), so the search spends what a planned arena saves on larger
-    micro-batches or less recomputation where that predicts faster (one process: no workers).
+    micro-batches or less recomputation where that predicts faster (the shapes are then enumerated in
+    one process).
     Raises :class:`PlannerError` when nothing fits, saying which constraint fails and the fix, and
     ``ValueError`` when ``top_k`` is not a positive integer.
     """
@@ -170,7 +171,8 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
 
         cost_model = cost_model_for(cluster, model, calibration, allocator)
     with _progress(progress) as report:
-        scorer = _Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None)
+        scorer = _Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None,
+                         workers_for(opts, cluster))
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
         ub, ub_by_group, best_alone = None, {}, {}
@@ -182,7 +184,7 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
                 else:
                     sub = _subcluster(cluster, g.name)
                     sub_cm = None if cost_model is None else type(cost_model)(sub, model)
-                    sub_scorer = _Scorer(sub, model, calibration, predict_fn)
+                    sub_scorer = _Scorer(sub, model, calibration, predict_fn, workers=workers_for(opts, sub))
                     s2, _, _ = _search_core(sub, model, B, opts, sub_cm, sub_scorer, report, calibration)
                     best = s2[0] if s2 and s2[0][0] > 0 else None
                     if best is not None:

@@ -10,11 +10,10 @@ layers (ZeRO 0, then 1, then 2). Tasks run in a process pool when it pays.
 from __future__ import annotations
 
 import itertools
-import os
 from concurrent.futures import ProcessPoolExecutor
 
 from .blocks import Block, BlockEvaluator
-from .options import Options
+from .options import Options, workers_for
 from .space import Segment, group_orders, replica_options, tp_options
 
 
@@ -129,9 +128,7 @@ def enumerate_all(cluster, model, B: int, tasks: list[tuple[str, int]], opts: Op
     options (or a big cluster) ask for workers and no cost model is imposed.
     """
     splits = 0
-    workers = opts.workers
-    if workers is None:
-        workers = 2 if cluster.num_devices >= 256 and (os.cpu_count() or 1) > 1 else 1
+    workers = workers_for(opts, cluster)
     enumerated: dict[tuple[str, int], dict] = {}
     if cost_model is None and workers > 1 and len(tasks) > 1:
         try:

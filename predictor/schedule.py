@@ -128,6 +128,8 @@ def _run(schedule: str, fwd: tuple, bwd: tuple, p2p: tuple, m: int, interleave: 
          floors: tuple | None = None):
     """(pipeline time, per-device ready times, trace events or None) of one replica."""
     kind, v = executed_order(schedule, len(fwd), interleave)
+    if v == 1 and not trace:
+        return _evaluate_one_chunk(kind == "gpipe", fwd, bwd, p2p, m, floors)
     prog, ndev, sends, nlinks = _compile(kind, len(fwd), m, v)
     return _evaluate(prog, ndev, sends, nlinks, fwd + bwd, p2p + (0.0,), trace, floors)
 
@@ -347,6 +349,112 @@ def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool, floo
         if trace:
             events.append((d, kind, j, vs, start, t, ready))
     return max(free), _ready(free, arrive, sends), events
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_chunk_ops(warm: int, m: int) -> tuple:
+    """A device's ops with ``warm`` warm-up forwards (m: GPipe), then forward / backward pairs,
+    then the remaining backwards, as ints: j for micro-batch j's forward, ~j for its backward. The
+    order depends on (warm, m) alone, so pipelines of any depth share it."""
+    ops = list(range(warm))
+    for k in range(m - warm):
+        ops += (warm + k, ~k)
+    ops += [~j for j in range(m - warm, m)]
+    return tuple(ops)
+
+
+def _evaluate_one_chunk(gpipe: bool, fwd: tuple, bwd: tuple, p2p: tuple, m: int, floors: tuple | None):
+    """:func:`_evaluate` of a GPipe or 1F1B order with one stage per device, without a program:
+    the devices take turns (down the pipeline, then up: forwards flow down, gradients up) running
+    their ops as far as their inputs allow. Every op's time is the same max/plus arithmetic in the
+    same operand order as :func:`_evaluate`'s, and any order that respects the dependencies gives
+    the same floats (a link's queue is in its receiver's order either way), so the results are
+    :func:`_evaluate`'s; the topological sort and the compiled program are never built (the
+    planner's predictions mostly see a (stages, micro-batches) pair once, so building them cost
+    more than running them).
+    """
+    V = len(fwd)
+    last = V - 1
+    # per device: ends of its forwards / backwards so far (micro-batch order), when the newest
+    # activation / gradient into it arrived (its links' queues), and where its order stands
+    fend = [[] for _ in range(V)]
+    bend = [[] for _ in range(V)]
+    f_link = [0.0] * V
+    b_link = [0.0] * V
+    free = [0.0] * V
+    seqs = [_one_chunk_ops(m if gpipe else min(V - d - 1, m), m) for d in range(V)]
+    ptr = [0] * V
+    n_ops = 2 * m
+    remaining = V * n_ops
+    sweeps = (tuple(range(V)), tuple(range(last, -1, -1)))
+    turn = stalled = 0
+    while remaining:
+        progress = False
+        for d in sweeps[turn]:
+            k = start = ptr[d]
+            if k == n_ops:
+                continue
+            seq = seqs[d]
+            fe, be = fend[d], bend[d]
+            t = free[d]
+            f_in = fend[d - 1] if d else None
+            b_in = fe if d == last else bend[d + 1]
+            fdur, bdur = fwd[d], bwd[d]
+            fcomm = p2p[d - 1] if d else 0.0
+            bcomm = p2p[d] if d != last else 0.0
+            floor = floors[d] if floors is not None else None
+            # the forward and backward arms repeat each other's max/plus steps inline: a call per
+            # op would cost as much as the op (this loop runs millions of times in one search)
+            while k < n_ops:
+                j = seq[k]
+                if j >= 0:
+                    if d:
+                        if len(f_in) <= j:   # not yet run upstream
+                            break
+                        r = f_in[j]
+                        if f_link[d] > r:
+                            r = f_link[d]
+                        r += fcomm
+                        f_link[d] = r
+                        if r > t:
+                            t = r
+                    t += fdur
+                    if j == 0 and floor is not None and floor > t:
+                        t = floor
+                    fe.append(t)
+                else:
+                    j = ~j
+                    if len(b_in) <= j:   # not yet run downstream
+                        break
+                    r = b_in[j]
+                    if d != last:
+                        if b_link[d] > r:
+                            r = b_link[d]
+                        r += bcomm
+                        b_link[d] = r
+                    if r > t:
+                        t = r
+                    t += bdur
+                    be.append(t)
+                k += 1
+            if k != start:
+                free[d] = t
+                remaining -= k - start
+                ptr[d] = k
+                progress = True
+        stalled = 0 if progress else stalled + 1
+        if stalled == 2:   # neither direction moved
+            raise Deadlock("schedule order deadlocks")
+        turn ^= 1
+    # a device is done when its last op ended and its last activation / gradient sent has arrived
+    # (a link's newest arrival is its last message's: each device sends in micro-batch order)
+    ready = list(free)
+    for d in range(V):
+        if d < last and f_link[d + 1] > ready[d]:
+            ready[d] = f_link[d + 1]
+        if d and b_link[d - 1] > ready[d]:
+            ready[d] = b_link[d - 1]
+    return max(free), tuple(ready), None
 
 
 @functools.lru_cache(maxsize=1 << 16)

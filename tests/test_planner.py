@@ -287,6 +287,37 @@ def test_two_vendor_plan_reaches_95_percent_of_the_upper_bound():
     assert results[0].prediction.tokens_per_s >= 0.95 * results.upper_bound_tokens_per_s
 
 
+@pytest.mark.timeout(120)
+def test_predictions_spread_over_processes_are_the_ones_made_here():
+    """A big search predicts its plans in two forked processes (_Scorer.predict_many): every plan,
+    a rejected one included, gets the prediction one process makes, in order, and the work was not
+    done here (this process's cost model never saw the plans' gradient-sync structures)."""
+    import dataclasses
+
+    from hetero.planner.scoring import MIN_PARALLEL_PREDICTIONS, _neighbours, _Scorer
+
+    cluster, model = four_type_cluster(256), hetero.load_model(MODELS / "llama2-70b.yaml")
+    best = hetero.search(cluster, model, global_batch_size=512, top_k=1, upper_bound=False, micro_batch_sizes=(2,),
+                         recompute=("full",))[0].plan
+    plans = list(_neighbours(best))
+    plans += [dataclasses.replace(p, zero_stage=z) for z in (1, 2) for p in plans]
+    bad = dataclasses.replace(best.pipelines[0], stages=best.pipelines[0].stages[:1])   # covers too few layers
+    plans.append(dataclasses.replace(best, pipelines=[bad] + list(best.pipelines[1:])))
+    assert len(plans) >= MIN_PARALLEL_PREDICTIONS
+    here = _Scorer(cluster, model, None, None, workers=1)
+    spread = _Scorer(cluster, model, None, None, workers=2)
+    expected = here.predict_many(plans)
+    cm = spread.extra["cost_model"]
+    structures_before = len(cm._dp_cache)
+    got = spread.predict_many(plans)
+    assert len(cm._dp_cache) == structures_before   # predicted in the workers
+    assert expected[-1] is None and got[-1] is None
+    assert [p and p.to_dict() for p in got] == [p and p.to_dict() for p in expected]
+    assert spread.calls == here.calls == len({repr(p.to_dict()) for p in plans})
+    assert spread.predict_many(plans[:3]) == got[:3]   # cached: nothing predicted again
+    assert spread.calls == here.calls
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_1024_devices_of_four_types_plan_llama2_70b_in_under_30_s():
