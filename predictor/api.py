@@ -25,6 +25,7 @@ Iteration time = (end of the last device's sync) + (slowest optimizer step) + ov
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from hetero.specs.plan import check_plan
@@ -32,8 +33,7 @@ from hetero.specs.units import plural
 
 from .allocator import reserved_bytes, simulated_caching_bytes
 from .costs import StageCostModel
-from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches,
-                     summed_params, zero_degrees)
+from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches)
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 
@@ -265,11 +265,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     cm = cost_model or cost_model_for(cluster, model, calibration, allocator)
     allocator = allocator if allocator is not None else cm.allocator
     recompute, zs = plan.recompute, plan.zero_stage
-    zero_dp = zero_degrees(cm.model, plan) if zs else None   # ZeRO: each stage's sharding degree
     replicas = sum(p.replicas for p in plan.pipelines)       # model copies: > 1, every layer is summed
     no_tp = all(s.tp == 1 for p in plan.pipelines for s in p.stages)
-    sync = cm.dp_sync_plan(plan, placement)
-    links = cm.p2p_links(plan, placement)
+    # the gradient sync, the p2p links and ZeRO's sharding degree of each stage (None without ZeRO)
+    sync, links, zero_dp = cm.plan_structure(plan, placement)
     ready: list[float] = []  # per physical stage, in (pipeline, stage) order: schedule done
     hide: list[float] = []   # ... the backward under which its first finished buckets are reduced
     sends_after: list[bool] = []   # ... it sends a gradient after its last backward (not a first stage)
@@ -326,24 +325,19 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             i = k % phys
             first = i == 0
             last = i == (V - 1) % phys
-            nl = dev_layers[i]
-            inflight = in_flight_microbatches(plan.schedule, i, phys, m, v)
+            # held micro-batches at the peak; no gradient yet while the warm-up holds every forward
+            inflight, grads_while_held = _order_facts(plan.schedule, i, phys, m, v)
             if v > 1 and phys > 1:   # chunks of different sizes: weigh each by its activations
                 inflight = _weighted_in_flight(cm.model, stages, i, phys, plan.schedule, m, v, mbs, recompute)
             dp = zero_dp[pi][i] if zero_dp else p.replicas
-            # no gradient yet while the warm-up holds every forward of the step
-            grads_while_held = not forwards_precede_backwards(plan.schedule, i, phys, m, v)
-            # memory.uses_gradient_buffers from its two parts (no_tp is computed once per plan)
-            grad_buffer = no_tp and grads_while_held
-            br = cm.stage_memory_breakdown(s.group, s.tp, mbs, (0, nl), recompute, zs, dp, inflight, first, last,
-                                           grads_while_held, summed_params(cm.model, nl, s.tp, first, last, replicas),
-                                           grad_buffer)
-            opt = cm.optimizer_time(s.group, s.tp, (0, nl), first, last, zs, dp, placement)
-            opt_max = max(opt_max, opt)
-            dispatch, device = cm.layer_stream(s.group, s.tp, mbs, recompute)
+            br, peak_bytes, capacity, opt, (dispatch, device) = cm.stage_summary(
+                s.group, s.tp, mbs, dev_layers[i], recompute, zs, dp, inflight, first, last, grads_while_held,
+                replicas, no_tp, placement)
+            if opt > opt_max:
+                opt_max = opt
             stage_preds.append(StagePrediction(
                 group=s.group, tp=s.tp, layers=tuple(s.layers), forward_time_s=fwd[k], backward_time_s=bwd[k],
-                peak_memory_bytes=int(br.total), memory_capacity_bytes=int(cm.capacity(s.group)),
+                peak_memory_bytes=peak_bytes, memory_capacity_bytes=capacity,
                 memory_breakdown=br, allocator=allocator,
                 reserved_memory_bytes=_reserved(allocator, br, replay, cm.model, plan, pi, i), in_flight_microbatches=inflight, dp_sync_time_s=sync.totals[base + i],
                 optimizer_time_s=opt, p2p_time_s=p2p[k] if k < V - 1 else 0.0,
@@ -382,6 +376,13 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     if timeline:
         pred.events = _trace(plan, pipes, synced, opt_max, overhead)
     return pred
+
+
+@functools.lru_cache(maxsize=4096)
+def _order_facts(schedule: str, i: int, phys: int, m: int, v: int) -> tuple[float, bool]:
+    """(:func:`.memory.in_flight_microbatches`, whether device ``i`` holds gradients while its
+    warm-up's activations are held: not :func:`.memory.forwards_precede_backwards`), memoised."""
+    return in_flight_microbatches(schedule, i, phys, m, v), not forwards_precede_backwards(schedule, i, phys, m, v)
 
 
 def first_forward_floors(stages, fwd, gathers) -> list[float]:

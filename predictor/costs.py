@@ -355,6 +355,28 @@ class StageCostModel:
                 zero_stage, dp, in_flight, first, last, grads_while_held, summed_params, grad_buffer)
         return hit
 
+    def stage_summary(self, group: str, tp: int, mbs: int, num_layers: int, recompute: str, zero_stage: int,
+                      dp: int, in_flight: float, first: bool, last: bool, grads_while_held: bool, replicas: int,
+                      no_tp: bool, placement: str = "packed") -> tuple:
+        """What :func:`~hetero.predictor.predict` reports of one device of a stage holding
+        ``num_layers``, from one memoised look-up: (:meth:`stage_memory_breakdown`, its total bytes,
+        the device's bytes, :meth:`optimizer_time`, :meth:`layer_stream`). Its gradient buffer
+        follows :func:`.memory.summed_params` (``replicas``: model copies in the plan) and
+        :func:`.memory.uses_gradient_buffers` (``no_tp``: no stage of the plan splits tensors)."""
+        key = ("sum", group, tp, mbs, num_layers, recompute, zero_stage, dp, in_flight, first, last,
+               grads_while_held, replicas, no_tp, placement)
+        hit = self._cache.get(key)
+        if hit is None:
+            layers = (0, num_layers)
+            br = self.stage_memory_breakdown(group, tp, mbs, layers, recompute, zero_stage, dp, in_flight, first, last,
+                                             grads_while_held,
+                                             mem.summed_params(self.model, num_layers, tp, first, last, replicas),
+                                             no_tp and grads_while_held)
+            hit = self._cache[key] = (br, int(br.total), int(self.capacity(group)),
+                                      self.optimizer_time(group, tp, layers, first, last, zero_stage, dp, placement),
+                                      self.layer_stream(group, tp, mbs, recompute))
+        return hit
+
     def stage_memory(self, group: str, tp: int, mbs: int, layers, recompute: str = "none",
                      zero_stage: int = 0, dp: int = 1, in_flight: float = 1, first: bool = False,
                      last: bool = False, summed_params: float = 0.0) -> float:
@@ -444,9 +466,10 @@ class StageCostModel:
                 tuple((p.replicas, tuple((s.group, s.tp, s.layers[0], s.layers[1]) for s in p.stages))
                       for p in plan.pipelines))
 
-    def _placed(self, plan, placement: str) -> tuple[dict, "_placement.SyncPlan", dict]:
-        """(DP sync times, DP sync plan, p2p links) of ``plan`` under ``placement``, from one
-        placement of its blocks on nodes; memoised on the plan's structure."""
+    def _placed(self, plan, placement: str) -> tuple[dict, "_placement.SyncPlan", dict, list | None]:
+        """(DP sync times, DP sync plan, p2p links, ZeRO degrees or None) of ``plan`` under
+        ``placement``, from one placement of its blocks on nodes; memoised on the plan's structure
+        (which holds everything the ZeRO degrees read: layers, tp, replicas, chunks)."""
         struct = self._struct(plan, placement)
         hit = self._dp_cache.get(struct)
         if hit is None:
@@ -454,8 +477,21 @@ class StageCostModel:
                 self._dp_cache.clear()
             where = _placement.block_nodes(self._groups, plan, placement)
             hit = self._dp_cache[struct] = (*_placement.dp_sync(self, plan, placement, where),
-                                            _placement.p2p_links(plan, where))
+                                            _placement.p2p_links(plan, where),
+                                            mem.zero_degrees(self.model, plan) if plan.zero_stage else None)
         return hit
+
+    def plan_structure(self, plan, placement: str = "packed") -> tuple:
+        """(:meth:`dp_sync_plan`, :meth:`p2p_links`, ZeRO's per-stage sharding degrees
+        (:func:`.memory.zero_degrees`) or None without ZeRO) of ``plan``, from one memoised look-up
+        of its structure: what :func:`~hetero.predictor.predict` needs of it. A subclass's own
+        :meth:`dp_sync_plan` or :meth:`p2p_links` (hand-set costs in tests) is asked instead."""
+        cls = type(self)
+        if cls.dp_sync_plan is StageCostModel.dp_sync_plan and cls.p2p_links is StageCostModel.p2p_links:
+            hit = self._placed(plan, placement)
+            return hit[1], hit[2], hit[3]
+        return (self.dp_sync_plan(plan, placement), self.p2p_links(plan, placement),
+                mem.zero_degrees(self.model, plan) if plan.zero_stage else None)
 
     def dp_sync_times(self, plan, placement: str = "packed") -> dict[tuple[int, int], float]:
         """Per (pipeline, physical stage): seconds that device spends syncing its gradients, with

@@ -964,6 +964,68 @@ def test_predict_path_does_not_import_torch():
 
 
 @pytest.mark.slow
+class _OneStageAtATime(StageCostModel):
+    """A cost model that forgets every stage summary before the next: nothing a stage is handed
+    comes from another stage, of its plan or an earlier one."""
+
+    def stage_summary(self, *args, **kwargs):
+        self._cache = {k: v for k, v in self._cache.items() if not (isinstance(k, tuple) and k[0] == "sum")}
+        return super().stage_summary(*args, **kwargs)
+
+
+def _memo_probe_plans(plan):
+    """``plan`` and variants that share its stages but differ in one thing a stage's memory,
+    optimizer or layer times depend on."""
+    import dataclasses
+    import itertools
+
+    def batch(pipes):
+        return sum(p.replicas * p.micro_batches for p in pipes)
+
+    out = [plan]
+    # without the third pipeline: the same stages in three model copies instead of four
+    pipes = [p for i, p in enumerate(plan.pipelines) if i != 2]
+    out.append(dataclasses.replace(plan, pipelines=pipes, global_batch_size=batch(pipes)))
+    # the other schedule over the same stages: other activations held, gradients held or not
+    out.append(dataclasses.replace(plan, schedule="gpipe" if plan.schedule == "1f1b" else "1f1b"))
+    # 1F1B with 3 and 4 micro-batches on the first pipeline: its second stage holds 3 either way, and
+    # gradients while holding them only with 4; GPipe: 3 or 4 held (no recomputation: all kept)
+    p0, *rest = plan.pipelines
+    for schedule, m in itertools.product(("1f1b", "gpipe"), (3, 4)):
+        pipes = [dataclasses.replace(p0, micro_batches=m)] + rest
+        out.append(dataclasses.replace(plan, schedule=schedule, pipelines=pipes, recompute="none",
+                                       global_batch_size=batch(pipes)))
+    # the first pipeline at tp 1: in its place, alone, with two replicas, beside itself and beside the
+    # second pipeline (four, one or two model copies; plain tensors summed in one buffer only without
+    # tp anywhere), with and without ZeRO
+    p1 = dataclasses.replace(p0, stages=[dataclasses.replace(st, tp=1) for st in p0.stages])
+    variants = ([p1] + rest, [p1], [dataclasses.replace(p1, replicas=2)], [p1, p1], [p1, rest[0]])
+    for pipes, zero in itertools.product(variants, (0, 1)):
+        out.append(dataclasses.replace(plan, pipelines=pipes, zero_stage=zero, global_batch_size=batch(pipes)))
+    # micro-batches of 2
+    out.append(dataclasses.replace(plan, micro_batch_size=2, global_batch_size=2 * plan.global_batch_size))
+    return out
+
+
+def test_a_warm_cost_model_predicts_what_a_fresh_one_does():
+    """The predictor memoises per stage (one look-up for its memory, optimizer and layer times) and
+    per plan structure (sync, links, ZeRO degrees): varied plans scored one after another with one
+    cost model, as the planner and the speed test score them, must each predict exactly what a fresh
+    cost model that keeps no stage's summary predicts for them alone (a memo keyed on too little
+    would hand a stage another stage's figures)."""
+    import random
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_predict_speed as b
+
+    cluster, model, _, warm = b.setup(0)
+    rng = random.Random(7)
+    plans = [v for _ in range(6) for v in _memo_probe_plans(hetero.load_plan(b.random_plan(rng)))]
+    for plan in plans + plans[::-1]:
+        got = predict(cluster, model, plan, cost_model=warm).to_dict()
+        assert got == predict(cluster, model, plan, cost_model=_OneStageAtATime(cluster, model)).to_dict()
+
+
 def test_speed_at_least_2000_plans_per_second():
     """Measured in a fresh interpreter, as the planner runs: inside a long test session the
     collector walks every object earlier tests left alive, which is not the predictor's cost. Best of
