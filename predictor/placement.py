@@ -422,7 +422,7 @@ class SyncPlan:
     """The data-parallel gradient sync of a plan's structure; stages are numbered in (pipeline,
     physical stage) order, the order of :attr:`stages`."""
 
-    __slots__ = ("stages", "buckets", "first", "totals", "tails", "bridged", "later", "in_step", "gathers")
+    __slots__ = ("stages", "buckets", "first", "totals", "tails", "bridged", "later", "in_step", "gathers", "_spans")
 
     def __init__(self, totals: dict, buckets: list[tuple[frozenset, float]], tails: dict | None = None,
                  bridged: dict | None = None, later: dict | None = None, in_step: dict | None = None,
@@ -453,6 +453,7 @@ class SyncPlan:
         self.in_step = tuple((in_step or totals)[sk] for sk in self.stages)
         """Per stage: :attr:`totals` less those all-gathers."""
         self.gathers = tuple((gathers or {}).get(sk, 0.0) for sk in self.stages)
+        self._spans: dict = {}   # (ready, hide, sends_after) -> spans: a plan re-scored, or its twins
         """Per stage: seconds of its deferred parameter all-gathers (NIC sharing included), run one after
         another from the end of the step on, under the next step's first forwards."""
 
@@ -470,7 +471,17 @@ class SyncPlan:
         still sends a gradient after its last backward (``sends_after``, per stage: not a first
         stage), since the runtime starts it after the rank's last point-to-point operation. With
         ``hide``, ZeRO's parameter all-gathers (:attr:`later`) are left to the next step's forward
-        (:attr:`gathers`, which the caller charges to the schedule)."""
+        (:attr:`gathers`, which the caller charges to the schedule). Memoised on the inputs (as
+        the schedule's simulation is on its stage times); the lists returned are the caller's."""
+        key = (tuple(ready), None if hide is None else tuple(hide), None if sends_after is None else tuple(sends_after))
+        hit = self._spans.get(key)
+        if hit is None:
+            if len(self._spans) > 256:
+                self._spans.clear()
+            hit = self._spans[key] = self._spans_of(ready, hide, sends_after)
+        return list(hit[0]), list(hit[1])
+
+    def _spans_of(self, ready, hide, sends_after) -> tuple[tuple, tuple]:
         cur = list(ready) if hide is None else [r - h for r, h in zip(ready, hide)]
         began = []
         overlap = hide is not None
@@ -494,7 +505,7 @@ class SyncPlan:
         starts = [ready[i] if j < 0 else began[j] for i, j in enumerate(self.first)]
         ends = [e if e > s + t else s + t for e, s, t in zip(cur, starts, self.in_step if overlap else self.totals)]
         ends = [e if e > r else r for e, r in zip(ends, ready)]
-        return starts, ends
+        return tuple(starts), tuple(ends)
 
 
 __all__ += ["dp_sync", "sync_buckets", "SyncPlan"]

@@ -1029,10 +1029,14 @@ def test_a_warm_cost_model_predicts_what_a_fresh_one_does():
 def test_speed_at_least_2000_plans_per_second():
     """Measured in a fresh interpreter, as the planner runs: inside a long test session the
     collector walks every object earlier tests left alive, which is not the predictor's cost. Best of
-    five runs of 300 plans (this 2-core machine's runs vary by 1.7x from one to the next)."""
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import bench_predict_speed as b; "
-            "c, m, p, cm = b.setup(300); b.rate(c, m, p, cm); "
-            "print(max(b.rate(c, m, p, cm) for _ in range(5)))")
+    fifteen runs of 300 plans, in three bursts 0.5 s apart: this 2-core virtual machine has slow
+    spells of about a second in which the same code runs 1.6x slower (consecutive processes measured
+    2,000 and 3,300 plans/s), and five runs back to back (0.5 s) could all fall in one."""
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import bench_predict_speed as b; "
+            "c, m, p, cm = b.setup(300); b.rate(c, m, p, cm); runs = []\n"
+            "for _ in range(3):\n"
+            "    runs += [b.rate(c, m, p, cm) for _ in range(5)]; time.sleep(0.5)\n"
+            "print(max(runs))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     best = float(proc.stdout.split()[-1])
