@@ -42,13 +42,16 @@ class _Scorer:
         except Exception as e:  # a plan the predictor rejects is not a candidate
             return e
 
-    def __call__(self, plan: Plan):
-        key = repr(plan.to_dict())
+    def _cached(self, key: str, plan: Plan):
+        """The prediction of ``plan`` (``key``: its dict's repr), made once; None where rejected."""
         if key not in self.cache:
             self.calls += 1
             self.cache[key] = self._predict(plan)
         res = self.cache[key]
         return None if isinstance(res, Exception) else res
+
+    def __call__(self, plan: Plan):
+        return self._cached(repr(plan.to_dict()), plan)
 
     def predict_many(self, plans: list[Plan], progress=None) -> list:
         """``[self(plan) for plan in plans]``, the plans not yet predicted spread over the worker
@@ -66,11 +69,7 @@ class _Scorer:
                 self.cache[key] = res
         out = []
         for i, (key, plan) in enumerate(zip(keys, plans)):
-            if key not in self.cache:
-                self.calls += 1
-                self.cache[key] = self._predict(plan)
-            res = self.cache[key]
-            out.append(None if isinstance(res, Exception) else res)
+            out.append(self._cached(key, plan))
             if progress is not None and not parallel:
                 progress(i + 1, len(plans))
         return out

@@ -33,7 +33,7 @@ from hetero.specs.units import plural
 
 from .allocator import reserved_bytes, simulated_caching_bytes
 from .costs import StageCostModel
-from .memory import (forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches)
+from .memory import forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches
 from .ops import model_flops_per_token
 from .schedule import pipeline_ends, simulate
 

@@ -453,9 +453,9 @@ class SyncPlan:
         self.in_step = tuple((in_step or totals)[sk] for sk in self.stages)
         """Per stage: :attr:`totals` less those all-gathers."""
         self.gathers = tuple((gathers or {}).get(sk, 0.0) for sk in self.stages)
-        self._spans: dict = {}   # (ready, hide, sends_after) -> spans: a plan re-scored, or its twins
         """Per stage: seconds of its deferred parameter all-gathers (NIC sharing included), run one after
         another from the end of the step on, under the next step's first forwards."""
+        self._spans: dict = {}   # (ready, hide, sends_after) -> spans: a plan re-scored, or its twins
 
     def spans(self, ready, hide=None, sends_after=None) -> tuple[list[float], list[float]]:
         """(start, end) of every stage's gradient sync (lists by stage number), the stages done

@@ -86,18 +86,9 @@ def _orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, 
                 seq.append(("B", mb, c * p + i))
             seqs.append(seq)
         return seqs
-    if schedule == "gpipe" or schedule == "interleaved":
-        return [[("F", j, i) for j in range(m)] + [("B", j, i) for j in range(m)] for i in range(p)]
-    seqs = []
-    for i in range(p):
-        w = min(p - i - 1, m)
-        seq = [("F", j, i) for j in range(w)]
-        for k in range(m - w):
-            seq.append(("F", w + k, i))
-            seq.append(("B", k, i))
-        seq += [("B", j, i) for j in range(m - w, m)]
-        seqs.append(seq)
-    return seqs
+    gpipe = schedule == "gpipe" or schedule == "interleaved"
+    return [[("F", j, i) if j >= 0 else ("B", ~j, i) for j in _one_chunk_ops(m if gpipe else min(p - i - 1, m), m)]
+            for i in range(p)]
 
 
 def simulate(schedule: str, fwd, bwd, p2p, m: int, interleave: int = 1, trace: bool = False, floors=None):
@@ -354,8 +345,10 @@ def _evaluate(prog, ndev: int, sends, nlinks: int, durs, comm, trace: bool, floo
 @functools.lru_cache(maxsize=4096)
 def _one_chunk_ops(warm: int, m: int) -> tuple:
     """A device's ops with ``warm`` warm-up forwards (m: GPipe), then forward / backward pairs,
-    then the remaining backwards, as ints: j for micro-batch j's forward, ~j for its backward. The
-    order depends on (warm, m) alone, so pipelines of any depth share it."""
+    then the remaining backwards, as ints: j for micro-batch j's forward, ~j for its backward: the
+    one order of every one-chunk schedule, which :func:`_orders` spells out for the program and
+    :func:`_evaluate_one_chunk` runs as is. It depends on (warm, m) alone, so pipelines of any depth
+    share it."""
     ops = list(range(warm))
     for k in range(m - warm):
         ops += (warm + k, ~k)
