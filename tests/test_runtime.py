@@ -101,6 +101,25 @@ def test_data_file_tokens(tmp_path):
     assert int(TokenSource(512, 16, 0, str(tmp_path / "t.txt")).sample(0).max()) < 256
 
 
+def test_a_data_file_of_exactly_one_sample_is_accepted(tmp_path):
+    """seq_length + 1 ids are one whole sample (inputs and the next token of the last): every sample
+    is the whole file; one id fewer is refused, naming the file."""
+    import numpy as np
+
+    from hetero.errors import HeteroError
+    from hetero.runtime.data import TokenSource, check_token_file
+
+    ids = (np.arange(17, dtype=np.int32) * 7) % 500
+    np.save(tmp_path / "one.npy", ids)
+    assert check_token_file(str(tmp_path / "one.npy"), 512, 16).size == 17
+    src = TokenSource(512, 16, 3, str(tmp_path / "one.npy"))
+    for i in (0, 1, 9):
+        assert src.sample(i).tolist() == ids.tolist()
+    np.save(tmp_path / "short.npy", ids[:16])
+    with pytest.raises(HeteroError, match=r"short.npy: 16 token ids, fewer than one sample needs \(seq_length \+ 1 = 17\)"):
+        check_token_file(str(tmp_path / "short.npy"), 512, 16)
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker
@@ -392,7 +411,7 @@ def test_data_files_are_checked_before_any_process_starts(tmp_path):
                          "token id -3 at position 10 is negative"),
              "big.npy": (np.concatenate([ok[:20], [512], ok]).astype(np.int64),
                          "token id 512 at position 20 is not below the model's vocab_size 512"),
-             "short.npy": (ok[:33].astype(np.int32), "33 token ids, fewer than one sample needs (seq_length + 2 = 34)")}
+             "short.npy": (ok[:32].astype(np.int32), "32 token ids, fewer than one sample needs (seq_length + 1 = 33)")}
     for name, (ids, needle) in cases.items():
         np.save(tmp_path / name, ids)
         out = _dry_run(tmp_path, CLUSTER, plan, "--data", str(tmp_path / name))

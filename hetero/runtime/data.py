@@ -58,9 +58,9 @@ class TokenSource:
 
 def check_token_file(path: str, vocab: int, seq_length: int) -> np.ndarray:
     """The token ids of a ``--data`` file (memory-mapped, 1-D), checked before any training: a file,
-    of an integer dtype, every id in ``0 .. vocab - 1``, at least ``seq_length + 2`` ids (one
-    sample of ``seq_length + 1`` and a start to draw). The launcher calls it before it starts a
-    process; each error names the file and the fix."""
+    of an integer dtype, every id in ``0 .. vocab - 1``, at least ``seq_length + 1`` ids (one
+    sample: ``seq_length`` inputs and the next token of the last one). The launcher calls it before
+    it starts a process; each error names the file and the fix."""
     def bad(what: str, fix: str) -> HeteroError:
         return HeteroError(f"--data {path}: {what} (fix: {fix})")
 
@@ -89,9 +89,9 @@ def check_token_file(path: str, vocab: int, seq_length: int) -> np.ndarray:
         raise bad(f"token ids of dtype {arr.dtype}, not integers",
                   "save the ids as integers, e.g. numpy.save(path, ids.astype(numpy.int32))")
     arr = arr.reshape(-1)
-    need = seq_length + 2
+    need = seq_length + 1
     if arr.size < need:
-        raise bad(f"{arr.size} token ids, fewer than one sample needs (seq_length + 2 = {need})",
+        raise bad(f"{arr.size} token ids, fewer than one sample needs (seq_length + 1 = {need})",
                   f"give a file of at least {need} ids, or a model with a shorter seq_length")
     signed = np.issubdtype(arr.dtype, np.signedinteger)
     for first in range(0, arr.size, SCAN_CHUNK):
