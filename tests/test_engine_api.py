@@ -46,6 +46,9 @@ def test_both_engines_implement_the_engine_protocol():
         def train_step(self, step):
             return 0.0, 0.0
 
+        def set_lr(self, lr):
+            pass
+
         def save(self, path, step):
             pass
 

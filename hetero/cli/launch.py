@@ -6,6 +6,7 @@ import argparse
 
 def add_parser(sub) -> None:
     # a flag of a RunOptions field takes its help and its default from the field
+    from hetero.runtime.lr_schedule import SCHEDULES
     from hetero.runtime.options import ALLOCATORS, ENGINES, option_default as default, option_help as doc
 
     p = sub.add_parser(
@@ -38,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--inject-failure", metavar="STEP:RANK", help=doc("inject_failure"))
     p.add_argument("--elastic", action="store_true", help=doc("elastic"))
     p.add_argument("--lr", type=float, default=default("lr"), help=doc("lr"))
+    p.add_argument("--lr-schedule", choices=SCHEDULES, default=default("lr_schedule"), help=doc("lr_schedule"))
+    p.add_argument("--warmup-steps", type=int, default=default("warmup_steps"), metavar="N", help=doc("warmup_steps"))
+    p.add_argument("--min-lr", type=float, default=default("min_lr"), metavar="X", help=doc("min_lr"))
     p.add_argument("--weight-decay", type=float, default=default("weight_decay"), help=doc("weight_decay"))
     p.add_argument("--clip", type=float, default=default("clip"), help=doc("clip"))
     p.add_argument("--loss-scale", type=float, metavar="S", help=doc("loss_scale"))
@@ -160,6 +164,7 @@ def run(args) -> int:
                              summary=os.path.abspath(args.summary) if args.summary else None,
                              trace=os.path.abspath(args.trace) if args.trace else None,
                              inject_failure=parse_failure(args.inject_failure), lr=args.lr,
+                             lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
                              weight_decay=args.weight_decay, clip=args.clip, loss_scale=args.loss_scale,
                              save=os.path.abspath(args.save) if args.save else None,
                              load=absolute_load(args.load),

@@ -21,6 +21,7 @@ import sys
 from hetero.errors import HeteroError
 from hetero.runtime.data import TokenSource, replica_slice
 from hetero.runtime.grads import make_optimizer
+from hetero.runtime.lr_schedule import set_lr
 from hetero.runtime.model import build_stage, loss_fn
 from hetero.runtime.pipeline import timed
 
@@ -121,9 +122,11 @@ class DeepSpeedEngine:
         elif model.dtype == "fp16" and ctx.rank == 0:
             print("note: the deepspeed engine trains this fp16 model in fp32 (no DeepSpeed fp16 optimizer on "
                   "CPU); the native engine runs fp16 autocast with dynamic loss scaling", file=sys.stderr, flush=True)
-        optimizer = make_optimizer(module.parameters(), opts.lr, opts.weight_decay)
+        # DeepSpeed's ZeRO and bf16 optimizers step this optimizer's parameter groups (their flat
+        # partitions replace the parameters in the same group dicts): its rate is the one applied
+        self.optimizer = make_optimizer(module.parameters(), opts.lr, opts.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=config,
+            model=module, optimizer=self.optimizer, config=config,
             mpu=PlanMPU(comm, dp_ranks, ctx.rank, self_groups[ctx.rank]))
         self.dp = len(dp_ranks)
         self.slice = replica_slice(plan, ctx.me.pipeline, ctx.me.replica)
@@ -154,6 +157,10 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else math.nan
         return total, norm
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step, on every parameter group."""
+        set_lr(self.optimizer, lr)
 
     def optimizer_state_bytes(self) -> int | None:
         """None: not measured (DeepSpeed's ZeRO optimizer keeps its state in flat buffers of its own)."""

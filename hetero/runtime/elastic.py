@@ -394,7 +394,7 @@ def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict])
     """The final attempt's summary with the earlier attempts' steps in front and the reconfigurations."""
     out = dict(summary or {"ranks": [], "tokens_per_s": 0.0, "predicted_iteration_time_s": None})
     earlier = {"losses": [r["loss"] for r in done], "iteration_times_s": [r["time_s"] for r in done],
-               "grad_norms": [r["grad_norm"] for r in done]}
+               "grad_norms": [r["grad_norm"] for r in done], "lrs": [r.get("lr") for r in done]}
     for key, values in earlier.items():
         values = [v if v is not None and math.isfinite(v) else None for v in values]   # JSON: no NaN / inf
         out[key] = values + list(out.get(key, []))

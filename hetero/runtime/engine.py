@@ -14,6 +14,7 @@ from hetero.runtime.device import waiter
 from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coefficient, make_optimizer, scaled_step,
                                   sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
+from hetero.runtime.lr_schedule import set_lr
 from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
@@ -219,6 +220,10 @@ class NativeEngine:
         outside the forward: a checkpoint, an evaluation, the end of a run)."""
         if self.sharded:
             self.sharded.wait_parameters()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step, on every parameter group (ZeRO: of the sharded masters)."""
+        set_lr(self.optimizer, lr)
 
     def zero_grad(self) -> None:
         if self.sharded:

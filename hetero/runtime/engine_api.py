@@ -31,6 +31,11 @@ class Engine(Protocol):
         returns (this rank's share of the loss, the global gradient norm). Every rank calls it."""
         ...
 
+    def set_lr(self, lr: float) -> None:
+        """Apply ``lr`` to every parameter group from the next step on (the trainer sets each step's rate
+        of the run's schedule, :mod:`hetero.runtime.lr_schedule`)."""
+        ...
+
     def save(self, path: str, step: int) -> None:
         """Write this rank's part of a checkpoint of the run after ``step`` steps (a collective)."""
         ...

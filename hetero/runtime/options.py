@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from hetero.runtime.lr_schedule import ScheduleName
 from hetero.specs.errors import Problem, SpecError
 
 EngineName = Literal["native", "deepspeed"]
@@ -42,7 +43,15 @@ class RunOptions:
 
     # --- schedule and optimizer ---
     lr: float = 1e-3
-    """AdamW learning rate (default 1e-3)."""
+    """AdamW learning rate (default 1e-3): the peak rate of the schedule."""
+    lr_schedule: ScheduleName = "constant"
+    """How the learning rate moves over the run's steps after the warm-up: constant (default), cosine or
+    linear decay from lr to min_lr, reached at the last step (:mod:`hetero.runtime.lr_schedule`)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to lr before the schedule (step k of the warm-up applies lr * k / N;
+    default 0: none)."""
+    min_lr: float = 0.0
+    """The floor the cosine and linear schedules decay to at the last step (default 0; at most lr)."""
     weight_decay: float = 0.0
     """AdamW weight decay (default 0)."""
     clip: float = 1.0
@@ -145,6 +154,8 @@ _RANGES = (   # field, whether the value is in range, fix
     ("steps", _count, "give at least 1 step, e.g. 5"),
     ("timeout_s", _finite(0, True), "give seconds > 0, e.g. 60"),
     ("lr", _finite(0, True), "give a positive learning rate, e.g. 1e-3"),
+    ("warmup_steps", lambda v: _is_int(v) and v >= 0, "give a number of steps >= 0 (0: no warm-up)"),
+    ("min_lr", _finite(0, False), "give a learning rate >= 0, at most lr"),
     ("weight_decay", _finite(0, False), "give a number >= 0"),
     ("clip", _finite(0, False), "give a norm >= 0 (0: no clipping)"),
     ("loss_scale", lambda v: v is None or _finite(0, True)(v), "give a positive number, e.g. 65536"),
@@ -165,10 +176,17 @@ def option_problems(options: RunOptions) -> list[OptionProblem]:
         if not ok(value):
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             add(name, "out of range" if number else "not a number", fix)
-    for name in ("engine", "allocator"):
+    for name in ("engine", "allocator", "lr_schedule"):
         allowed = typing.get_args(_hints()[name])
         if getattr(options, name) not in allowed:
             add(name, "unknown", f"one of {', '.join(allowed)}")
+    if _finite(0, False)(options.min_lr) and _finite(0, True)(options.lr):
+        if options.min_lr > options.lr:
+            add("min_lr", f"above lr {options.lr:g}: the decay would raise the rate",
+                f"give a floor of at most lr, e.g. {options.lr / 10:g}")
+        elif options.min_lr > 0 and options.lr_schedule == "constant":
+            add("min_lr", "set with the constant schedule, which never decays to it",
+                "add --lr-schedule cosine or linear, or leave min_lr out")
     failure = options.inject_failure
     if failure is not None:
         if not (isinstance(failure, tuple) and len(failure) == 2 and all(_is_int(x) for x in failure)):

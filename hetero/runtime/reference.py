@@ -2,7 +2,8 @@
 
 ``reference_losses(model, seed, steps, global_batch)`` is what every plan's losses must match
 (tests: fp32, 1e-3 relative). It splits the global batch into chunks of ``chunk`` samples, each
-loss scaled by ``chunk / global_batch``, exactly the rule the distributed runtime follows.
+loss scaled by ``chunk / global_batch``, exactly the rule the distributed runtime follows. The learning
+rate follows the run's schedule (``lr_schedule``, ``warmup_steps``, ``min_lr``: :mod:`hetero.runtime.lr_schedule`).
 
 fp16 / bf16 models run as the runtime runs them: forward under autocast to that dtype with fp32
 master weights, and fp16 with a static loss scale (``loss_scale``, the runtime's default initial
@@ -17,12 +18,14 @@ import torch
 
 from hetero.runtime.data import TokenSource
 from hetero.runtime.grads import clip_coefficient, make_optimizer, scale_grads
+from hetero.runtime.lr_schedule import lr_at, set_lr
 from hetero.runtime.model import build_stage, loss_fn
 
 
 def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
                      lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
-                     return_model: bool = False, return_norms: bool = False, loss_scale: float | None = None):
+                     return_model: bool = False, return_norms: bool = False, loss_scale: float | None = None,
+                     lr_schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0):
     import contextlib
 
     import hetero
@@ -43,6 +46,7 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
     chunk = chunk or global_batch
     losses, norms = [], []
     for step in range(steps):
+        set_lr(opt, lr_at(step, steps, lr, lr_schedule, warmup_steps, min_lr))
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for first in range(0, global_batch, chunk):

@@ -18,6 +18,7 @@ import torch
 
 from hetero.runtime.collectives import Collectives
 from hetero.runtime.engine import NativeEngine, RunContext
+from hetero.runtime.lr_schedule import options_lr
 from hetero.runtime.pipeline import Timings
 from hetero.runtime.spec import describe_rank
 
@@ -48,6 +49,8 @@ class StepResult:
     """fp16: the loss scale this step ran with (None otherwise)."""
     skipped: bool = False
     """fp16: the update was skipped because a gradient overflowed at that scale."""
+    lr: float | None = None
+    """The learning rate the step's update applied (:mod:`hetero.runtime.lr_schedule`)."""
 
 
 PER_RANK = ("forward_s", "backward_s", "schedule_s", "sync_s", "optimizer_s")
@@ -61,6 +64,10 @@ class TrainState:
 
 class Trainer:
     """One rank's training: process groups, the engine (native or DeepSpeed), the step loop."""
+
+    total_steps: int | None = None
+    """None (a rank that joined a running job, built without ``__init__``): the end of :meth:`train`'s
+    call, which the worker makes with the run's remaining steps."""
 
     def __init__(self, spec, rank: int, on_ready: Callable[[], None] | None = None):
         self.ctx = ctx = RunContext(spec, rank)
@@ -90,6 +97,9 @@ class Trainer:
         self.applied_step = self.step
         """The last step whose optimizer update this rank applied: ahead of ``step`` when a peer fails
         between the update and the step's closing all-reduce (an elastic handoff records it)."""
+        self.total_steps = self.step + opts.steps
+        """The run's last step, where the learning-rate schedule ends its decay: a resumed run's steps
+        count on from the checkpoint's."""
         self.hooks: list[Callable] = []
         self._pause = False
         self.state = TrainState()
@@ -115,6 +125,8 @@ class Trainer:
             t0 = time.perf_counter()
             if self.allocator:
                 self.allocator.begin_step(number)
+            lr = options_lr(self.ctx.options, self.step, self.total_steps or end)
+            self.engine.set_lr(lr)
             loss, norm = self.engine.train_step(self.step, timings)
             self.applied_step = number
             # One all-reduce gives every rank the loss and every rank's compute times.
@@ -131,7 +143,7 @@ class Trainer:
             result = StepResult(step=number, loss=float(row[0]), time_s=elapsed, grad_norm=norm,
                                 forward_s=col(0), backward_s=col(1), schedule_s=col(2), sync_s=col(3),
                                 optimizer_s=col(4), loss_scale=getattr(self.engine, "step_loss_scale", None),
-                                skipped=bool(getattr(self.engine, "step_skipped", False)))
+                                skipped=bool(getattr(self.engine, "step_skipped", False)), lr=lr)
             self.state.results.append(result)
             if self.ctx.options.trace:
                 self.state.events.extend((k, mb, number, t, d) for k, mb, t, d in timings.events)
@@ -229,7 +241,7 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
         scaling = {"loss_scales": [r.loss_scale for r in res], "skipped_steps": [r.step for r in res if r.skipped]}
     # a diverged step's loss is NaN / inf: null, since JSON has no NaN / Infinity (as for grad_norms)
     losses = [r.loss if math.isfinite(r.loss) else None for r in res]
-    return {**scaling, "steps": len(res), "losses": losses, "iteration_times_s": times,
+    return {**scaling, "steps": len(res), "losses": losses, "lrs": [r.lr for r in res], "iteration_times_s": times,
             "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
             "reconfigurations": [],
             "median_iteration_time_s": statistics.median(st) if st else None,
