@@ -169,10 +169,11 @@ def saved_loss_scale(path: str) -> float | None:
 
 def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None) -> int:
     """Fill this rank's parameters and AdamW state from ``path``; returns the step to resume at.
-    ``num_layers``: the model's, checked against the checkpoint's (a rank sees only its own layers)."""
+    ``num_layers``: the model's, checked against the checkpoint's (a rank sees only its own layers).
+    ``optimizer`` None: the parameters alone (generation), the optimizer state not read."""
     reader = _SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
-    available = set(saved)
+    available = set(saved) if optimizer is not None else {k for k in saved if not k.startswith("optim/")}
     state: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
     params = dict(module.named_parameters())
     _check_same_model(path, saved, {name: tuple(_full_shape(p)) for name, p in params.items()}, num_layers)

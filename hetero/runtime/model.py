@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetero.runtime.data import IGNORE_INDEX
 from hetero.specs.model import ModelSpec
 
 
@@ -52,10 +53,10 @@ def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, to
     return ang.cos().float(), ang.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); rotate pairs (even, odd) of the head dimension."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """x: (B, T, H, D) at positions ``offset .. offset + T - 1``; rotate pairs (even, odd) of the head dimension."""
     T = x.shape[1]
-    c, s = cos[:T].view(1, T, 1, -1), sin[:T].view(1, T, 1, -1)
+    c, s = cos[offset:offset + T].view(1, T, 1, -1), sin[offset:offset + T].view(1, T, 1, -1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return out.flatten(-2).type_as(x)
@@ -80,14 +81,19 @@ class Attention(nn.Module):
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """``cache``: generation's key/value cache of this layer (:class:`hetero.rl.kv_cache.LayerCache`):
+        ``x`` holds the tokens after the ``cache.length`` cached ones, whose keys and values it appends."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        offset = 0 if cache is None else cache.length
         if self.rope:
-            q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+            q, k = apply_rope(q, self.cos, self.sin, offset), apply_rope(k, self.cos, self.sin, offset)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(k, v)
         # grouped-query attention: SDPA pairs each k/v head with its group of query heads itself, so
         # backward keeps k and v at kv width (expanding them first kept both widths: 1.6x the saved
         # bytes of a 4:1 group on the CPU kernel)
@@ -101,9 +107,19 @@ class Attention(nn.Module):
 
 
 def _attention_core(q, k, v, gqa: bool = False):
+    if k.shape[2] != q.shape[2]:   # generation: cached keys come before these queries
+        return _cached_attention_core(q, k, v, gqa)
     if gqa:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _cached_attention_core(q, k, v, gqa: bool):
+    """Queries at the last ``T`` of ``L`` key positions: each sees the keys up to its own position (one
+    query, a decode step, sees them all)."""
+    T, L = q.shape[2], k.shape[2]
+    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -136,8 +152,9 @@ class Block(nn.Module):
         self.norm2 = norm()
         self.mlp = MLP(spec)
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x, cache=None):
+        """``cache``: the layer's key/value cache when generating (see :meth:`Attention.forward`)."""
+        x = x + self.attn(self.norm1(x), cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -379,12 +396,22 @@ def _vocab_parallel(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of one micro-batch (fp32). Logits sharded on the vocabulary (a
-    DTensor, tensor parallelism) are reduced over the shards; the loss is then a replicated
-    DTensor, whose backward must run under :func:`backward_loss`."""
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy of one micro-batch (fp32) over the targets that carry loss (not
+    :data:`~hetero.runtime.data.IGNORE_INDEX`): their mean, or with ``reduction="sum"`` their sum
+    (:func:`loss_sum`). Logits sharded on the vocabulary (a DTensor, tensor parallelism) are reduced
+    over the shards; the loss is then a replicated DTensor, whose backward must run under
+    :func:`backward_loss`."""
     with _vocab_parallel(logits):
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of one micro-batch: what the engines divide by the step's loss
+    tokens (``source.loss_tokens``, :mod:`hetero.runtime.data`) so the step's loss is the mean over
+    the global batch's loss tokens, whatever the plan's split of it."""
+    return loss_fn(logits, targets, "sum")
 
 
 def loss_value(loss: torch.Tensor) -> float:
