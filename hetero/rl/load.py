@@ -30,10 +30,14 @@ def load_whole_model(spec, load: str | None, *, seed: int = 0, device: str | tor
         if not os.path.isdir(load):
             raise HeteroError(f"{flag} {load}: not a directory (fix: give a checkpoint hetero launch --save or "
                               f"hetero import-hf wrote, or hf:DIR for a Hugging Face model folder)")
+        import warnings
+
         from hetero.runtime.checkpoint import load_checkpoint
 
         try:
-            load_checkpoint(load, model, None, spec.num_layers)
+            with warnings.catch_warnings():   # "no process group: loading as a single process" is the intent
+                warnings.simplefilter("ignore")
+                load_checkpoint(load, model, None, spec.num_layers)
         except HeteroError as e:   # the checkpoint module speaks of --load
             raise HeteroError(str(e).replace(f"--load {load}", f"{flag} {load}", 1)) from None
     return model.to(device).eval()
