@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hetero.runtime.worker")
     ap.add_argument("--spec", default=os.environ.get(SPEC_ENV))
     args, _extra = ap.parse_known_args(argv)
+    if os.environ.get("HETERO_RL_RUN"):   # a `hetero rl` run: its processes are hetero.rl.worker's
+        from hetero.rl.worker import main as rl_main
+
+        return rl_main(args.spec)
     spec = RunSpec.load(args.spec)
     rank = derive_rank(spec)
     run_dir = spec.options.run_dir

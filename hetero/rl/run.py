@@ -1,0 +1,138 @@
+"""``run_rl``: an RL job as one multi-process run, started by the training launcher.
+
+The launcher's run file and commands are those of the actor plan (``hetero launch``'s own
+:func:`~hetero.runtime.launcher.prepare`); a disaggregated placement adds one node slot per node of
+the rollout groups, whose ranks follow the actor's (every device of those groups a whole copy).
+Every process gets the RL description (``rl.json`` beside the run file, :data:`~hetero.rl.worker.RL_ENV`),
+and :mod:`hetero.runtime.worker` hands such a run to :mod:`hetero.rl.worker`. The launcher watches
+every rank as for any run: one that fails ends the job with its message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from hetero.errors import HeteroError
+
+JOB_FIELDS = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "stop", "temperature", "lr", "clip",
+              "kl_coef", "staleness", "seed", "tokenizer")
+
+
+def run_rl(job, cluster, options=None) -> dict:
+    """Run ``job`` (a loaded :class:`hetero.rl.job.RLJob`) on ``cluster``; returns the run summary.
+    ``options``: an object with any of ``steps`` (overrides the job's), ``summary``, ``save``,
+    ``load`` (overrides the job's), ``quiet``, ``timeout_s``, ``threads``, ``run_dir``, ``print_fn``."""
+    from hetero.rl.worker import RL_ENV
+    from hetero.runtime.launcher import prepare, run
+    from hetero.runtime.options import RunOptions
+    from hetero.specs.io import write_text_atomic
+
+    opt = lambda name, default=None: getattr(options, name, default) if options is not None else default  # noqa: E731
+    mode = job.placement.mode
+    if mode == "auto":
+        raise HeteroError(f"{job.source}: placement.mode auto: choosing a placement is not available yet "
+                          f"(fix: write mode: collocated or mode: disaggregated)")
+    plan = job.actor_plan
+    if plan is None:
+        raise HeteroError(f"{job.source}: placement.actor.groups: making an actor plan is not available yet "
+                          f"(fix: give placement.actor.plan, a plan file)")
+    if job.rollout_tp != 1:
+        raise HeteroError(f"{job.source}: placement.rollout.tp {job.rollout_tp}: rollout ranks hold a whole copy "
+                          f"each for now (fix: tp: 1)")
+    if plan.global_batch_size != job.samples_per_step:
+        raise HeteroError(f"{job.source}: the actor plan trains {plan.global_batch_size} samples a step, the job "
+                          f"makes {job.samples_per_step} (fix: make them equal)")
+    steps = opt("steps") or job.steps
+    load = opt("load") or job.load
+    run_opts = RunOptions(steps=steps, seed=job.seed, lr=job.lr, load=load, timeout_s=opt("timeout_s", 120.0),
+                          quiet=bool(opt("quiet", False)), threads=opt("threads", 1))
+    launch = prepare(cluster, job.model_spec, plan, run_opts, run_dir=opt("run_dir"))
+    try:
+        rollout = []
+        if mode == "disaggregated":
+            used = set(plan.devices_by_group())
+            shared = used & set(job.rollout_groups)
+            if shared:
+                raise HeteroError(f"{job.source}: placement.rollout.groups: {sorted(shared)} also train the actor; "
+                                  f"a disaggregated rollout needs groups of its own (fix: other groups, or "
+                                  f"mode: collocated)")
+            rollout = add_rollout_slots(launch, cluster, job.model_spec, job.rollout_groups)
+        run_dir = run_opts.run_dir
+        cfg = {"job": {k: getattr(job, k) for k in JOB_FIELDS}, "steps": steps, "rollout": rollout,
+               "prompts": [_record(r) for r in job.prompt_records],
+               "eval_prompts": [_record(r) for r in job.eval_records],
+               "reward": dataclasses.asdict(job.reward_ref), "placement": job.placement_dict(),
+               "summary_path": os.path.join(run_dir, "rl-summary.json"), "save": opt("save"),
+               "quiet": bool(opt("quiet", False)), "reward_workers": opt("reward_workers", 1)}
+        cfg_path = os.path.join(run_dir, "rl.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        for cmd in launch.nodes:
+            cmd.env[RL_ENV] = cfg_path
+        run(launch, print_fn=opt("print_fn", print))
+        with open(cfg["summary_path"]) as f:
+            summary = json.load(f)
+        if opt("summary"):
+            write_text_atomic(opt("summary"), json.dumps(summary, indent=2), "--summary")
+        return summary
+    finally:
+        launch.remove_run_dir()
+
+
+def _record(r) -> list:
+    return [r.prompt, r.fields, r.line, r.source]
+
+
+def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
+    """Add a node slot for every node of ``groups`` to ``launch`` (ranks after the actor's, one
+    whole model copy per device) and to its run file; returns the rollout ranks
+    (``{"rank", "group", "vendor", "node"}`` each)."""
+    from hetero.backends import registry
+    from hetero.layout import NodeSlot, RankInfo, RankLayout
+    from hetero.runtime.launcher import NodeCommand
+    from hetero.runtime.spec import SLOT_ENV
+    from hetero.runtime.torchrun_loopback import FORK_ENV
+
+    ranks, slots, infos = [], [], []
+    first = len(launch.layout.ranks)
+    for name in groups:
+        g = cluster.group(name)
+        vendor = cluster.vendor(name)
+        for node in range(g.nodes):
+            slots.append(NodeSlot(group=name, node=node, host=g.hosts[node] if g.hosts else None,
+                                  first_rank=first, num_ranks=g.devices_per_node))
+            for local in range(g.devices_per_node):
+                ranks.append({"rank": first, "group": name, "vendor": vendor, "node": node})
+                infos.append(RankInfo(rank=first, group=name, vendor=vendor, node=node, local_rank=local,
+                                      pipeline=0, replica=len(infos), stage=0, tp_rank=0, tp_size=1,
+                                      layers=(0, model.num_layers)))
+                first += 1
+    template = launch.nodes[0]
+    nnodes = len(launch.nodes) + len(slots)
+    for slot in slots:
+        family = cluster.device_type(slot.group).family
+        env = {k: v for k, v in template.env.items() if k != FORK_ENV}
+        env[SLOT_ENV] = str(len(launch.nodes))
+        if family == "cpu":
+            env[FORK_ENV] = template.env.get(FORK_ENV, "fork")
+        var = registry.visible_devices_env(family)
+        if var:
+            env[var] = ",".join(str(i) for i in range(slot.num_ranks))
+        launch.nodes.append(NodeCommand(slot=len(launch.nodes), group=slot.group, node=slot.node, host=slot.host,
+                                        first_rank=slot.first_rank, num_ranks=slot.num_ranks, env=env,
+                                        torchrun_args=list(template.torchrun_args), family=family,
+                                        machine=slot.host or template.machine))
+    for cmd in launch.nodes:
+        cmd.torchrun_args = [_torchrun_arg(a, cmd, nnodes) for a in cmd.torchrun_args]
+    launch.layout = RankLayout(ranks=launch.layout.ranks + tuple(infos), nodes=launch.layout.nodes + tuple(slots))
+    launch.spec.nodes = launch.spec.nodes + [dataclasses.asdict(s) for s in slots]
+    launch.spec.save(launch.spec_path)
+    return ranks
+
+
+def _torchrun_arg(arg: str, cmd, nnodes: int) -> str:
+    for flag, value in (("--nnodes=", nnodes), ("--node-rank=", cmd.slot), ("--nproc-per-node=", cmd.num_ranks)):
+        if arg.startswith(flag):
+            return f"{flag}{value}"
+    return arg
