@@ -1,12 +1,18 @@
-"""How close the best mixed plan gets to the upper bound (each group's best plan alone, summed).
+"""The best mixed plan against each group's best plan alone (summed) and against the upper bound.
 
     python benchmarks/bench_planner_upper_bound.py [--quick]
 
-Prints a table and writes benchmarks/results/planner_upper_bound.json. The headline case is a
-two-vendor cluster (A100 + MI250X, 25 GB/s between the groups): the best mixed plan must reach
->= 95 % of the upper bound; so must the second, the same groups with 25 GB/s between the nodes
-too and a global batch of 256, where the gradient sync is a large share of the step. The shipped example clusters follow, for information, and two small
-global batches (64) where the pipeline bubble is a large share of the step.
+Prints a table and writes benchmarks/results/planner_upper_bound.json. Two figures per case:
+"% alone": the best plan over the sum of each group's best plan alone (a comparison, not a bound:
+a pipeline across groups lets each hold only part of the model, so it may exceed 100 %); "% bound":
+the best plan over the upper bound (:mod:`hetero.planner.bound`: the model's compute shared among
+the groups at each one's fastest setting, no memory limit, bubble, sync or optimizer), which no plan
+exceeds (checked: a case above it fails the run). The headline case is a two-vendor cluster
+(A100 + MI250X, 25 GB/s between the groups): the best mixed plan must reach >= 95 % of the groups
+alone; so must the second, the same groups with 25 GB/s between the nodes too and a global batch of
+256, where the gradient sync is a large share of the step. The shipped example clusters follow, for
+information (h100-a100 / llama3-8b at batch 256: the case where the mixed plan beats the groups
+alone), and two small global batches (64) where the pipeline bubble is a large share of the step.
 
 "vs 1F1B": the best plan's predicted tokens/s over the best of a search with interleaving off
 (``interleaves=()``, ``hetero plan --no-interleave``): what the interleaved twins add (1.000 where
@@ -62,6 +68,7 @@ CASES = [
     ("a100-v100", "llama2-7b", 512, False),
     ("h100-a100", "llama2-70b", 512, False),
     ("h100-a100", "llama2-7b", 512, False),
+    ("h100-a100", "llama3-8b", 256, False),    # the H100s alone need recomputation to hold the model
     ("a100-homogeneous", "llama2-7b", 512, False),
     ("a100-homogeneous", "llama2-70b", 64, False),   # 8 stages, 32 micro-batches: a large bubble
     ("mixed-vendor", "llama2-70b", 64, False),
@@ -77,12 +84,16 @@ def run_case(cluster_spec, model_name, B):
     elapsed = time.perf_counter() - t0
     plain = hetero.search(cluster, model, global_batch_size=B, top_k=1, upper_bound=False, interleaves=())
     best = results[0]
-    ub = results.upper_bound_tokens_per_s   # None when a group cannot hold the model alone
+    ub = results.upper_bound_tokens_per_s
+    alone = results.alone_tokens_per_s   # None when a group cannot hold the model alone
     return {
         "cluster": cluster.name, "model": model.name, "global_batch_size": B,
         "devices": cluster.num_devices, "best_tokens_per_s": best.prediction.tokens_per_s,
         "upper_bound_tokens_per_s": ub, "upper_bound_by_group": results.upper_bound_by_group,
-        "fraction_of_upper_bound": best.prediction.tokens_per_s / ub if ub else None,
+        "fraction_of_upper_bound": best.prediction.tokens_per_s / ub,
+        "above_bound": any(r.prediction.tokens_per_s > ub for r in results),
+        "alone_tokens_per_s": alone, "alone_by_group": results.alone_by_group,
+        "fraction_of_alone": best.prediction.tokens_per_s / alone if alone else None,
         "best_plan": best.one_line, "search_s": elapsed, "reasons": results.reasons,
         "best_1f1b_tokens_per_s": plain[0].prediction.tokens_per_s,
         "vs_1f1b": best.prediction.tokens_per_s / plain[0].prediction.tokens_per_s,
@@ -108,26 +119,31 @@ def main(argv=None) -> int:
             row = {"cluster": spec if isinstance(spec, str) else spec["name"], "model": model,
                    "global_batch_size": B, "error": str(e)}
         row["headline"] = headline
+        ok = ok and not row.get("above_bound", False)   # a plan above the bound: the bound is wrong
         if headline:
-            frac = row.get("fraction_of_upper_bound")
+            frac = row.get("fraction_of_alone")
             row["pass"] = frac is not None and frac >= 0.95
             ok = ok and row["pass"]
         rows.append(row)
-    table = Table(title="best mixed plan vs upper bound (sum of each group alone)", title_justify="left")
-    for col in ("cluster", "model", "B", "best tok/s", "bound tok/s", "% bound", "vs 1F1B", "search s", "best plan"):
+    table = Table(title="best mixed plan vs each group's best plan alone (summed) and vs the upper bound",
+                  title_justify="left")
+    for col in ("cluster", "model", "B", "best tok/s", "alone tok/s", "% alone", "bound tok/s", "% bound",
+                "vs 1F1B", "search s", "best plan"):
         table.add_column(col, justify="right" if col not in ("cluster", "model", "best plan") else "left")
     for r in rows:
         if "error" in r:
-            table.add_row(r["cluster"], r["model"], str(r["global_batch_size"]), "-", "-", "-", "-", "-",
+            table.add_row(r["cluster"], r["model"], str(r["global_batch_size"]), "-", "-", "-", "-", "-", "-", "-",
                           escape(r["error"][:80]))
             continue
-        frac = r["fraction_of_upper_bound"]
+        frac = r["fraction_of_alone"]
         pct = f"{frac * 100:.1f}%" if frac is not None else "-"
         if r["headline"]:
             pct += " ok" if r["pass"] else " FAIL"
+        bound = f"{r['fraction_of_upper_bound'] * 100:.1f}%" + (" ABOVE" if r["above_bound"] else "")
         table.add_row(r["cluster"], r["model"], str(r["global_batch_size"]), f"{r['best_tokens_per_s']:,.0f}",
-                      f"{r['upper_bound_tokens_per_s']:,.0f}" if r["upper_bound_tokens_per_s"] else "n/a",
-                      pct, f"{r['vs_1f1b']:.3f}", f"{r['search_s']:.1f}", escape(r["best_plan"]))
+                      f"{r['alone_tokens_per_s']:,.0f}" if r["alone_tokens_per_s"] else "n/a", pct,
+                      f"{r['upper_bound_tokens_per_s']:,.0f}", bound,
+                      f"{r['vs_1f1b']:.3f}", f"{r['search_s']:.1f}", escape(r["best_plan"]))
     Console(width=200).print(table)
     out = Path(args.o)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -85,26 +85,39 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
         reasons.append(f"{s.group} stages (tp{s.tp}, micro-batch {mbs}) are launch-bound: the host issues a "
                        f"layer's kernels in {s.layer_dispatch_s * 1e3:.2f} ms, the device runs them in "
                        f"{s.layer_device_s * 1e3:.2f} ms")
-    # 6. upper bound
+    # 6. the upper bound, and each group's best plan alone
+    reasons.extend(_bound_reasons(best, results))
+    return reasons
+
+
+def _bound_reasons(best, results) -> list[str]:
+    """Where the best plan stands against the upper bound (:mod:`.bound`; never above it) and
+    against the sum of each group's best plan alone (a comparison a mixed plan may beat)."""
+    out = []
+    tps = best.prediction.tokens_per_s
     ub = getattr(results, "upper_bound_tokens_per_s", None)
-    alone = getattr(results, "upper_bound_by_group", None) or {}
+    if ub:
+        rates = getattr(results, "upper_bound_by_group", None) or {}
+        out.append(f"{tps / ub * 100:.1f}% of the upper bound {_fmt_rate(ub)} tokens/s (the model's compute "
+                   "shared among the groups at each one's fastest setting, with no memory limit, bubble, "
+                   "transfer, gradient sync or optimizer; each group computing alone: "
+                   + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in rates.items()) + ")"
+                   # below it (by more than rounding): where the step goes, its sync and ZeRO's
+                   # gathers under the backward and the next forwards included
+                   + (f"; below it: {_step_split(best.plan, best.prediction)}" if tps < ub * 0.9995 else ""))
+    alone = getattr(results, "alone_by_group", None) or {}
+    listed = ", ".join(f"{g} {_fmt_rate(v)}" for g, v in alone.items())
     cannot = [g for g, v in alone.items() if not v]
     if cannot:
-        reasons.append(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of each "
-                       "group's best plan alone (" + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in alone.items())
-                       + " tokens/s) bounds nothing")
-    elif ub:
-        reasons.append(f"{best.prediction.tokens_per_s / ub * 100:.1f}% of the upper bound "
-                       f"{_fmt_rate(ub)} tokens/s (sum of each group's best plan alone: "
-                       + ", ".join(f"{g} {_fmt_rate(v)}" for g, v in results.upper_bound_by_group.items()) + ")"
-                       + ("; above it: a pipeline across groups gives each group the part it runs fastest (e.g. "
-                          "the head and loss on the faster one) and each device syncs the gradients of fewer layers"
-                          if best.prediction.tokens_per_s > ub * 1.0005 else "")
-                       # below it (by more than rounding): where the step goes, its sync and ZeRO's
-                       # gathers under the backward and the next forwards included
-                       + (f"; below it: {_step_split(best.plan, best.prediction)}"
-                          if best.prediction.tokens_per_s < ub * 0.9995 else ""))
-    return reasons
+        out.append(f"no sum of the groups alone: {', '.join(cannot)} cannot hold the model alone "
+                   f"(each group's best plan alone: {listed} tokens/s)")
+    elif alone and len(alone) > 1:
+        total = sum(alone.values())
+        out.append(f"{tps / total:.3f}x the sum of each group's best plan alone ({_fmt_rate(total)} tokens/s: "
+                   f"{listed})" + ("; above it: a pipeline across groups lets each hold only its layers (less "
+                                   "recomputation, ZeRO or tensor parallelism to fit) and gives the head and loss "
+                                   "to one group" if tps > total * 1.0005 else ""))
+    return out
 
 
 def _step_split(plan, pred) -> str:

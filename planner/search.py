@@ -10,9 +10,12 @@ result types and the three steps it chains.
 3. Scoring (:mod:`hetero.planner.scoring`): the best candidates go through ``predict()``, the single
    source of truth; a short hill climb refines the top few.
 
-With ``upper_bound``, each group is also searched alone: the sum of those throughputs bounds what
-the whole cluster can reach. When a group cannot hold the model alone it adds 0 and the sum bounds
-nothing: the bound is then None (the per-group figures stay in ``upper_bound_by_group``).
+With ``upper_bound``, the search also gives a throughput no plan can beat
+(:mod:`hetero.planner.bound`: the model's compute shared among the groups at each one's fastest
+setting) and searches each group alone: a plan of one group is a plan of the whole cluster too, and
+the sum of those best plans alone is a comparison, not a bound (a pipeline across groups lets each
+hold only part of the model, so a mixed plan can beat it). When a group cannot hold the model alone
+that sum is None (the per-group figures stay in ``alone_by_group``, 0 for that group).
 """
 from __future__ import annotations
 
@@ -67,7 +70,14 @@ class SearchResults(list):
     """A list of :class:`SearchResult` (best first) with the search's summary attached."""
 
     upper_bound_tokens_per_s: float | None = None
+    """No plan of the search predicts more (:func:`hetero.planner.bound.upper_bound`); None without ``upper_bound``."""
     upper_bound_by_group: dict
+    """Group -> its devices' compute-only tokens/s doing the whole model alone (the bound is at least their sum)."""
+    alone_tokens_per_s: float | None = None
+    """The sum of each group's best plan alone; None when a group cannot hold the model alone. A
+    mixed plan may beat it: each group then holds only part of the model."""
+    alone_by_group: dict
+    """Group -> the tokens/s of its best plan alone (0 when it cannot hold the model alone)."""
     best_alone: dict
     """Group -> the best plan of that group alone (a plan of the whole cluster too), or None."""
     reasons: list
@@ -116,6 +126,17 @@ def _dedupe(scored):
         elif item[1].zero_stage < out[tie][1].zero_stage:
             out[tie] = item
     return out
+
+
+def _upper_bound(cluster, model, B: int, opts: Options, cost_model, scorer: _Scorer, calibration):
+    """:func:`hetero.planner.bound.upper_bound` on the costs the search's predictions use (the
+    scorer's cost model; a replaced predictor's plans are bounded by the real predictor's costs)."""
+    from hetero.predictor import cost_model_for
+
+    from .bound import upper_bound
+
+    cm = scorer.extra.get("cost_model") or cost_model or cost_model_for(cluster, model, calibration)
+    return upper_bound(cm, cluster, model, B, opts.micro_batch_sizes, opts.recompute)
 
 
 def _with_upper_bound(pred, value):
@@ -175,9 +196,10 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
                          workers_for(opts, cluster))
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
-        ub, ub_by_group, best_alone = None, {}, {}
+        ub, ub_by_group, best_alone, alone, alone_by_group = None, {}, {}, None, {}
         if upper_bound:
-            ub = 0.0
+            ub, ub_by_group = _upper_bound(cluster, model, B, opts, cost_model, scorer, calibration)
+            alone = 0.0
             for g in cluster.groups:
                 if len(cluster.groups) == 1:
                     best = scored[0] if scored and scored[0][0] > 0 else None
@@ -191,13 +213,13 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
                         # a plan of one group is a plan of the whole cluster too
                         pred_full = scorer(best[1])
                         scored.append((_score(pred_full), best[1], pred_full, best[3]))
-                ub_by_group[g.name] = best[0] if best else 0.0
+                alone_by_group[g.name] = best[0] if best else 0.0
                 best_alone[g.name] = best[1] if best else None
-                ub += ub_by_group[g.name]
+                alone += alone_by_group[g.name]
             scored.sort(key=lambda x: -x[0])
             scored = _dedupe(scored)
-            if any(v <= 0 for v in ub_by_group.values()):
-                ub = None   # a group that cannot hold the model alone adds 0: the sum bounds nothing
+            if any(v <= 0 for v in alone_by_group.values()):
+                alone = None   # a group that cannot hold the model alone adds 0: the sum compares with nothing
     fitting = [x for x in scored if x[0] > 0]
     if allocator == "caching" and predict_fn is None:
         fitting = _confirm_by_replay(cluster, model, calibration, cost_model, fitting, top_k)
@@ -209,6 +231,8 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
                                     one_line=describe(plan, cluster), rank=rank))
     results.upper_bound_tokens_per_s = ub
     results.upper_bound_by_group = ub_by_group
+    results.alone_tokens_per_s = alone
+    results.alone_by_group = alone_by_group
     results.best_alone = best_alone
     results.stats = stats
     try:

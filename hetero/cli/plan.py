@@ -101,8 +101,8 @@ def run(args) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    ub = results.upper_bound_tokens_per_s   # None when a group cannot hold the model alone
-    alone = results.upper_bound_by_group or {}
+    ub = results.upper_bound_tokens_per_s   # no plan predicts more (hetero.planner.bound)
+    alone = getattr(results, "alone_by_group", None) or {}
     cannot = [g for g, v in alone.items() if not v]
     table = Table(title=f"{cluster.name} / {model.name}, global batch {args.global_batch_size}", title_justify="left")
     table.add_column("", no_wrap=True)
@@ -130,10 +130,12 @@ def run(args) -> int:
     out.print(f"[dim]{escape(NOTATION)}[/dim]")
     parts = ", ".join(f"{g} {v:,.0f}" for g, v in alone.items())
     if ub:
-        out.print(f"upper bound {ub:,.0f} tokens/s (each group's best plan alone: {parts})")
-    elif cannot:
-        out.print(f"no upper bound: {', '.join(cannot)} cannot hold the model alone, so the sum of the "
-                  f"groups' best plans alone ({parts} tokens/s) bounds nothing")
+        out.print(f"upper bound {ub:,.0f} tokens/s (compute only: no memory limit, bubble, sync or optimizer)")
+    if cannot:
+        out.print(f"each group's best plan alone: {parts} tokens/s ({', '.join(cannot)} cannot hold the model alone)")
+    elif len(alone) > 1:
+        out.print(f"each group's best plan alone: {parts} tokens/s (sum {sum(alone.values()):,.0f}; a mixed plan may "
+                  "beat it: each group then holds only part of the model)")
     note = host_memory_note(cluster, best.plan, best.prediction)
     if note:
         out.print(f"[bold]note[/bold] {note}")
