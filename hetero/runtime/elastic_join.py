@@ -136,6 +136,7 @@ class Joiners:
         from hetero.layout import build_layout
         from hetero.runtime.elastic_live import live_applies
         from hetero.runtime.launcher import WORKER_MODULE, prepare
+        from hetero.runtime.lifeline import child_env
         from hetero.runtime.reshard.resume import RECONFIG_ENV
 
         run, now = self.run, self.run.now
@@ -168,7 +169,8 @@ class Joiners:
                     continue
                 env = {**os.environ, **cmd.env, "LOCAL_RANK": str(local), "RANK": str(nr),
                        "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(cmd.num_ranks),
-                       RECONFIG_ENV: str(run.coordinator.port), JOIN_ENV: f"{self.gen}:{self.id(nr)}"}
+                       RECONFIG_ENV: str(run.coordinator.port), JOIN_ENV: f"{self.gen}:{self.id(nr)}",
+                       **child_env()}
                 argv = [sys.executable, "-m", WORKER_MODULE, "--spec", launch.spec_path, *opts.extra]
                 self.procs[nr] = subprocess.Popen(argv, env=env, start_new_session=True)
         for old, nr in members.items():   # the running ranks prepare their new regions while they train

@@ -136,6 +136,7 @@ class LiveRun:
     # ---------------------------------------------------------------- processes
     def start(self) -> None:
         from hetero.runtime.launcher import WORKER_MODULE
+        from hetero.runtime.lifeline import child_env
         from hetero.runtime.reshard.resume import RECONFIG_ENV
 
         world = self.launch.layout.world_size
@@ -144,7 +145,7 @@ class LiveRun:
                 rank = cmd.first_rank + local
                 env = {**os.environ, **cmd.env, "LOCAL_RANK": str(local), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(cmd.num_ranks),
-                       RECONFIG_ENV: str(self.coordinator.port)}
+                       RECONFIG_ENV: str(self.coordinator.port), **child_env()}
                 argv = [sys.executable, "-m", WORKER_MODULE, "--spec", self.launch.spec_path, *self.options.extra]
                 self.now.procs[rank] = subprocess.Popen(argv, env=env, start_new_session=True)
         threading.Thread(target=self._plan_ahead, daemon=True).start()

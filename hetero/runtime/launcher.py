@@ -21,7 +21,8 @@ On one machine the launcher runs all node slots itself, each in its own session,
 torchrun) unless ``--master-port``: every call must arrive at the same address and port. The
 launcher watches the workers' pid / ready / done / error files: a rank that fails, dies, or never
 arrives ends the job with an error that names the rank and its stage, and every process of the
-job is ended (by process id) before returning.
+job is ended (by process id) before returning. A launcher that dies without returning (``kill -9``)
+takes its node launchers with it, and they their workers (:mod:`hetero.runtime.lifeline`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from hetero.backends import registry
 from hetero.errors import HeteroError, Problem, clip
 from hetero.layout import RankLayout, build_layout
 from hetero.runtime.host_memory import huge_pages_env
+from hetero.runtime.lifeline import child_env
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
 from hetero.runtime.torchrun_loopback import FORK_ENV, WORKER_MODULE, is_loopback
 from hetero.specs.units import plural
@@ -353,7 +355,7 @@ class _Job:
     def start(self) -> None:
         for s in self.slots:
             cmd = self.launch.nodes[s]
-            env = {**os.environ, **cmd.env}
+            env = {**os.environ, **cmd.env, **child_env()}   # it ends when this process does (lifeline)
             self.procs[s] = subprocess.Popen(cmd.argv(), env=env, start_new_session=True)
 
     def _file(self, rank: int, suffix: str) -> str:

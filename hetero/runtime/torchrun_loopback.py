@@ -230,6 +230,10 @@ def _torchrun_forking(argv: list[str], worker_args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hetero.runtime.lifeline import child_env, end_with_parent
+
+    end_with_parent()   # the launcher died: so does this node slot, and its workers with it
+    os.environ.update(child_env())   # the workers (forked or spawned, from this thread) end with this process
     argv = list(sys.argv[1:] if argv is None else argv)
     worker_args = _worker_args(argv)
     if worker_args is not None:

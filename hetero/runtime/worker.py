@@ -16,6 +16,7 @@ import traceback
 
 from hetero.runtime.cluster_watch import REQUEST
 from hetero.runtime.elastic_join import JOIN_ENV
+from hetero.runtime.lifeline import end_with_parent
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunSpec, describe_rank
 
 
@@ -41,6 +42,7 @@ def _write(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_with_parent()   # never train on after the node launcher (or elastic launcher) died
     ap = argparse.ArgumentParser(prog="hetero.runtime.worker")
     ap.add_argument("--spec", default=os.environ.get(SPEC_ENV))
     args, _extra = ap.parse_known_args(argv)
