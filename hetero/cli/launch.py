@@ -82,7 +82,7 @@ def _check_inputs(args) -> None:
     if args.data and not os.path.isfile(args.data):
         what = "not found" if not os.path.exists(args.data) else "not a file"
         raise HeteroError(f"--data {args.data}: {what} (fix: give the path of a token file (.npy, .bin, "
-                          f".int32.bin) or a text file)")
+                          f".int32.bin), a prompt/completion file (.jsonl) or a text file)")
     from hetero.hf import hf_dir_of
 
     if args.load and not os.path.isdir(hf_dir_of(args.load) or args.load):

@@ -9,22 +9,58 @@ therefore see the same samples, and give the same losses up to reduction order.
 Sources:
 - ``--data FILE.npy``: a 1-D array of token ids (any integer dtype);
 - ``--data FILE.bin``: raw ``uint16`` tokens (``FILE.int32.bin`` / ``FILE.i32``: ``int32``);
+- ``--data FILE.jsonl``: prompt/completion lines, the loss on the completions' tokens only
+  (:mod:`hetero.runtime.prompt_data`);
 - ``--data FILE`` (anything else): text, byte-level tokens (needs ``vocab_size >= 256``);
 - no file: a seeded synthetic stream of arithmetic sequences ``(a + b * k) mod vocab``, random
   per sample, learnable so the loss visibly falls.
+
+Every source gives ``batch(first, count) -> Batch`` (inputs, and targets where
+:data:`IGNORE_INDEX` marks a token that carries no loss) and ``loss_tokens(first, count)``, the
+targets that carry loss in those samples: an engine divides the summed token losses of each
+micro-batch by ``loss_tokens(step * global_batch, global_batch)``, so the step's loss is the mean
+over the global batch's loss tokens whatever the plan.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hetero.errors import HeteroError
+from hetero.runtime.batch import IGNORE_INDEX, Batch
 from hetero.specs.plan import Plan
+
+__all__ = ["IGNORE_INDEX", "Batch", "TokenSource", "data_source", "check_data", "check_token_file",
+           "MicroBatchSlice", "replica_slice"]
+
+if TYPE_CHECKING:
+    import torch
 
 SCAN_CHUNK = 1 << 24
 """Token ids checked per slice of a file (memory-mapped: a big file is read once, slice by slice)."""
+def data_source(vocab_size: int, seq_length: int, seed: int, path: str | None = None,
+                tokenizer: str | None = None):
+    """The run's data source: :class:`~hetero.runtime.prompt_data.PromptSource` for a ``.jsonl``
+    ``path`` (``tokenizer``: its Hugging Face tokenizer, None: UTF-8 bytes), else :class:`TokenSource`."""
+    from hetero.runtime.prompt_data import PromptSource, is_prompt_file
+
+    if is_prompt_file(path):
+        return PromptSource(vocab_size, seq_length, seed, path, tokenizer)
+    return TokenSource(vocab_size, seq_length, seed, path)
+
+
+def check_data(path: str, vocab_size: int, seq_length: int, tokenizer: str | None = None) -> None:
+    """Check a ``--data`` file before any process starts (:func:`check_token_file`, or every line of a
+    prompt/completion file); raises :class:`~hetero.errors.HeteroError` naming the file (and line)."""
+    from hetero.runtime.prompt_data import is_prompt_file, read_prompt_file
+
+    if is_prompt_file(path):
+        read_prompt_file(path, seq_length, vocab_size, tokenizer)
+    else:
+        check_token_file(path, vocab_size, seq_length)
 
 
 class TokenSource:
@@ -48,12 +84,16 @@ class TokenSource:
         b = int(torch.randint(1, 8, (1,), generator=g))
         return (a + b * torch.arange(n, dtype=torch.int64)) % self.vocab
 
-    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``[first, first + count)`` as (inputs, targets), each (count, seq_length)."""
+    def batch(self, first: int, count: int) -> Batch:
+        """Samples ``[first, first + count)``: every target carries loss."""
         import torch
 
         s = torch.stack([self.sample(first + k) for k in range(count)])
-        return s[:, :-1].contiguous(), s[:, 1:].contiguous()
+        return Batch(s[:, :-1].contiguous(), s[:, 1:].contiguous())
+
+    def loss_tokens(self, first: int, count: int) -> int:
+        """Targets that carry loss in samples ``[first, first + count)``: all of them."""
+        return count * self.seq
 
 
 def check_token_file(path: str, vocab: int, seq_length: int) -> np.ndarray:

@@ -5,9 +5,10 @@ data-parallel group). DeepSpeed's PipelineEngine expects one process group for t
 identical stage shapes on every replica, which plans with uneven stages across vendors break; use
 ``--engine native`` for pipeline or tensor parallelism.
 
-Pipelines may differ in micro-batch count and size. Every micro-batch loss is scaled by
-``mbs / global_batch`` times the data-parallel size (DeepSpeed averages gradients over the group),
-so the update is the single-device one. DeepSpeed's accumulation boundary is set by hand on each
+Pipelines may differ in micro-batch count and size. Every micro-batch loss is its summed token
+losses over the step's loss tokens (:mod:`hetero.runtime.data`), times the data-parallel size for
+backward (DeepSpeed averages gradients over the group), so the update is the single-device one.
+DeepSpeed's accumulation boundary is set by hand on each
 rank's last micro-batch; ZeRO-2 reduces on every micro-step, so with unequal micro-batch counts the
 shorter pipelines run zero-weighted padding micro-batches to keep the collectives matched.
 The deepspeed accelerator is forced to ``cpu`` (``DS_ACCELERATOR``) on CPU-only machines.
@@ -19,10 +20,10 @@ import os
 import sys
 
 from hetero.errors import HeteroError
-from hetero.runtime.data import TokenSource, replica_slice
+from hetero.runtime.data import data_source, replica_slice
 from hetero.runtime.grads import make_optimizer
 from hetero.runtime.lr_schedule import set_lr
-from hetero.runtime.model import build_stage, loss_fn
+from hetero.runtime.model import build_stage, loss_sum
 from hetero.runtime.pipeline import timed
 
 
@@ -133,7 +134,7 @@ class DeepSpeedEngine:
         self.micro_batches = ctx.pipeline.micro_batches
         counts = {p.micro_batches for p in plan.pipelines}
         self.padded = max(counts) if (plan.zero_stage >= 2 and len(counts) > 1) else self.micro_batches
-        self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
+        self.source = data_source(model.vocab_size, model.seq_length, opts.seed, opts.data, opts.tokenizer)
 
     def _compute(self, fn, timings, kind, mb):
         out, wall, dt = timed(fn, self.ctx.slowdown)
@@ -143,13 +144,14 @@ class DeepSpeedEngine:
 
     def train_step(self, step: int, timings) -> tuple[float, float]:
         B = self.ctx.plan.global_batch_size
+        per_token = 1.0 / max(1, self.source.loss_tokens(step * B, B))
         total = 0.0
         for mb in range(self.padded):
             real = mb < self.micro_batches
             x, y = self.source.batch(*self.slice.sample_range(step, B, min(mb, self.micro_batches - 1)))
             self.engine.set_gradient_accumulation_boundary(mb == self.padded - 1)
-            weight = (self.mbs / B) if real else 0.0
-            loss = self._compute(lambda: loss_fn(self.engine(x), y), timings, "F", mb)
+            weight = per_token if real else 0.0
+            loss = self._compute(lambda: loss_sum(self.engine(x), y), timings, "F", mb)
             total += float(loss.detach()) * weight
             self._compute(lambda: self.engine.backward(loss * (weight * self.dp)), timings, "B", mb)
         # DeepSpeed's step includes its gradient reduction

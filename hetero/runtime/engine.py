@@ -8,14 +8,14 @@ import time
 import torch
 
 from hetero.memplan.serve import mark_phase
-from hetero.runtime.data import TokenSource, replica_slice
+from hetero.runtime.data import data_source, replica_slice
 from hetero.runtime.context import RunContext
 from hetero.runtime.device import waiter
 from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coefficient, make_optimizer, scaled_step,
                                   sync_gradients, weighted_squares)
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.lr_schedule import set_lr
-from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_fn
+from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_sum
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,6 +26,12 @@ class NativeEngine:
     gradient sync; an :class:`~hetero.runtime.engine_api.Engine`."""
 
     name = "native"
+    loss_fn = staticmethod(loss_sum)
+    """The last stage's loss of one micro-batch, ``loss_fn(logits, targets)``: the SUM of its token losses
+    (the token cross-entropy over the targets that carry loss), which the engine divides by the step's
+    loss tokens, ``source.loss_tokens(step * global_batch, global_batch)``; a trainer of another
+    objective sets its own on the instance (``hetero rl``: the GRPO loss) with a source that counts its
+    tokens."""
 
     def __init__(self, ctx: RunContext, comm, stage: tuple | None = None):
         """``stage``: (module, optimizer) already built and holding their state (an in-process elastic
@@ -90,7 +96,9 @@ class NativeEngine:
         if self.sharded and opts.overlap:   # ZeRO's parameter all-gathers run under the next forward
             self.module.before_use = self.sharded.wait_parameters
             self.executor.comm_wait = lambda: self.sharded.wait_s
-        self.source = TokenSource(model.vocab_size, model.seq_length, opts.seed, opts.data)
+        self.source = data_source(model.vocab_size, model.seq_length, opts.seed, opts.data, opts.tokenizer)
+        """Samples by global index: ``batch(first, count)`` and ``loss_tokens(first, count)``
+        (:mod:`hetero.runtime.data`)."""
         self.scaler = (DynamicLossScale(opts.loss_scale or DEFAULT_INITIAL_SCALE) if model.dtype == "fp16" else None)
         self.step_loss_scale: float | None = None
         """The loss scale the last step ran with (fp16), else None."""
@@ -125,7 +133,8 @@ class NativeEngine:
     def forward_backward(self, step: int, *, timings: Timings, loss_scale: float) -> float:
         """Run this rank's schedule of the step's micro-batches (activations and gradients to and from the
         neighbouring stages; with overlap, buckets reduced as the backward finishes them); returns the
-        sum of its scaled micro-batch losses (the last stage's, else 0)."""
+        sum of its scaled micro-batch losses (the last stage's, else 0): each its summed token losses over
+        the step's loss tokens, so the replicas' sums add up to the global batch's mean."""
         B = self.ctx.plan.global_batch_size
         cache: dict[int, tuple] = {}
 
@@ -142,8 +151,9 @@ class NativeEngine:
                 self._buffers.update(bind_gradient_buffers(self.module, self.buckets))
 
         return self.executor.run(self.actions, get_inputs=lambda mb: batch(mb)[0],
-                                 get_targets=lambda mb: batch(mb)[1], loss_fn=loss_fn,
-                                 loss_scale=self.mbs / B * loss_scale, timings=timings,
+                                 get_targets=lambda mb: batch(mb)[1], loss_fn=self.loss_fn,
+                                 loss_scale=loss_scale / max(1, self.source.loss_tokens(step * B, B)),
+                                 timings=timings,
                                  before_backward=bind if self.gradient_buffers else None, reducer=self.reducer)
 
     def reduce_gradients(self, timings: Timings) -> tuple[float, bool]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hetero.runtime.batch import IGNORE_INDEX
 from hetero.specs.model import ModelSpec
 
 
@@ -395,12 +396,22 @@ def _vocab_parallel(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of one micro-batch (fp32). Logits sharded on the vocabulary (a
-    DTensor, tensor parallelism) are reduced over the shards; the loss is then a replicated
-    DTensor, whose backward must run under :func:`backward_loss`."""
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Token cross-entropy of one micro-batch (fp32) over the targets that carry loss (not
+    :data:`~hetero.runtime.batch.IGNORE_INDEX`): their mean, or with ``reduction="sum"`` their sum
+    (:func:`loss_sum`). Logits sharded on the vocabulary (a DTensor, tensor parallelism) are reduced
+    over the shards; the loss is then a replicated DTensor, whose backward must run under
+    :func:`backward_loss`."""
     with _vocab_parallel(logits):
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed token cross-entropy of one micro-batch: what the engines divide by the step's loss
+    tokens (``source.loss_tokens``, :mod:`hetero.runtime.data`) so the step's loss is the mean over
+    the global batch's loss tokens, whatever the plan's split of it."""
+    return loss_fn(logits, targets, "sum")
 
 
 def loss_value(loss: torch.Tensor) -> float:

@@ -39,7 +39,11 @@ class RunOptions:
 
     # --- data ---
     data: str | None = None
-    """Tokens (.npy, .bin uint16, .int32.bin) or text (byte tokens); unset: the seeded synthetic stream."""
+    """Tokens (.npy, .bin uint16, .int32.bin), prompt/completion lines (.jsonl: the loss on the completions'
+    tokens only) or text (byte tokens); unset: the seeded synthetic stream."""
+    tokenizer: str | None = None
+    """With a .jsonl data file: the Hugging Face tokenizer (a model folder or its tokenizer.json) of the
+    prompts and completions; unset: their UTF-8 bytes as ids (vocab_size >= 256)."""
 
     # --- schedule and optimizer ---
     lr: float = 1e-3

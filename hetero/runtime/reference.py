@@ -2,7 +2,8 @@
 
 ``reference_losses(model, seed, steps, global_batch)`` is what every plan's losses must match
 (tests: fp32, 1e-3 relative). It splits the global batch into chunks of ``chunk`` samples, each
-loss scaled by ``chunk / global_batch``, exactly the rule the distributed runtime follows. The learning
+loss the chunk's summed token losses over the step's loss tokens, exactly the rule the distributed
+runtime follows (the mean over the global batch's loss tokens: :mod:`hetero.runtime.data`). The learning
 rate follows the run's schedule (``lr_schedule``, ``warmup_steps``, ``min_lr``: :mod:`hetero.runtime.lr_schedule`).
 
 fp16 / bf16 models run as the runtime runs them: forward under autocast to that dtype with fp32
@@ -16,16 +17,17 @@ import math
 
 import torch
 
-from hetero.runtime.data import TokenSource
+from hetero.runtime.data import data_source
 from hetero.runtime.grads import clip_coefficient, make_optimizer, scale_grads
 from hetero.runtime.lr_schedule import lr_at, set_lr
-from hetero.runtime.model import build_stage, loss_fn
+from hetero.runtime.model import build_stage, loss_sum
 
 
 def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
                      lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
                      return_model: bool = False, return_norms: bool = False, loss_scale: float | None = None,
-                     lr_schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0):
+                     lr_schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0,
+                     tokenizer: str | None = None):
     import contextlib
 
     import hetero
@@ -42,19 +44,20 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
     torch.manual_seed(seed)
     m = build_stage(model, (0, model.num_layers), True, True, seed)
     opt = make_optimizer(m.parameters(), lr, weight_decay)
-    src = TokenSource(model.vocab_size, model.seq_length, seed, data)
+    src = data_source(model.vocab_size, model.seq_length, seed, data, tokenizer)
     chunk = chunk or global_batch
     losses, norms = [], []
     for step in range(steps):
         set_lr(opt, lr_at(step, steps, lr, lr_schedule, warmup_steps, min_lr))
         opt.zero_grad(set_to_none=True)
         total = 0.0
+        tokens = max(1, src.loss_tokens(step * global_batch, global_batch))
         for first in range(0, global_batch, chunk):
             n = min(chunk, global_batch - first)
             x, y = src.batch(step * global_batch + first, n)
             with autocast():
                 out = m(x)
-            loss = loss_fn(out, y) * (n / global_batch * S)
+            loss = loss_sum(out, y) * (S / tokens)
             loss.backward()
             total += float(loss.detach()) / S
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None)) / S
