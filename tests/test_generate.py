@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("safetensors")
 
-from helpers import tiny_model, write_yaml
+from helpers import random_state_checkpoint, tiny_model, write_yaml
 
 VOCAB = 300
 MAX_NEW = 24
@@ -123,6 +123,25 @@ def test_cached_decode_equals_recomputing_the_sequence(arch):
         full = model(tokens)[:, -1]
     assert cache.length == 20
     torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_model_takes_the_weights_of_a_saved_checkpoint_and_leaves_its_optimizer_state(tmp_path):
+    """A checkpoint as hetero launch --save writes it (AdamW moments beside the weights): every
+    parameter equals the stored tensor; the moments are not read."""
+    import torch.distributed.checkpoint as dcp
+
+    from hetero.runtime.checkpoint import _SafeReader
+
+    model = tiny_model("llama", vocab_size=VOCAB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        random_state_checkpoint(str(tmp_path / "ckpt"), model)
+        whole = _whole(_spec(model), str(tmp_path / "ckpt"))
+        stored = {f"model/{n}": torch.empty(p.shape) for n, p in whole.named_parameters()}
+        dcp.load(stored, storage_reader=_SafeReader(str(tmp_path / "ckpt")), no_dist=True)
+    assert any(k.startswith("optim/") for k in _SafeReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata)
+    for name, p in whole.named_parameters():
+        assert torch.equal(p, stored[f"model/{name}"]), name
 
 
 # ---------------------------------------------------------------------------- sampling
