@@ -222,9 +222,9 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
 
         check_deepspeed_plan(plan)
     if options.data:
-        from hetero.runtime.data import check_token_file
+        from hetero.runtime.data import check_data
 
-        check_token_file(options.data, model.vocab_size, model.seq_length)
+        check_data(options.data, model.vocab_size, model.seq_length, options.tokenizer)
     layout = build_layout(cluster, plan)
     families = [cluster.device_type(n.group).family for n in layout.nodes]
     machines = machine_keys(layout.nodes, families)
