@@ -248,3 +248,31 @@ def test_generate_command_errors_are_one_line(llama, tmp_path, capsys):
         assert _cli("generate", *argv) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+
+
+def test_a_hugging_face_tokenizer_brings_its_end_token(tmp_path):
+    """The end token comes from generation_config.json / config.json (a list kept whole), else from
+    tokenizer_config.json's eos_token; text round-trips; bytes needs a vocabulary of 256."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hetero.errors import HeteroError
+    from hetero.tokenizer import load_text_tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<eot>": 3, "hello": 4, "world": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>", "<eot>"])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    t = load_text_tokenizer(str(folder), 16)
+    assert t.eos_ids == (2,) and t.encode("hello world") == [4, 5] and t.decode([4, 2]) == "hello"
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [3, 2]}))
+    assert load_text_tokenizer(str(folder / "tokenizer.json"), 16).eos_ids == (3, 2)
+    with pytest.raises(HeteroError, match="more than the model's vocab_size 4"):
+        load_text_tokenizer(str(folder), 4)
+    assert load_text_tokenizer("bytes", 256).decode(list("é".encode()) + [300]) == "é"
+    with pytest.raises(HeteroError, match="vocab_size is 255"):
+        load_text_tokenizer("bytes", 255)
