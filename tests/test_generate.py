@@ -218,7 +218,7 @@ def test_generate_command_prints_json_of_the_api_completions(llama, tmp_path, ca
     spec = _spec(str(imported / "model.yaml"))
     tok = load_text_tokenizer("bytes", spec.vocab_size)
     api = generate(_whole(spec, str(imported / "checkpoint")), [list("Héllo".encode())], max_new_tokens=6,
-                   tokenizer=tok)[0]
+                   tokenizer=tok, batch_rows=1)[0]   # the command's rows for one prompt
     assert c["tokens"] == api.tokens and c["completion"] == api.text == tok.decode(api.tokens)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "ab", "answer": 3}\n\n{"prompt": "xyz"}\n')

@@ -48,7 +48,8 @@ def _temperature(text: str) -> float:
 def run(args) -> int:
     import torch
 
-    from hetero.rl.generate import generate
+    from hetero.errors import HeteroError
+    from hetero.rl.generate import DEFAULT_BATCH_ROWS, generate
     from hetero.rl.load import load_whole_model
     from hetero.specs.model import load_model
     from hetero.tokenizer import load_text_tokenizer
@@ -63,12 +64,9 @@ def run(args) -> int:
     model = load_whole_model(spec, args.load, device=device)
     try:
         out = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       seed=args.seed, tokenizer=tokenizer)
-    except Exception as e:
-        from hetero.errors import HeteroError
-
-        if not isinstance(e, HeteroError):
-            raise
+                       seed=args.seed, tokenizer=tokenizer,
+                       batch_rows=min(DEFAULT_BATCH_ROWS, len(prompts)))   # one prompt: no rows computed for nothing
+    except HeteroError as e:   # a prompt that does not fit: name the flag it came from
         where = "--prompt" if args.prompts is None else f"--prompts {args.prompts}"
         raise HeteroError(f"{where}: {e}") from None
     if args.json:
