@@ -143,3 +143,63 @@ def test_a_pp2_and_tp2_run_on_prompt_data_matches_the_single_process_run(tmp_pat
     assert summary["grad_norms"] == pytest.approx(norms, rel=1e-3)
     tokens_mean = reference_run(GPT, 0, STEPS, 8, lr=LR)[0]   # the same model on the synthetic stream differs
     assert summary["losses"] != pytest.approx(tokens_mean, rel=1e-3)
+
+
+def test_a_hugging_face_tokenizer_adds_its_begin_token_to_the_prompt_and_its_end_token(tmp_path, capsys):
+    """--tokenizer: the prompt encoded with the tokenizer's special tokens (its post-processor's <s>), the
+    completion without, then the end token tokenizer_config.json names; the launcher passes the tokenizer
+    to the workers instead of caching token ids for a .jsonl."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+
+    from hetero.cli import main
+    from hetero.runtime.data import IGNORE_INDEX, data_source
+    from helpers import CLUSTER
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(20)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    data = _jsonl(tmp_path, [{"prompt": "w1 w2", "completion": "w3"}, {"text": "w4 w5 w6"}])
+    src = data_source(64, 8, 0, data, str(folder))
+    rows = {src.line_of(i).line: src.batch(i, 1) for i in range(2)}
+    assert rows[1].inputs[0].tolist() == [1, 4, 5, 6, 2, 0, 0, 0]          # <s> w1 w2 | w3 </s>, padding
+    assert rows[1].targets[0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 6, 2] + [IGNORE_INDEX] * 4
+    assert rows[2].targets[0].tolist() == [7, 8, 9, 2] + [IGNORE_INDEX] * 4   # a text: every token after <s>
+    plan = _plan([{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}], gbs=4)
+    model = dict(GPT, vocab_size=64, seq_length=8)
+    rc = main(["launch", "--cluster", _write(tmp_path, "c.yaml", CLUSTER), "--model", _write(tmp_path, "m.yaml", model),
+               "--plan", _write(tmp_path, "p.yaml", plan), "--dry-run", "--run-dir", str(tmp_path / "run"),
+               "--data", data, "--tokenizer", str(folder)])
+    assert rc == 0, capsys.readouterr().err
+    spec = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert spec["options"]["tokenizer"] == str(folder / "tokenizer.json") and spec["options"]["data"] == data
+    assert not list(tmp_path.glob("sft.jsonl.tok-*"))   # no token cache for prompt/completion lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_deepspeed_engine_on_prompt_data_with_a_schedule_matches_the_reference(tmp_path):
+    """DeepSpeed ZeRO-1 over two replicas of unequal micro-batch counts: the same masked-token mean and the
+    same cosine schedule as the single-process reference."""
+    pytest.importorskip("deepspeed")
+    from hetero.runtime.lr_schedule import lr_at
+    from hetero.runtime.reference import reference_run
+
+    data = _jsonl(tmp_path)
+    plan = _plan([{"micro_batches": 1, "stages": [{"group": "fast", "layers": [0, 4]}]},
+                  {"micro_batches": 3, "stages": [{"group": "slow", "layers": [0, 4]}]}], zero_stage=1)
+    flags = ("--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr", str(LR / 10))
+    summary, _ = _launch(tmp_path, GPT, plan, "--engine", "deepspeed", "--data", data, *flags, timeout=220)
+    losses, norms = reference_run(GPT, 0, STEPS, 8, lr=LR, data=data, lr_schedule="cosine", warmup_steps=1,
+                                  min_lr=LR / 10)
+    assert summary["engine"] == "deepspeed"
+    assert summary["lrs"] == pytest.approx([lr_at(t, STEPS, LR, "cosine", 1, LR / 10) for t in range(STEPS)])
+    assert summary["losses"] == pytest.approx(losses, rel=1e-3), (summary["losses"], losses)
+    assert summary["grad_norms"] == pytest.approx(norms, rel=1e-3)
