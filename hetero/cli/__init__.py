@@ -11,7 +11,7 @@ import sys
 
 # Order is the order of ``hetero --help``.
 COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibrate", "launch", "memplan",
-            "import_hf", "export_hf", "generate")
+            "import_hf", "export_hf", "generate", "rl")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.markup import escape
 
+    from hetero.rl.job import load_rl_job, looks_like_rl_job
     from hetero.specs.cluster import load_cluster, model_problems
     from hetero.specs.device import resolve_devices
     from hetero.specs.errors import Problem, Problems, SpecError
@@ -65,10 +66,13 @@ def run(args) -> int:
             elif r["kind"] == "examples":
                 index_problems, r["examples"] = read_examples(r["data"], r["source"])
                 r["problems"].extend(index_problems)
+            elif r["kind"] == "unknown" and looks_like_rl_job(r["data"]):
+                r["kind"] = "rl job"   # checked against the cluster below when one is given
+                r["spec"] = load_rl_job(r["path"])
             elif r["kind"] != "plan":
                 raise SpecError([Problem("", "cannot tell whether this is a cluster, model or plan file",
                                          "a cluster has 'groups', a model 'num_layers', a plan 'pipelines', "
-                                         "an examples index 'examples'", r["source"])])
+                                         "an examples index 'examples', an RL job 'reward'", r["source"])])
         attempt(r["problems"], read)
         for example in r["examples"]:   # each entry as `predict --cluster C --model M --plan P` reads it
             if example.complete:
@@ -90,6 +94,11 @@ def run(args) -> int:
         if mismatch:
             c["problems"].extend(mismatch)
             c["against"] = f"model {m['spec'].name}"
+    if clusters and len(clusters) == 1:   # an RL job's placement judged on the one cluster at hand
+        for r in results:
+            if r["kind"] == "rl job" and r["spec"] is not None:
+                r["against"] = f"cluster {clusters[0]['spec'].name}"
+                attempt(r["problems"], lambda r=r: load_rl_job(r["path"], clusters[0]["spec"]))
     for r in plans:
         if c is None:
             attempt(r["problems"], lambda r=r: load_plan(r["data"], source=r["source"]))
@@ -119,7 +128,7 @@ def run(args) -> int:
 
     failed = 0
     for r in results:
-        kind = f" ({r['kind']})" if r["kind"] in ("cluster", "model", "plan", "catalog", "examples") else ""
+        kind = f" ({r['kind']})" if r["kind"] in ("cluster", "model", "plan", "catalog", "examples", "rl job") else ""
         bad_examples = [e for e in r["examples"] if e.problems]
         if r["kind"] == "examples" and r["examples"]:
             kind += (f" {len(bad_examples)} of {len(r['examples'])} entries fail" if bad_examples

@@ -144,6 +144,14 @@ class RLJob:
         if self.stop == "":
             problems.add("stop", "is empty", "give the string that ends a completion, e.g. \"\\n\", or drop it")
 
+    def replace(self, **changes) -> RLJob:
+        """A copy with file fields changed (``steps=5``), keeping what :func:`load_rl_job` filled in."""
+        new = dataclasses.replace(self, **changes)
+        for f in dataclasses.fields(self):
+            if not f.init:
+                object.__setattr__(new, f.name, getattr(self, f.name))
+        return new
+
     # --- what the runtime asks ---
     @property
     def samples_per_step(self) -> int:
@@ -263,20 +271,40 @@ class _Resolver:
         full = self.path("load", hf if hf is not None else value, kind="dir")
         if full is None:
             return None
-        if not os.path.isdir(full):
-            self.problems.add("load", f"{full} is a file, not a directory",
-                              "give a checkpoint directory written by --save, or hf:DIR")
+        bad = load_problem(full, hf is not None)
+        if bad:
+            self.problems.add("load", *bad)
             return None
-        if hf is not None:
-            if not os.path.isfile(os.path.join(full, "config.json")):
-                self.problems.add("load", f"{full} has no config.json", "give a Hugging Face model folder after hf:")
-                return None
-            return HF_PREFIX + full
-        if not any(os.path.exists(os.path.join(full, m)) for m in CHECKPOINT_MARKERS):
-            self.problems.add("load", f"{full} is not a checkpoint (no .metadata)",
-                              "give a directory written by hetero launch --save or hetero rl --save, or hf:DIR")
-            return None
-        return full
+        return HF_PREFIX + full if hf is not None else full
+
+
+def load_problem(path: str, hf: bool) -> tuple[str, str] | None:
+    """``(message, fix)`` when the existing ``path`` is no checkpoint directory (``hf``: no Hugging
+    Face model folder), else None."""
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a directory", "give a checkpoint directory written by --save, or hf:DIR"
+    if hf:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return f"{path} has no config.json", "give a Hugging Face model folder after hf:"
+    elif not any(os.path.exists(os.path.join(path, m)) for m in CHECKPOINT_MARKERS):
+        return (f"{path} is not a checkpoint (no .metadata)",
+                "give a directory written by hetero launch --save or hetero rl --save, or hf:DIR")
+    return None
+
+
+def check_load(value: str, flag: str) -> str:
+    """A ``--load`` argument (a checkpoint directory or ``hf:DIR``) checked and made absolute;
+    raises :class:`~hetero.errors.HeteroError` naming ``flag`` when it is neither."""
+    from hetero.errors import HeteroError
+    from hetero.hf import HF_PREFIX, hf_dir_of
+
+    hf = hf_dir_of(value)
+    full = os.path.abspath(hf if hf is not None else value)
+    bad = (f"{full}: not found", "give a checkpoint directory written by --save, or hf:DIR") \
+        if not os.path.exists(full) else load_problem(full, hf is not None)
+    if bad:
+        raise HeteroError(f"{flag} {value}: {bad[0]} (fix: {bad[1]})")
+    return HF_PREFIX + full if hf is not None else full
 
 
 def _attempt(extra: list, load, *args):
