@@ -119,6 +119,9 @@ def test_bad_data_is_refused_before_any_process_starts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and f"error: --data {bad}: line 2: not JSON" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("rank*"))
+    ok = ["launch", *files, "--dry-run", "--run-dir", str(tmp_path / "dry"), "--data", _jsonl(tmp_path)]
+    assert main([*ok, "--tokenizer", "bytes"]) == 0, capsys.readouterr().err   # the default, by name
+    capsys.readouterr()
     small = dict(GPT, vocab_size=200)
     files[3] = _write(tmp_path, "m.yaml", small)
     rc = main(["launch", *files, "--dry-run", "--data", _jsonl(tmp_path)])

@@ -47,8 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--loss-scale", type=float, metavar="S", help=doc("loss_scale"))
     p.add_argument("--save", metavar="DIR", help=doc("save"))
     p.add_argument("--load", metavar="DIR", help=doc("load"))
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenize the text --data with this Hugging Face tokenizer "
-                                                       "(a model folder or its tokenizer.json; cached beside the text)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenize the text or prompt/completion (.jsonl) --data with "
+                                                       "this Hugging Face tokenizer (a model folder or its "
+                                                       "tokenizer.json; a text's ids are cached beside it), or "
+                                                       "'bytes': UTF-8 bytes as ids (the default)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="allow --load with --engine deepspeed, whose loader unpickles the checkpoint files")
     p.add_argument("--threads", type=int, default=default("threads"), help=doc("threads"))

@@ -38,15 +38,18 @@ def prepare_launch(args, model, options, print_fn=None) -> None:
         if not options.data:
             raise HeteroError(f"--tokenizer {tokenizer}: no --data to tokenize (fix: give a text file with --data)")
         from hetero.runtime.prompt_data import is_prompt_file
+        from hetero.tokenizer import BYTES
 
+        if options.data.endswith((".npy", ".bin", ".i32")):
+            raise HeteroError(f"--tokenizer {tokenizer} with --data {args.data}: that file holds token ids already "
+                              f"(fix: give the text file, or leave --tokenizer out)")
+        if tokenizer == BYTES:   # UTF-8 bytes as ids: what text and prompt/completion lines use by default
+            return
         if is_prompt_file(options.data):   # the workers tokenize the prompts and completions themselves
             from hetero.hf.tokens import tokenizer_file
 
             options.tokenizer = os.path.abspath(tokenizer_file(tokenizer))
             return
-        if options.data.endswith((".npy", ".bin", ".i32")):
-            raise HeteroError(f"--tokenizer {tokenizer} with --data {args.data}: that file holds token ids already "
-                              f"(fix: give the text file, or leave --tokenizer out)")
         from hetero.hf.tokens import cached_tokens
 
         options.data = cached_tokens(options.data, tokenizer, model.vocab_size, print_fn)
