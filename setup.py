@@ -63,7 +63,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "moo": ["pymoo>=0.6", "numba"],
         "hf": ["safetensors>=0.4", "tokenizers>=0.15"],
-        "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40", "ruff>=0.4"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},
 )
