@@ -1,12 +1,14 @@
 """User-facing errors. The CLI prints them without a traceback and exits with status 1.
 
 :class:`HeteroError` is the root of every error the project raises on purpose: bad input files
-(:class:`~hetero.specs.errors.SpecError`, :class:`~hetero.specs.io.InputFileError`, a profile's
-``ProfileError``; also ``ValueError`` s), runs that cannot go on (``LaunchError``, ``PlannerError``,
+(:class:`SpecError`, one :class:`Problem` per mistake; :class:`~hetero.specs.io.InputFileError`; a
+profile's ``ProfileError``; also ``ValueError`` s), runs that cannot go on (``LaunchError``, ``PlannerError``,
 ``CalibrationError``, ...) and the communicator's ``HeteroCommError`` (also a ``RuntimeError``).
 ``except HeteroError`` catches them all.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class HeteroError(RuntimeError):
@@ -36,8 +38,33 @@ def clip(text: str, limit: int) -> str:
     return cut.rstrip(" ,;:") + "..."
 
 
-# After HeteroError: hetero.specs.errors derives SpecError from it (imported from here).
-from .specs.errors import Problem, SpecError  # noqa: E402
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input: where it is, what is wrong, and what would fix it."""
+
+    path: str
+    """Field path inside the file, e.g. ``groups[1].devices_per_node`` (empty for the whole file)."""
+    message: str
+    fix: str = ""
+    source: str = ""
+    """The file (or ``<dict>``) the value came from."""
+
+    def __str__(self) -> str:
+        where = self.source or "<input>"
+        if self.path:
+            where += f": {self.path}"
+        text = f"{where}: {self.message}"
+        if self.fix:
+            text += f" (fix: {self.fix})"
+        return text
+
+
+class SpecError(HeteroError, ValueError):
+    """Raised for bad input; carries every problem found, formatted one per line."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
 
 
 __all__ = ["HeteroError", "Problem", "SpecError", "clip", "lost_connection"]

@@ -2,18 +2,16 @@
 vendor's library, or hierarchical across vendors; see :mod:`hetero.comm.communicator`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from .bridge import BridgeGroup
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
-
 
 class Group:
-    """A set of global ranks and how operations over it are routed (see :mod:`hetero.comm.communicator`)."""
+    """A set of global ranks and how operations over it are routed (see :mod:`hetero.comm.communicator`).
+    ``comm``: the communicator that makes it (which imports this module: not imported back)."""
 
-    def __init__(self, comm: "Communicator", name: str, ranks: Sequence[int]):
+    def __init__(self, comm, name: str, ranks: Sequence[int]):
         self.name = name
         self.ranks: list[int] = sorted(ranks)
         self.size = len(self.ranks)

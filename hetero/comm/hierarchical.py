@@ -4,11 +4,10 @@ Each works in three steps: inside each vendor's part of the group over the vendo
 the vendor leaders over the host bridge (device tensors staged through the communicator's reusable
 host buffers), and back inside each vendor. Every function runs to completion before it returns
 (the communicator calls them on its ordered worker thread for ``async_op=True``) and records its
-sub-operations in the communicator's statistics.
+sub-operations in the communicator's statistics. ``comm`` is that communicator
+(:class:`hetero.comm.communicator.Communicator`, which imports this module: not imported back).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,11 +16,8 @@ from .bridge import StagingPool, wait_work
 from .errors import ReduceOp, divide_
 from .group import Group
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
 
-
-def all_reduce(comm: "Communicator", tensor, rop: ReduceOp, g: Group, deadline: float, op: str) -> None:
+def all_reduce(comm, tensor, rop: ReduceOp, g: Group, deadline: float, op: str) -> None:
     """All-reduce in place: vendor reduce, leaders over the bridge, vendor broadcast."""
     nbytes = tensor.numel() * tensor.element_size()
     pg = g.vendor_pg
@@ -40,7 +36,7 @@ def all_reduce(comm: "Communicator", tensor, rop: ReduceOp, g: Group, deadline: 
         wait_work(dist.broadcast(tensor, src=g.leader, group=pg, async_op=True), deadline)
 
 
-def broadcast(comm: "Communicator", tensor, src: int, g: Group, deadline: float) -> None:
+def broadcast(comm, tensor, src: int, g: Group, deadline: float) -> None:
     """Broadcast from global rank ``src``: inside its vendor, leaders over the bridge, inside the others."""
     nbytes = tensor.numel() * tensor.element_size()
     src_vendor = comm.vendor_of_rank[src]
@@ -61,7 +57,7 @@ def broadcast(comm: "Communicator", tensor, src: int, g: Group, deadline: float)
         wait_work(dist.broadcast(tensor, src=g.leader, group=pg, async_op=True), deadline)
 
 
-def all_gather(comm: "Communicator", out2d, inp, g: Group, deadline: float) -> None:
+def all_gather(comm, out2d, inp, g: Group, deadline: float) -> None:
     """All-gather of ``inp`` (flat) into ``out2d`` (group size x ``inp.numel()``, group order).
 
     Vendor gather to the leader (padded to the largest vendor part), leaders' blocks over the

@@ -1,43 +1,18 @@
 """Validation errors that name the file, the field path and the fix.
 
 Loading collects every problem of a file before raising, so a user sees all of them at once
-rather than fixing one, re-running, and meeting the next.
+rather than fixing one, re-running, and meeting the next. :class:`Problem` and :class:`SpecError`
+are defined in :mod:`hetero.errors` (the root of every error; both import paths work), which imports
+nothing of the specs.
 """
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
 
-from hetero.errors import HeteroError
+from hetero.errors import Problem, SpecError
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with an input: where it is, what is wrong, and what would fix it."""
-
-    path: str
-    """Field path inside the file, e.g. ``groups[1].devices_per_node`` (empty for the whole file)."""
-    message: str
-    fix: str = ""
-    source: str = ""
-    """The file (or ``<dict>``) the value came from."""
-
-    def __str__(self) -> str:
-        where = self.source or "<input>"
-        if self.path:
-            where += f": {self.path}"
-        text = f"{where}: {self.message}"
-        if self.fix:
-            text += f" (fix: {self.fix})"
-        return text
-
-
-class SpecError(HeteroError, ValueError):
-    """Raised for bad input; carries every problem found, formatted one per line."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
+__all__ = ["Problem", "SpecError", "Problems", "closest", "did_you_mean", "join_path"]
 
 
 @dataclass

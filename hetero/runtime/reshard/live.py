@@ -27,11 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hetero.errors import HeteroError
-
-
-class ReconfigurationError(HeteroError):
-    """A reconfiguration could not finish (a peer lost during it, a coordinator that never decided)."""
+from hetero.runtime.reshard import ReconfigurationError
 
 
 def _key(gen: int, what: str) -> str:

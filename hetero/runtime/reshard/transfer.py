@@ -145,7 +145,7 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
              prepared: dict[str, TensorState] | None = None) -> tuple[dict[str, TensorState], ExchangeStats]:
     """This rank's part of ``transition`` (every rank of ``group`` calls it with the same transition):
     returns its new state, by tensor name, for its ``targets`` regions, and what it moved. A peer
-    lost during the exchange ends it with :class:`~hetero.runtime.reshard.live.ReconfigurationError`
+    lost during the exchange ends it with :class:`~hetero.runtime.reshard.ReconfigurationError`
     naming that peer (``describe``: rank -> words), after at most the group's timeout.
 
     ``same_host``: ``(store, key prefix, {rank: process id}, timeout_s)`` when every rank is a process
@@ -181,7 +181,7 @@ def exchange(rank: int, transition: Transition, live: dict[str, TensorState], ta
                 src = live[p.name]
                 _put(new[p.name], p.box, lambda k, s=src, b=p.box: s.tensors[k][relative(b, s.box)], src.step)
     def lost(other, e):
-        from hetero.runtime.reshard.live import ReconfigurationError
+        from hetero.runtime.reshard import ReconfigurationError
 
         return ReconfigurationError(f"reshard: {describe(other)} was lost during the exchange "
                                     f"({str(e).splitlines()[0][:200]})")
