@@ -12,13 +12,17 @@ class RunContext:
     """The specs, the layout and this rank's place in it."""
 
     def __init__(self, spec, rank: int):
-        import hetero
+        # from the specs, not the package's front door (hetero/__init__ imports the predictor, which
+        # reaches the runtime for its allocator replay: an import circle)
+        from hetero.specs.cluster import load_cluster
+        from hetero.specs.model import load_model
+        from hetero.specs.plan import load_plan
 
         self.spec = spec
         self.options = spec.options
-        self.cluster = hetero.load_cluster(spec.cluster)
-        self.model = hetero.load_model(spec.model)
-        self.plan = hetero.load_plan(spec.plan)
+        self.cluster = load_cluster(spec.cluster)
+        self.model = load_model(spec.model)
+        self.plan = load_plan(spec.plan)
         self.layout = spec.rank_layout()
         self.rank = rank
         self.me = self.layout.ranks[rank]
