@@ -21,7 +21,7 @@ FIELDS = {
     "cluster": ("name", "devices", "groups", "network"),
     "model": ("name", "architecture", "num_layers", "hidden_size", "num_attention_heads", "vocab_size",
               "seq_length", "num_kv_heads", "ffn_hidden_size", "activation", "dtype", "tie_embeddings",
-              "dropout", "attention", "norm_eps", "rope_theta", "qkv_bias"),
+              "dropout", "attention", "norm_eps", "rope_theta", "qkv_bias", "moe"),
     "plan": ("global_batch_size", "micro_batch_size", "pipelines", "schedule", "recompute", "zero_stage",
              "interleave"),
 }

@@ -1,6 +1,8 @@
 """Model files: the transformer's shape (gpt or llama), with derived sizes and parameter counts."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +17,83 @@ def llama_ffn_size(hidden: int, multiple_of: int = 256) -> int:
     """Llama's SwiGLU width rule: 2/3 of 4h, rounded up to a multiple of 256 (7B: 11008)."""
     ffn = int(2 * 4 * hidden / 3)
     return multiple_of * ((ffn + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP (the model file's optional ``moe:`` block): in an MoE layer the
+    dense MLP is replaced by ``num_experts`` routed experts, of which a router picks ``top_k`` per
+    token, plus an optional always-on shared expert (Qwen2-MoE). Experts use the dense MLP's
+    activation (SwiGLU for llama, gelu / relu for gpt)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int | None = None
+    """Each routed expert's MLP width; default the model's ffn_hidden_size."""
+    shared_expert_ffn_hidden_size: int = 0
+    """An always-on shared expert's width (Qwen2-MoE: gated by a sigmoid of one linear score); 0: none."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gate weights to sum to 1 (Mixtral); false keeps the router's values."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    every: int = 1
+    """An MoE MLP in every k-th layer: layer l (from 0) is MoE when (l + 1) % every == 0 (Qwen2-MoE's
+    decoder_sparse_step); the others are dense."""
+    dense_layers: list[int] = ()
+    """Layers kept dense whatever ``every`` says (DeepSeek's first dense layers, Qwen2-MoE's mlp_only_layers)."""
+    balance: Literal["aux", "bias", "none"] = "aux"
+    """aux: the load-balancing loss num_experts * sum_i f_i * P_i (Switch / Mixtral) times aux_loss_coef
+    is added to the training loss; bias: aux-loss-free (DeepSeek-V3), a per-expert bias added to the
+    scores for the top-k choice alone, moved by bias_update_rate toward the mean load after each step;
+    none: nothing."""
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 0.001
+    """balance: bias: how far each expert's bias moves per step (sign(mean load - load) * rate)."""
+    capacity_factor: float | None = None
+    """null: dropless. A number c: each expert takes at most ceil(c * tokens * top_k / num_experts) token
+    assignments per micro-batch and layer; later ones (in token order) are dropped and counted."""
+
+    def _check(self, path: str, problems: Problems) -> None:
+        if self.num_experts < 1:
+            problems.add(join_path(path, "num_experts"), f"must be >= 1, got {self.num_experts}",
+                         "give the routed expert count, e.g. 8")
+        if not 1 <= self.top_k <= max(self.num_experts, 1):
+            problems.add(join_path(path, "top_k"),
+                         f"must be in [1, num_experts ({self.num_experts})], got {self.top_k}",
+                         "the experts each token goes to, e.g. 2")
+        for name in ("expert_ffn_hidden_size",):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.add(join_path(path, name), f"must be >= 1, got {value}",
+                             "give each expert's MLP width, or drop it for the model's ffn_hidden_size")
+        if self.shared_expert_ffn_hidden_size < 0:
+            problems.add(join_path(path, "shared_expert_ffn_hidden_size"),
+                         f"must be >= 0, got {self.shared_expert_ffn_hidden_size}",
+                         "the shared expert's MLP width, or 0 for none")
+        if self.every < 1:
+            problems.add(join_path(path, "every"), f"must be >= 1, got {self.every}",
+                         "1 for an MoE MLP in every layer, 2 for every other layer")
+        if len(set(self.dense_layers)) != len(self.dense_layers):
+            problems.add(join_path(path, "dense_layers"), f"repeats a layer: {list(self.dense_layers)}",
+                         "list each dense layer once")
+        if self.aux_loss_coef < 0:
+            problems.add(join_path(path, "aux_loss_coef"), f"must be >= 0, got {self.aux_loss_coef:g}",
+                         "the load-balancing loss's weight, e.g. 0.01")
+        if not self.bias_update_rate > 0:
+            problems.add(join_path(path, "bias_update_rate"), f"must be positive, got {self.bias_update_rate:g}",
+                         "the per-step bias step of balance: bias, e.g. 0.001")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            problems.add(join_path(path, "capacity_factor"), f"must be positive or null, got {self.capacity_factor:g}",
+                         "null for dropless routing, or e.g. 1.25")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether model layer ``layer`` (from 0) has the MoE MLP (else the dense one)."""
+        return (layer + 1) % self.every == 0 and layer not in self.dense_layers
+
+    def capacity(self, tokens: int) -> int | None:
+        """Token assignments each expert takes of ``tokens`` tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
 
 @dataclass(frozen=True)
@@ -55,6 +134,8 @@ class ModelSpec:
     rope_theta: float = 10000.0
     qkv_bias: bool = False
     """Biases on the q, k and v projections alone (Qwen2's llama blocks); gpt has every bias anyway."""
+    moe: MoESpec | None = None
+    """A mixture of experts in place of the dense MLP of some layers (absent: a dense model)."""
 
     def _check(self, path: str, problems: Problems) -> None:
         for name, what in (("num_layers", "the number of transformer blocks, e.g. 24"),
@@ -88,6 +169,14 @@ class ModelSpec:
         if self.architecture == "gpt" and self.activation == "swiglu":
             problems.add(join_path(path, "activation"), "swiglu belongs to the llama architecture",
                          "use gelu or relu for gpt, or architecture: llama")
+        if self.moe is not None:
+            bad = [layer for layer in self.moe.dense_layers if not 0 <= layer < self.num_layers]
+            if bad:
+                problems.add(join_path(path, "moe.dense_layers"), f"layers {bad} are outside 0..{self.num_layers - 1}",
+                             "list layer indices of this model (from 0)")
+            elif self.num_layers >= 1 and not self.moe_layers():
+                problems.add(join_path(path, "moe"), "no layer is an MoE layer (every / dense_layers leave none)",
+                             "lower moe.every or shorten moe.dense_layers, or drop the moe block")
 
     def __post_init__(self) -> None:
         # Fill the architecture's defaults at construction, so every ModelSpec is complete and no
@@ -102,6 +191,8 @@ class ModelSpec:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.moe is not None and self.moe.expert_ffn_hidden_size is None:
+            object.__setattr__(self, "moe", dataclasses.replace(self.moe, expert_ffn_hidden_size=self.ffn_hidden_size))
 
     # --- derived sizes ---
     @property
@@ -141,6 +232,32 @@ class ModelSpec:
             attn += (h + 2 * kv) if self.qkv_bias else 0
             norms = 2 * h                           # two RMSNorms, weight only
         return attn + mlp + norms
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) has the MoE MLP (see :meth:`MoESpec.is_moe_layer`)."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """The MoE layers' indices (empty for a dense model)."""
+        return tuple(layer for layer in range(self.num_layers) if self.is_moe_layer(layer))
+
+    def expert_params(self, ffn: int | None = None) -> int:
+        """Parameters of one expert MLP of width ``ffn`` (default the routed experts' width)."""
+        h, f = self.hidden_size, ffn if ffn is not None else self.moe.expert_ffn_hidden_size
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        return mlp + ((2 * f if self.gated_mlp else f) + h if self.has_bias else 0)
+
+    def moe_layer_params(self) -> int:
+        """Parameters of one MoE block: a dense block's less its MLP, plus the router (h x E), every
+        routed expert, and the shared expert with its gate (h x 1) where there is one."""
+        moe, h = self.moe, self.hidden_size
+        shared = self.expert_params(moe.shared_expert_ffn_hidden_size) + h if moe.shared_expert_ffn_hidden_size else 0
+        return (self.params_per_layer() - self.expert_params(self.ffn_hidden_size) + h * moe.num_experts
+                + moe.num_experts * self.expert_params() + shared)
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of block ``layer``: :meth:`params_per_layer` (dense) or :meth:`moe_layer_params`."""
+        return self.moe_layer_params() if self.is_moe_layer(layer) else self.params_per_layer()
 
     def tp_replicated_per_layer(self) -> int:
         """Parameters of one block that every tp rank holds whole (Megatron-LM and the runtime):
@@ -182,7 +299,8 @@ class ModelSpec:
         return self.final_norm_params() + head
 
     def total_params(self) -> int:
-        return self.num_layers * self.params_per_layer() + self.embedding_params() + self.head_params()
+        blocks = sum(self.layer_params(layer) for layer in range(self.num_layers))
+        return blocks + self.embedding_params() + self.head_params()
 
     def to_dict(self) -> dict:
         return to_plain(self)
