@@ -52,6 +52,21 @@ from .specs.model import ModelSpec, load_model  # noqa: E402
 from .specs.plan import Pipeline, Plan, Stage, check_plan, load_plan  # noqa: E402
 
 
+def _record_stage(*args, **kwargs):
+    """The runtime's stage recorder (:func:`hetero.memplan.record.record_stage`: the runtime's model
+    on fake tensors), imported at its first use. The predictor replays it for ``allocator="caching"``
+    through :class:`hetero.predictor.allocator.StageRecorder`, an interface it owns, so that the
+    predictor itself never imports the runtime or torch."""
+    from .memplan.record import record_stage
+
+    return record_stage(*args, **kwargs)
+
+
+from .predictor.allocator import register_stage_recorder  # noqa: E402
+
+register_stage_recorder(_record_stage)
+
+
 def predict(cluster: Cluster, model: ModelSpec, plan: Plan, calibration: Calibration | None = None,
             allocator: Literal["caching", "planned"] | None = None) -> Prediction:
     """Predict iteration time, throughput and memory of ``plan`` (see :mod:`hetero.predictor`);

@@ -19,6 +19,9 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
+from typing import Protocol
+
+from hetero.errors import HeteroError
 
 KINDS = ("caching", "planned")
 """Allocators the predictor can judge fit by (``--allocator``); None: the live peak itself."""
@@ -84,6 +87,51 @@ def held_out_errors(kind: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- the step's own requests
+class StageRecorder(Protocol):
+    """Records the memory requests one physical stage makes over its training steps, as the runtime
+    makes them (an :class:`hetero.memplan.trace.AllocationTrace`): its model, schedule, autocast,
+    gradient buffers and optimizer, run on fake tensors. The predictor owns this interface and never
+    imports the runtime: the ``hetero`` package registers the runtime's recorder
+    (:func:`hetero.memplan.record.record_stage`) when it is imported (:func:`register_stage_recorder`)."""
+
+    def __call__(self, model, plan, pipeline: int, stage: int, *, chunks=None, marks: bool = False,
+                 micro_batches: int | None = None): ...
+
+
+_RECORDER: list[StageRecorder] = []
+
+
+def register_stage_recorder(recorder: StageRecorder | None) -> None:
+    """Make ``recorder`` the one :func:`simulated_trace` records stages with (None: none)."""
+    _RECORDER[:] = [recorder] if recorder is not None else []
+    _REPLAYS.clear()   # replays made with another recorder
+
+
+def stage_recorder() -> StageRecorder:
+    """The registered :class:`StageRecorder`; a clear error where none is."""
+    if not _RECORDER:
+        raise HeteroError("allocator 'caching' replays a stage's own requests, and no stage recorder is registered "
+                          "(fix: import hetero, which registers the runtime's, or call "
+                          "hetero.predictor.allocator.register_stage_recorder)")
+    return _RECORDER[0]
+
+
+def stage_of(plan, pipeline: int, stage: int) -> dict:
+    """The layer ranges (model chunks), ends and tp of physical stage ``stage`` of pipeline
+    ``pipeline``; errors name the option and the valid range."""
+    if not 0 <= pipeline < len(plan.pipelines):
+        raise HeteroError(f"--pipeline {pipeline}: the plan has pipelines 0-{len(plan.pipelines) - 1}")
+    p = plan.pipelines[pipeline]
+    phys = len(plan.physical_stages(p))
+    if not 0 <= stage < phys:
+        raise HeteroError(f"--stage {stage}: pipeline {pipeline} of the plan has stages 0-{phys - 1}")
+    vstages = list(range(stage, len(p.stages), phys))
+    return {"chunks": tuple(tuple(p.stages[v].layers) for v in vstages), "first": stage == 0,
+            "last": vstages[-1] == len(p.stages) - 1, "tp": p.stages[stage].tp, "group": p.stages[stage].group,
+            "micro_batch_size": plan.mbs(p), "micro_batches": p.micro_batches, "physical_stages": phys,
+            "virtual": plan.virtual_chunks(p)}
+
+
 REPLAY_DEPTH = 4
 """Chunks of up to this many layers are recorded whole; deeper ones are recorded with this many
 and their requests deepened by :func:`hetero.memplan.expand.expand_layers`."""
@@ -94,8 +142,7 @@ _REPLAYS: dict = {}
 def _stage_key(model, plan, pipeline: int, stage: int) -> tuple:
     """Everything of ``plan`` that decides what physical stage ``stage`` of ``pipeline`` requests,
     in which order: stages of different plans that agree on it share one replay."""
-    from hetero.memplan.record import stage_of
-    from hetero.predictor.memory import zero_degrees
+    from .memory import zero_degrees
 
     w = stage_of(plan, pipeline, stage)
     degree = zero_degrees(model, plan)[pipeline][stage] if plan.zero_stage >= 1 else 1.0
@@ -124,14 +171,14 @@ def simulated_trace(model, plan, pipeline: int, stage: int):
     """The requests physical stage ``stage`` of ``pipeline`` makes over two training steps, in the
     runtime's order (:class:`hetero.memplan.trace.AllocationTrace`): its stage model, schedule,
     autocast, gradient buffers and sum and AdamW run on fake tensors
-    (:func:`hetero.memplan.record.record_stage`), every chunk cut to :data:`REPLAY_DEPTH` layers at
+    (the registered :class:`StageRecorder`), every chunk cut to :data:`REPLAY_DEPTH` layers at
     most, then deepened back to the plan's layers by repeating a middle layer's requests
     (:func:`hetero.memplan.expand.expand_layers`): the cost of recording does not grow with depth;
     under 1F1B with the micro-batches :func:`_micro_batches` gives (the step's requests repeat
     beyond them: what they reserve does not change, the trace is shorter)."""
     from hetero.memplan.expand import expand_layers
-    from hetero.memplan.record import record_stage, stage_of
 
+    record_stage = stage_recorder()
     where = stage_of(plan, pipeline, stage)
     chunks, m = where["chunks"], _micro_batches(plan, where, stage)
     if max(b - a for a, b in chunks) <= REPLAY_DEPTH:
@@ -144,8 +191,6 @@ def simulated_trace(model, plan, pipeline: int, stage: int):
 def replay_layer_passes(plan, pipeline: int, stage: int) -> int:
     """The layer forwards and backwards one recorded step of :func:`simulated_trace` runs: what
     its cost grows with (a few milliseconds each on fake tensors)."""
-    from hetero.memplan.record import stage_of
-
     w = stage_of(plan, pipeline, stage)
     layers = sum(min(b - a, REPLAY_DEPTH) for a, b in w["chunks"])
     return 2 * _micro_batches(plan, w, stage) * layers

@@ -292,7 +292,7 @@ class LocalOpModel:
         embedding + final norm + head + loss), the operators decomposed with ``attention`` as the
         model the ratio is applied to is, so ratio x that model's sum is the measured block either way."""
         if attention not in self._ratios:
-            import hetero
+            from hetero.specs.model import load_model
 
             from .ops import (embedding_backward_ops, embedding_forward_ops, head_backward_ops, head_forward_ops,
                               layer_backward_ops, layer_forward_ops)
@@ -300,7 +300,7 @@ class LocalOpModel:
             out = []
             for pb in self.blocks:
                 try:
-                    spec = hetero.load_model(probe_model_dict(pb, attention))
+                    spec = load_model(probe_model_dict(pb, attention))
                 except Exception:  # noqa: BLE001 - a probe we cannot rebuild is skipped
                     continue
                 b, s = int(pb["micro_batch_size"]), int(pb["seq_length"])

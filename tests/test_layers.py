@@ -1,4 +1,5 @@
-"""The layers point one way: the predictor and the planner import neither the CLI nor the runtime.
+"""The layers point one way: the predictor and the planner import neither the CLI nor the runtime,
+directly or through any module they import.
 
 The CLI is the top floor and the runtime trains; the predictor and planner sit below both (the
 runtime's elastic replanning calls the planner, not the other way round). An import that goes up,
@@ -74,6 +75,85 @@ def test_the_scan_sees_lazy_relative_and_from_imports(tmp_path):
         "hetero.runtime.grads", "hetero.cli", "hetero.runtime.zero"]
 
 
+HETERO = {"hetero": ROOT / "hetero", **LOWER, "hetero.backends": ROOT / "backends", "hetero.configs": ROOT / "configs"}
+
+
+def _all_modules() -> dict[str, tuple[pathlib.Path, str]]:
+    """Every module of the installed namespace: name -> (file, the package its relative imports are
+    relative to), the folders setup.py maps into ``hetero`` included."""
+    out = {}
+    for root, folder in HETERO.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if root == "hetero" and parts[0] in ("predictor", "planner", "backends", "configs"):
+                continue   # a symlink or stray copy: setup.py maps the top-level folders
+            package = ".".join([root, *parts[:-1]])
+            name = package if parts[-1] == "__init__" else f"{package}.{parts[-1]}"
+            out[name] = (path, package)
+    return out
+
+
+def _edges(name: str, modules: dict) -> list[tuple[int, str]]:
+    """The modules ``name``'s file makes Python run, lazily or not: each import's module, and the
+    packages above it that the importing module does not sit in (their ``__init__`` runs first)."""
+    path, package = modules[name]
+    out = []
+    for line, imported in imported_modules(path, package):
+        while imported not in modules and "." in imported:   # ``from a import name``: module a
+            imported = imported.rsplit(".", 1)[0]
+        if imported not in modules:
+            continue
+        parts = imported.split(".")
+        for i in range(1, len(parts) + 1):
+            target = ".".join(parts[:i])
+            # the top package, every module's parent, counts only where it is named itself
+            if (target == imported or (i > 1 and not (name + ".").startswith(target + "."))) and target != name:
+                out.append((line, target))
+    return out
+
+
+def _reaches_up(modules: dict) -> list[str]:
+    """For each module above the predictor and planner that their code reaches through any chain of
+    imports (lazy ones included), the chain."""
+    seen: dict[str, tuple[str, int] | None] = {n: None for n in modules if n.startswith(tuple(LOWER))}
+    todo = list(seen)
+    while todo:
+        name = todo.pop()
+        for line, target in _edges(name, modules):
+            if target not in seen:
+                seen[target] = (name, line)
+                if not target.startswith(UPPER):
+                    todo.append(target)
+    bad = []
+    for name in sorted(n for n in seen if n.startswith(UPPER)):
+        chain, at = [name], name
+        while seen[at] is not None:
+            at, line = seen[at]
+            chain.append(f"{at}:{line}")
+        bad.append(" <- ".join(chain))
+    return bad
+
+
+def test_nothing_the_predictor_and_planner_import_reaches_the_runtime_or_the_cli():
+    """Not through another module either: the predictor once replayed a stage's requests through
+    hetero.memplan.record, which imports the runtime's model inside a function; it now calls the
+    StageRecorder the ``hetero`` package registers (hetero.predictor.allocator)."""
+    bad = _reaches_up(_all_modules())
+    assert not bad, "chains of imports from the predictor or planner up a layer:\n" + "\n".join(bad)
+
+
+def test_the_chain_scan_follows_lazy_imports_through_other_modules(tmp_path):
+    # the predictor importing a module that imports the runtime inside a function is caught
+    (tmp_path / "mid.py").write_text("def f():\n    from hetero.runtime import model\n")
+    (tmp_path / "low.py").write_text("def g():\n    import hetero.middle.mid\n")
+    modules = {"hetero.predictor.low": (tmp_path / "low.py", "hetero.predictor"),
+               "hetero.middle.mid": (tmp_path / "mid.py", "hetero.middle"),
+               "hetero.middle": (tmp_path / "mid.py", "hetero.middle"),
+               "hetero.runtime": (tmp_path / "mid.py", "hetero.runtime"),
+               "hetero.runtime.model": (tmp_path / "mid.py", "hetero.runtime")}
+    assert _reaches_up(modules)[0].startswith("hetero.runtime <- hetero.middle.mid:2 <- hetero.predictor.low:2")
+
+
 def test_every_predictor_and_planner_module_imports_without_torch():
     # the measuring code (hetero.measure) runs torch; what predicts and plans never loads it
     import subprocess
@@ -90,3 +170,30 @@ def test_every_predictor_and_planner_module_imports_without_torch():
             "assert not up, up\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_caching_replay_records_through_the_registered_recorder():
+    """The predictor's replay asks the StageRecorder the package registered (the runtime's, by
+    default) and says clearly when none is."""
+    import hetero
+    from hetero.errors import HeteroError
+    from hetero.predictor import allocator
+
+    calls = []
+
+    def recorder(model, plan, pipeline, stage, *, chunks=None, marks=False, micro_batches=None):
+        calls.append((pipeline, stage, micro_batches))
+        raise NotImplementedError("a recorder that cannot run this model")
+
+    model = hetero.load_model(ROOT / "configs" / "models" / "tiny.yaml")
+    plan = hetero.load_plan(ROOT / "configs" / "plans" / "local-cpu-tiny.yaml")
+    assert allocator.stage_recorder() is hetero._record_stage
+    try:
+        allocator.register_stage_recorder(recorder)
+        assert allocator.simulated_caching_bytes(model, plan, 0, 0) is None   # falls back to the fitted ratio
+        assert calls and calls[0][:2] == (0, 0)
+        allocator.register_stage_recorder(None)
+        with pytest.raises(HeteroError, match="no stage recorder is registered"):
+            allocator.simulated_trace(model, plan, 0, 0)
+    finally:
+        allocator.register_stage_recorder(hetero._record_stage)

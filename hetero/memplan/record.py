@@ -25,24 +25,8 @@ import contextlib
 import functools
 import weakref
 
-from hetero.errors import HeteroError
 from hetero.memplan.trace import AllocationTrace
-
-
-def stage_of(plan, pipeline: int, stage: int) -> dict:
-    """The layer ranges (model chunks), ends and tp of physical stage ``stage`` of pipeline
-    ``pipeline``; errors name the option and the valid range."""
-    if not 0 <= pipeline < len(plan.pipelines):
-        raise HeteroError(f"--pipeline {pipeline}: the plan has pipelines 0-{len(plan.pipelines) - 1}")
-    p = plan.pipelines[pipeline]
-    phys = len(plan.physical_stages(p))
-    if not 0 <= stage < phys:
-        raise HeteroError(f"--stage {stage}: pipeline {pipeline} of the plan has stages 0-{phys - 1}")
-    vstages = list(range(stage, len(p.stages), phys))
-    return {"chunks": tuple(tuple(p.stages[v].layers) for v in vstages), "first": stage == 0,
-            "last": vstages[-1] == len(p.stages) - 1, "tp": p.stages[stage].tp, "group": p.stages[stage].group,
-            "micro_batch_size": plan.mbs(p), "micro_batches": p.micro_batches, "physical_stages": phys,
-            "virtual": plan.virtual_chunks(p)}
+from hetero.predictor.allocator import stage_of   # where a physical stage sits: the predictor's, as its replay keys it
 
 
 class AllocationRecorder:
