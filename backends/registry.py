@@ -36,6 +36,10 @@ class VendorInfo:
     """The collective library as people call it, for display (NCCL, RCCL, HCCL, Gloo)."""
     visible_devices_env: str | None = None
     """Environment variable that restricts which of its devices a process sees (None: none)."""
+    framework_overhead_bytes: int = 512 * 2**20
+    """Bytes a device of this family spends outside the tensors the model owns (the runtime's context,
+    library workspaces, allocator slack), as the predictor's peak memory charges them; 0 for CPU
+    processes (their memory is measured as live tensor bytes)."""
 
     @property
     def accelerator(self) -> bool:
@@ -49,9 +53,10 @@ VENDORS: tuple[VendorInfo, ...] = (
     VendorInfo("amd", aliases=("rocm", "rccl", "hip"), backend="rocm", device_type="cuda", library="nccl",
                library_label="RCCL", visible_devices_env="HIP_VISIBLE_DEVICES"),
     VendorInfo("ascend", aliases=("npu", "hccl"), backend="ascend", device_type="npu", library="hccl",
-               library_label="HCCL", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES"),
+               library_label="HCCL", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES", framework_overhead_bytes=2**30),
     VendorInfo("intel"),
-    VendorInfo("cpu", aliases=("gloo",), backend="cpu", device_type="cpu", library="gloo", library_label="Gloo"),
+    VendorInfo("cpu", aliases=("gloo",), backend="cpu", device_type="cpu", library="gloo", library_label="Gloo",
+               framework_overhead_bytes=0),
     VendorInfo("other"),
 )
 """Every vendor family, in the order error messages list them."""
@@ -104,10 +109,15 @@ def device_type_of_library(library: str) -> str:
     return "cpu"
 
 
+def framework_overhead(family_name: str) -> int:
+    """Bytes a device of the family spends outside the model's tensors (an unknown family: ``other``'s)."""
+    return (family(family_name) or _FAMILY["other"]).framework_overhead_bytes
+
+
 def backend_aliases() -> dict[str, str]:
     """Every tag that names a family with a backend -> that backend's name (``nvidia``, ``nccl`` -> ``cuda``)."""
     return {tag: v.backend for tag, v in _TAG.items() if v.backend}
 
 
 __all__ = ["VendorInfo", "VENDORS", "TAGLESS_P2P", "family_names", "family", "vendor", "visible_devices_env",
-           "is_accelerator", "library_of", "device_type_of_library", "backend_aliases"]
+           "is_accelerator", "library_of", "device_type_of_library", "framework_overhead", "backend_aliases"]

@@ -36,7 +36,8 @@ GPT (8 layers, hidden 1024, vocab 8192, seq 64) with two replicas of a two-stage
 local-cpu.yaml, rank 3 lost at step 3 of 6. Per round it reads the ``reconfigurations`` entry
 (detect, agree + replan, regroup, transfer, rebuild, downtime = failure -> last survivor ready,
 bytes moved vs the intersection volume, the predicted transfer), the launcher's peak RSS (VmHWM of
-the ``hetero launch`` process, read until it exits) and whether the survivors kept their process
+the ``hetero launch`` process and of each node launcher it starts, read until they exit, summed;
+the workers below the node launchers not counted; the top process alone beside it) and whether the survivors kept their process
 ids; the losses are compared with one run of the whole model on one device. On this one machine the
 exchange reads the senders' memory (``transport: same-host``); each round also runs the same failure
 with the exchange over torch.distributed (``HETERO_RESHARD_TRANSPORT=p2p``: Gloo's loopback TCP) for
@@ -192,11 +193,54 @@ def _gpt109_launch(cluster: Path, model: Path, plan: Path, steps: int, out: Path
             "--summary", str(out), *extra]
 
 
-def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """Run ``cmd``; its own peak RSS in MB (VmHWM, read until it exits: not its children's)."""
+NODE_LAUNCHER = "hetero.runtime.torchrun_loopback"
+"""The module a node slot's launcher runs (``hetero.runtime.launcher.NODE_LAUNCHER_MODULE``); its
+children are the workers, whose memory is the training's, not the launcher's."""
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc: they may come and go meanwhile)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _node_launcher(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return NODE_LAUNCHER in f.read().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``cmd``; ``(completed, launcher peak MB, top process peak MB)``. The launcher is the
+    ``hetero launch`` process and the node launchers it starts (its children running
+    :data:`NODE_LAUNCHER`), not their workers: each one's peak RSS (VmHWM, read every 50 ms until
+    it exits), summed (an upper bound of their peak at one moment: their peaks need not coincide)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=None if env is None else {**os.environ, **env})
-    peak = 0.0
+    peaks: dict[int, float] = {}
     out_parts: list[str] = []
 
     def drain(stream, into):
@@ -207,17 +251,15 @@ def _peak_rss_launch(cmd: list[str], env: dict | None = None) -> tuple[subproces
     for r in readers:
         r.start()
     while proc.poll() is None:
-        try:
-            with open(f"/proc/{proc.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        peak = max(peak, int(line.split()[1]) / 1024)
-        except OSError:
-            pass
+        for pid in [proc.pid, *(c for c in _children(proc.pid) if _node_launcher(c))]:
+            hwm = _vm_hwm_mb(pid)
+            if hwm is not None:
+                peaks[pid] = max(peaks.get(pid, 0.0), hwm)
         time.sleep(0.05)
     for r in readers:
         r.join()
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out_parts), "".join(err_parts)), peak
+    done = subprocess.CompletedProcess(cmd, proc.returncode, "".join(out_parts), "".join(err_parts))
+    return done, sum(peaks.values()), peaks.get(proc.pid, 0.0)
 
 
 def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
@@ -247,7 +289,7 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             # launches' memory, the fresh pages DCP's files take cost more (docs/elastic.md)
             dcp = bench_reshard_live.one_round(i, tmp)
             out = tmp / f"live{i}.json"
-            proc, rss = _peak_rss_launch(cmd(CLUSTER, plan, out, "--elastic", "--inject-failure",
+            proc, rss, top_rss = _peak_rss_launch(cmd(CLUSTER, plan, out, "--elastic", "--inject-failure",
                                              f"{fail_at}:{FAILED_RANK}"))
             if proc.returncode:
                 sys.exit(f"elastic launch failed:\n{proc.stderr[-3000:]}")
@@ -256,14 +298,14 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
             diffs = [abs(a - b) / abs(b) for a, b in zip(summary["losses"], ref["losses"])]
             # the same failure with the exchange over torch.distributed (Gloo's loopback TCP) instead
             p2p_out = tmp / f"p2p{i}.json"
-            p2p_proc, _ = _peak_rss_launch(cmd(CLUSTER, plan, p2p_out, "--elastic", "--inject-failure",
+            p2p_proc, _, _ = _peak_rss_launch(cmd(CLUSTER, plan, p2p_out, "--elastic", "--inject-failure",
                                                f"{fail_at}:{FAILED_RANK}"), env={TRANSPORT_ENV: "p2p"})
             if p2p_proc.returncode:
                 sys.exit(f"elastic launch (p2p) failed:\n{p2p_proc.stderr[-3000:]}")
             (p2p,) = json.loads(p2p_out.read_text())["reconfigurations"]
             r = {"round": i, **{k: rc.get(k) for k in LIVE_KEYS}, "bytes_moved": rc["bytes_moved"],
                  "intersection_bytes": rc["intersection_bytes"], "pids_kept": rc["pids_kept"],
-                 "world_size_after": rc["world_size_after"], "launcher_peak_rss_mb": rss,
+                 "world_size_after": rc["world_size_after"], "launcher_peak_rss_mb": rss, "launcher_top_peak_rss_mb": top_rss,
                  "max_rel_loss_diff": max(diffs), "dcp_s": dcp["dcp_s"], "dcp_save_s": dcp["dcp_save_s"],
                  "standalone_downtime_s": dcp["downtime_s"],
                  "standalone_transition_s": dcp["regroup_s"] + dcp["transfer_s"]}
@@ -281,9 +323,9 @@ def launch_live(rounds: int, steps: int = 6, fail_at: int = 3) -> dict:
                   f"{r['agree_replan_s']:.2f}, regroup {r['regroup_s']:.2f}, transfer {r['transfer_s']:.2f} "
                   f"[predicted {r['predicted_downtime_s']:.2f}], rebuild {r['rebuild_s']:.2f}); "
                   f"{r['bytes_moved'] / 1e6:.0f} MB moved (intersection {r['intersection_bytes'] / 1e6:.0f} MB); "
-                  f"launcher peak RSS {rss:.0f} MB; pids kept {r['pids_kept']}; losses vs one device "
+                  f"launcher peak RSS {rss:.0f} MB (the top process {top_rss:.0f} MB); pids kept {r['pids_kept']}; losses vs one device "
                   f"{r['max_rel_loss_diff']:.1e}; DCP via /dev/shm {r['dcp_s']:.2f} s (save {r['dcp_save_s']:.2f})", flush=True)
-    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "dcp_s", "dcp_save_s", "dcp_over_transition", "dcp_over_downtime",
+    keys = (*LIVE_KEYS, "launcher_peak_rss_mb", "launcher_top_peak_rss_mb", "dcp_s", "dcp_save_s", "dcp_over_transition", "dcp_over_downtime",
             "p2p_transfer_s", "p2p_reshard_time_s", "standalone_downtime_s", "standalone_transition_s",
             "dcp_over_standalone_transition")
     med = {k: statistics.median(r[k] for r in rows) for k in keys}

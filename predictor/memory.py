@@ -57,24 +57,26 @@ selective: the attention core) and the gradient of the attention scores are aliv
 recomputation of a small-vocabulary model the rebuilt layer is most of the peak: measured in
 benchmarks/bench_memory.py).
 
-A fixed framework overhead per device (:data:`FRAMEWORK_OVERHEAD`) covers the CUDA/HIP/CANN
-context, cuBLAS/NCCL workspaces and allocator slack; 0 for CPU processes (measured as live
-tensor bytes).
+A fixed framework overhead per device covers the CUDA/HIP/CANN context, cuBLAS/NCCL workspaces and
+allocator slack; 0 for CPU processes (measured as live tensor bytes). It is a vendor fact, kept in
+the vendor registry (:func:`hetero.backends.registry.framework_overhead`);
+:data:`FRAMEWORK_OVERHEAD` is the registry's figures by family.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
+from hetero.backends.registry import VENDORS, framework_overhead
 from hetero.specs.model import ModelSpec
 
 from .ops import DTYPE_BYTES
 from .schedule import device_orders, executed_order, interleave_group
 
 MiB = 2**20
-FRAMEWORK_OVERHEAD = {"nvidia": 512 * MiB, "amd": 512 * MiB, "ascend": 1024 * MiB, "intel": 512 * MiB,
-                      "other": 512 * MiB, "cpu": 0}
-"""Bytes per device outside tensors the model owns (context, library workspaces), by vendor family."""
+FRAMEWORK_OVERHEAD = {v.name: v.framework_overhead_bytes for v in VENDORS}
+"""Bytes per device outside tensors the model owns (context, library workspaces), by vendor family:
+the vendor registry's (:func:`hetero.backends.registry.framework_overhead`)."""
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,7 @@ def stage_memory(model: ModelSpec, family: str, tp: int, mbs: int, num_layers: i
             # charges (g: full fp32 gradients) this is 2 P_summed + 4 P / k - 4 P < 0 for k >= 2,
             # so it does not raise the peak; it is kept as the moment it is.
             act = max(act, 2.0 * summed_params + 4.0 * params / dp - g)
-    return MemoryBreakdown(w, g, o, act, float(FRAMEWORK_OVERHEAD.get(family, FRAMEWORK_OVERHEAD["other"])))
+    return MemoryBreakdown(w, g, o, act, float(framework_overhead(family)))
 
 
 def summed_gradients(model: ModelSpec, tp: int, first: bool, last: bool, replicas: int) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import pathlib
 
 import pytest
 
@@ -155,6 +156,27 @@ def test_backends_and_layers_read_the_registry():
     assert not hasattr(comm_vendors, "DEVICE_OF_BACKEND") and not hasattr(comm_vendors, "KNOWN")
     assert importlib.util.find_spec("hetero.specs.vendors") is None
     assert comm_vendors.backend_for("amd") == "nccl" and comm_vendors.device_type_for("hccl") == "npu"
+
+
+def test_the_predictor_charges_each_vendors_framework_overhead_from_the_registry(monkeypatch):
+    """A device's memory outside the model's tensors is a vendor fact: the registry holds it, and
+    the predictor's stage memory reads it there (a changed figure moves the prediction)."""
+    import dataclasses
+
+    from hetero.backends import registry
+    from hetero.predictor import memory
+
+    assert registry.framework_overhead("ascend") == 2**30 and registry.framework_overhead("cpu") == 0
+    assert registry.framework_overhead("emu-b") == registry.framework_overhead("other") == 512 * 2**20
+    assert memory.FRAMEWORK_OVERHEAD == {v.name: v.framework_overhead_bytes for v in registry.VENDORS}
+    import hetero
+
+    model = hetero.load_model(pathlib.Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny.yaml")
+    before = memory.stage_memory(model, "nvidia", 1, 1, 2, "none", 0, 1, 1, True, True)
+    monkeypatch.setitem(registry._FAMILY, "nvidia",
+                        dataclasses.replace(registry.family("nvidia"), framework_overhead_bytes=7 * 2**20))
+    after = memory.stage_memory(model, "nvidia", 1, 1, 2, "none", 0, 1, 1, True, True)
+    assert (before.overhead, after.overhead) == (512 * 2**20, 7 * 2**20)
 
 
 def test_registry_is_torch_free():

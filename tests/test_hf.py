@@ -68,6 +68,16 @@ def _save_qwen2(path: Path) -> None:
     model.save_pretrained(path)
 
 
+def _save_mistral(path: Path) -> None:
+    """Llama blocks with one kv head and a sliding window as long as the sequence (the same attention)."""
+    transformers = _transformers()
+    torch.manual_seed(3)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=16,
+                                     sliding_window=16, tie_word_embeddings=False)
+    transformers.MistralForCausalLM(cfg).save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
@@ -75,6 +85,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     _save_llama(out["llama"])
     _save_gpt2(out["gpt2"])
     _save_qwen2(out["qwen2"])
+    out["mistral"] = root / "mistral"
+    _save_mistral(out["mistral"])
     assert (out["llama"] / "model.safetensors.index.json").exists() and (out["gpt2"] / "model.safetensors").exists()
     return out
 
@@ -133,7 +145,7 @@ def test_the_imported_checkpoint_loads_like_a_saved_one(models, tmp_path):
         assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "mistral"])
 def test_runtime_logits_equal_transformers(models, kind):
     """Rotary rows, Conv1D transposes and fused q/k/v converted exactly: same logits."""
     from hetero.hf.config import read_hf_config

@@ -963,7 +963,6 @@ def test_predict_path_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.slow
 class _OneStageAtATime(StageCostModel):
     """A cost model that forgets every stage summary before the next: nothing a stage is handed
     comes from another stage, of its plan or an earlier one."""
@@ -1026,6 +1025,7 @@ def test_a_warm_cost_model_predicts_what_a_fresh_one_does():
         assert got == predict(cluster, model, plan, cost_model=_OneStageAtATime(cluster, model)).to_dict()
 
 
+@pytest.mark.slow
 def test_speed_at_least_2000_plans_per_second():
     """Measured in a fresh interpreter, as the planner runs: inside a long test session the
     collector walks every object earlier tests left alive, which is not the predictor's cost. Best of
