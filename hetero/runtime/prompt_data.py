@@ -129,16 +129,19 @@ class PromptSource:
     def __init__(self, vocab_size: int, seq_length: int, seed: int, path: str, tokenizer: str | None = None):
         self.seq, self.seed = seq_length, seed
         self.samples = read_prompt_file(path, seq_length, vocab_size, tokenizer)
-        self._epoch: tuple[int, np.ndarray] | None = None
+        self._orders: dict[int, np.ndarray] = {}
+        """Line order of the epochs in use (a step's batch spans at most two)."""
         self._counts: dict[tuple[int, int], int] = {}
 
     def line_of(self, i: int) -> PromptSample:
         """The line sample ``i`` takes."""
         n = len(self.samples)
         epoch = i // n
-        if self._epoch is None or self._epoch[0] != epoch:
-            self._epoch = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
-        return self.samples[int(self._epoch[1][i % n])]
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return self.samples[int(self._orders[epoch][i % n])]
 
     def batch(self, first: int, count: int):
         """Samples ``[first, first + count)`` as a :class:`~hetero.runtime.batch.Batch`."""
