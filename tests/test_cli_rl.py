@@ -32,7 +32,12 @@ def test_outputs_that_name_an_input_are_refused_before_any_work(tmp_path, capsys
     assert main(["rl", str(job), "--cluster", CLUSTER, "--summary", str(job)]) == 1
     assert "is the JOB file" in capsys.readouterr().err
     assert main(["rl", str(job), "--cluster", CLUSTER, "--save", str(tmp_path / "rl")]) == 1
-    assert "not a checkpoint" in capsys.readouterr().err
+    assert "--save" in (err := capsys.readouterr().err) and "holds the JOB file" in err, err
+    notes = tmp_path / "notes"   # no input inside, yet files that are not a checkpoint: replaced whole
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    assert main(["rl", str(job), "--cluster", CLUSTER, "--save", str(notes)]) == 1
+    assert "not a checkpoint" in capsys.readouterr().err and (notes / "keep.txt").read_text() == "mine"
 
 
 def test_bad_inputs_are_one_line_each(tmp_path, capsys):

@@ -5,6 +5,8 @@ import sys
 
 from hetero.console import console, print_json  # noqa: F401  (the subcommands take them from here)
 
+from .outputs import check_outputs, check_outputs_apart, folder_outputs  # noqa: F401  (for every command)
+
 
 MAX_PROBLEMS = 50
 """Most problems printed for one command or file: a file that repeats one mistake (a YAML alias used
@@ -51,51 +53,6 @@ def check_output(path, flag: str) -> None:
     from hetero.specs.io import check_output_path
 
     check_output_path(path, flag)
-
-
-def check_outputs_apart(args) -> None:
-    """Before any work: no output file of the command (the flags its parser lists in ``outputs``,
-    ``{flag: attribute}``) is one of its input files (``inputs``: ``{flag: attribute}``; an attribute
-    may hold a list), nor another of its outputs: the same file after resolving links, so
-    ``--plot cluster.yaml`` cannot replace the cluster file with a PNG. ``--plot`` with a name not
-    ending in ``.png`` is written anyway (it is the user's name) with a warning on stderr."""
-    import os
-
-    from hetero.errors import HeteroError
-
-    def given(table) -> list[tuple[str, str]]:
-        pairs = []
-        for flag, attribute in (table or {}).items():
-            value = getattr(args, attribute, None)
-            for v in (value if isinstance(value, list) else [value]):
-                if v:   # None or "" (an empty path is check_output's error)
-                    pairs.append((flag, str(v)))
-        return pairs
-
-    def same(a: str, b: str) -> bool:
-        if os.path.realpath(a) == os.path.realpath(b):
-            return True
-        try:   # hard links, or two spellings realpath does not join
-            return os.path.samefile(a, b)
-        except OSError:
-            return False
-
-    inputs, outputs = given(getattr(args, "inputs", None)), given(getattr(args, "outputs", None))
-    for i, (flag, path) in enumerate(outputs):
-        for in_flag, in_path in inputs:
-            if same(path, in_path):
-                raise HeteroError(f"{flag} {path} is the {in_flag} file {in_path}: writing it would replace that input "
-                                  f"(fix: give {flag} a new file name)")
-        for other_flag, other in outputs[:i]:
-            if same(path, other):
-                raise HeteroError(f"{flag} {path} is also the file of {other_flag} {other}: one would replace "
-                                  f"the other (fix: give each output a file of its own)")
-    for flag, path in outputs:
-        if flag == "--plot" and not path.lower().endswith(".png"):
-            from rich.markup import escape
-
-            console(stderr=True).print(f"[yellow]warning[/yellow]: --plot {escape(path)}: the plot is a PNG image whatever "
-                                       f"the name (name it *.png to open it as one)")
 
 
 def write_output(path, flag: str, content) -> None:

@@ -14,8 +14,11 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", required=True, metavar="HF_DIR", help="a new directory")
     p.add_argument("--base", metavar="DIR", help="config and tokenizer files to carry over (import-hf's OUT/hf)")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file (default 2GB)")
+    from ._common import folder_outputs
+
     p.set_defaults(func=run,  # check_outputs_apart
-                   inputs={"--model": "model", "--checkpoint": "checkpoint", "--base": "base"}, outputs={"-o": "output"})
+                   inputs={"--model": "model", "--checkpoint": "checkpoint", "--base": "base"},
+                   outputs=folder_outputs("-o", "output", previous=False))
 
 
 def run(args) -> int:

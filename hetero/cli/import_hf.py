@@ -16,7 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-length", type=int, metavar="N",
                    help="training sequence length (default: the model's positions, at most 4096 for rotary "
                         "models; GPT-2 takes exactly n_positions)")
-    p.set_defaults(func=run, inputs={"HF_DIR": "hf_dir"}, outputs={"-o": "output"})   # check_outputs_apart
+    from ._common import folder_outputs
+
+    p.set_defaults(func=run, inputs={"HF_DIR": "hf_dir"},   # check_outputs_apart
+                   outputs=folder_outputs("-o", "output", previous=False))
 
 
 def run(args) -> int:

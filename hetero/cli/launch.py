@@ -65,9 +65,13 @@ def add_parser(sub) -> None:
                         "default refused before any worker starts; for emulated device types whose 'memory' is "
                         "not what this machine gives each process)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    from ._common import folder_outputs
+
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
-                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--data": "data"},
-                   outputs={"--summary": "summary", "--trace": "trace", "--plot": "plot"})
+                   inputs={"--cluster": "cluster", "--model": "model", "--plan": "plan", "--data": "data",
+                           "--load": "load", "--tokenizer": "tokenizer"},
+                   outputs={"--summary": "summary", "--trace": "trace", "--plot": "plot", **folder_outputs()},
+                   work_dirs={"--run-dir": "run_dir"})
 
 
 def _check_inputs(args) -> None:
@@ -196,7 +200,9 @@ def run(args) -> int:
         _build_planned_allocator(options)
     out = console()
     if args.elastic:
-        from hetero.runtime.elastic import check_elastic, reconfiguration_table, run_elastic
+        from hetero.runtime.elastic.policy import check_elastic
+        from hetero.runtime.elastic.report import reconfiguration_table
+        from hetero.runtime.elastic.run import run_elastic
 
         caveat = check_elastic(plan, options, args.node_rank)
         if caveat and not options.quiet:

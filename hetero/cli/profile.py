@@ -36,7 +36,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-blocks", action="store_true",
                    help="skip the block probes (the runtime's transformer block and AdamW step; CPU only)")
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
-                   inputs={"--cluster": "cluster"}, outputs={"-o": "output"})
+                   inputs={"--cluster": "cluster"}, outputs={"-o": "output", "-o (its .meta.json)": _meta})
+
+
+def _meta(args) -> str | None:
+    """The sidecar ``-o FILE`` writes beside the records (the thread count, the block probes)."""
+    from hetero.predictor.profiles import meta_path
+
+    return meta_path(args.output) if args.output else None
 
 
 def run(args) -> int:

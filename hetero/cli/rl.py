@@ -26,8 +26,10 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="with --predict: print JSON")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SEC",
                    help="give up when a rank makes no progress for this long (default 120)")
+    from ._common import folder_outputs
+
     p.set_defaults(func=run, inputs={"JOB": "job", "--cluster": "cluster", "--load": "load"},
-                   outputs={"--summary": "summary"})
+                   outputs={"--summary": "summary", **folder_outputs()})
 
 
 def run(args) -> int:

@@ -19,6 +19,7 @@ from hetero.errors import HeteroError
 from hetero.hf import require
 from hetero.hf.config import HFModel, hf_config, read_hf_config
 from hetero.hf.weights import SafetensorsFolder, Source, check_tensors, gpt2_prefix, read_param, sources
+from hetero.specs.io import staging_path
 from hetero.specs.model import ModelSpec
 
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -32,7 +33,7 @@ def _fresh_output(out: str, flag: str) -> str:
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise HeteroError(f"{flag} {out}: already exists and is not an empty directory (fix: give a new "
                           f"directory; nothing is overwritten)")
-    staging = os.path.normpath(out) + ".partial"
+    staging = staging_path(out)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     return staging

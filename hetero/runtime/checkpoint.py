@@ -135,7 +135,9 @@ def save_assembled_checkpoint(path: str, state: dict[str, torch.Tensor], step: i
 
 def staging_dir(path: str) -> str:
     """Where a checkpoint for ``path`` is written before it is moved into place."""
-    return os.path.normpath(path) + ".partial"
+    from hetero.specs.io import staging_path
+
+    return staging_path(path)
 
 
 def put_in_place(staging: str, path: str) -> None:
@@ -143,7 +145,9 @@ def put_in_place(staging: str, path: str) -> None:
     a crash in between leaves the previous one as ``<path>.old``."""
     old = None
     if os.path.lexists(path):
-        old = os.path.normpath(path) + ".old"
+        from hetero.specs.io import previous_path
+
+        old = previous_path(path)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(staging, path)

@@ -94,6 +94,18 @@ def nearest_existing(path) -> Path:
     return existing
 
 
+def staging_path(path) -> str:
+    """Where a folder output (a ``--save`` checkpoint, import-hf's or export-hf's ``OUT``) is written
+    before it is moved into place: ``PATH.partial``, removed first. An output of its command too."""
+    return os.path.normpath(path) + ".partial"
+
+
+def previous_path(path) -> str:
+    """Where a ``--save`` checkpoint's previous version waits while the new one is moved into place:
+    ``PATH.old``, removed first and after. An output of its command too."""
+    return os.path.normpath(path) + ".old"
+
+
 def check_output_path(path, what: str) -> Path:
     """Fail early, before any work, when ``path`` cannot receive an output file: a directory or a
     non-regular file is there, or no writable directory would hold it. Returns the path to write
