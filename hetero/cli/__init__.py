@@ -17,7 +17,9 @@ COMMANDS = ("validate", "devices", "env", "predict", "plan", "profile", "calibra
 def build_parser() -> argparse.ArgumentParser:
     from hetero import __version__
 
-    parser = argparse.ArgumentParser(
+    from .argparser import ArgumentParser   # a mistyped option: its subcommand's usage, the closest option
+
+    parser = ArgumentParser(
         prog="hetero",
         description="Plan, predict and run training of large models on clusters that mix accelerator types and vendors.",
     )
