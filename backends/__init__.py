@@ -34,7 +34,7 @@ from .rocm import RocmBackend
 __all__ = [
     "Backend", "MemoryInfo", "CudaBackend", "RocmBackend", "AscendBackend", "CpuBackend", "MpiBackend",
     "BACKENDS", "DEVICE_BACKENDS", "ENV_VAR", "get_backend", "select_backend", "env_report", "EnvRow",
-    "find_mpiexec", "BackendFallbackWarning", "registry",
+    "find_mpiexec", "BackendFallbackWarning", "registry", "backend_of",
 ]
 
 #: environment variable that forces a device backend by name
@@ -99,6 +99,17 @@ def select_backend(env: dict[str, str] | None = None) -> Backend:
     warnings.warn("no accelerator software found, falling back to CPU (Gloo): " + "; ".join(reasons)
                   + f" (set {ENV_VAR} to choose explicitly)", BackendFallbackWarning, stacklevel=2)
     return CpuBackend()
+
+
+def backend_of(device) -> Backend:
+    """The vendor backend of a ``torch.device`` (``cuda`` devices are ROCm's in a HIP build of torch,
+    ``npu`` Ascend's, anything else the CPU's): where a capability such as
+    :meth:`~hetero.backends.base.Backend.has_grouped_gemm` is asked."""
+    import torch
+
+    if device.type == "cuda":
+        return RocmBackend() if getattr(torch.version, "hip", None) else CudaBackend()
+    return AscendBackend() if device.type == "npu" else CpuBackend()
 
 
 class EnvRow(NamedTuple):

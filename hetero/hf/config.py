@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 
 from hetero.errors import HeteroError
-from hetero.specs.model import ModelSpec
+from hetero.specs.model import MoESpec, ModelSpec
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED = "llama, mistral, qwen2 and gpt2"
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+SUPPORTED = "llama, mistral, qwen2, mixtral, qwen2_moe and gpt2"
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DEFAULT_SEQ = 4096
 """Training sequence length of a rotary model when --seq-length is not given: its
@@ -137,23 +137,75 @@ def _llama_spec(cfg: dict, where: str, name: str, seq_length: int | None) -> Mod
     if theta is None and isinstance(rope, dict):
         theta = rope.get("rope_theta")
     theta = _Config({"rope_theta": theta}, where).float("rope_theta", 10000.0)
-    c.refuse_if(kind != "qwen2" and bool(cfg.get("attention_bias")), "attention_bias",
+    c.refuse_if(kind not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias")), "attention_bias",
                 "is true: biases on the output projection too, which the runtime's llama blocks do not have "
                 "(they take q/k/v biases alone, as Qwen2 has them)")
     c.refuse_if(bool(cfg.get("mlp_bias")), "mlp_bias", "is true; the runtime's SwiGLU has no biases")
     positions = c.int("max_position_embeddings", 2048)
     seq = _seq(c, seq_length, positions, fixed=False)
     window = cfg.get("sliding_window")
-    if kind == "qwen2" and not cfg.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen2_moe") and not cfg.get("use_sliding_window"):
         window = None
     c.refuse_if(window is not None and window < seq, "sliding_window",
                 f"is {window}, shorter than the sequence ({seq}); the runtime attends to the whole sequence "
                 f"(a --seq-length of at most {window} makes them the same)")
-    return ModelSpec(name=name, architecture="llama", num_layers=c.int("num_hidden_layers"), hidden_size=h,
+    layers = c.int("num_hidden_layers")
+    return ModelSpec(name=name, architecture="llama", num_layers=layers, hidden_size=h,
                      num_attention_heads=heads, num_kv_heads=kv, ffn_hidden_size=c.int("intermediate_size"),
                      vocab_size=c.int("vocab_size"), seq_length=seq, dtype=c.dtype(),
                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                     norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta, qkv_bias=kind == "qwen2")
+                     norm_eps=c.float("rms_norm_eps", 1e-6), rope_theta=theta,
+                     qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and cfg.get("qkv_bias", True) is not False),
+                     moe=_moe_spec(c, kind, layers))
+
+
+def _moe_spec(c: _Config, kind: str, layers: int) -> MoESpec | None:
+    """The ``moe:`` block of a Mixtral (every layer: softmax top-k renormalised) or Qwen2-MoE (every
+    ``decoder_sparse_step``-th layer but ``mlp_only_layers``, a sigmoid-gated shared expert) config."""
+    if kind == "mixtral":
+        c.refuse_if(bool(c.cfg.get("router_jitter_noise")), "router_jitter_noise",
+                    "is not 0: the router's inputs are scaled by noise in training")
+        experts = c.int("num_local_experts")
+        return MoESpec(num_experts=experts, top_k=_top_k(c, experts), expert_ffn_hidden_size=c.int("intermediate_size"),
+                       norm_topk_prob=True, aux_loss_coef=c.float("router_aux_loss_coef", 0.01))
+    if kind != "qwen2_moe":
+        return None
+    experts = c.int("num_experts")
+    dense = c.cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        raise c.fail("mlp_only_layers", f"is {dense!r}", f"list layer indices in 0 .. {layers - 1}")
+    return MoESpec(num_experts=experts, top_k=_top_k(c, experts), expert_ffn_hidden_size=c.int("moe_intermediate_size"),
+                   shared_expert_ffn_hidden_size=c.int("shared_expert_intermediate_size"),
+                   norm_topk_prob=bool(c.cfg.get("norm_topk_prob", False)), every=c.int("decoder_sparse_step", 1),
+                   dense_layers=tuple(sorted(set(dense))), aux_loss_coef=c.float("router_aux_loss_coef", 0.001))
+
+
+def _top_k(c: _Config, experts: int) -> int:
+    k = c.int("num_experts_per_tok")
+    if k > experts:
+        raise c.fail("num_experts_per_tok", f"({k}) exceeds the expert count ({experts})", "correct the counts")
+    return k
+
+
+def moe_model_type(spec: ModelSpec) -> str:
+    """The Hugging Face model_type of a llama-architecture MoE model: ``qwen2_moe`` with a shared expert,
+    else ``mixtral``; refused where neither computes what the runtime does."""
+    moe = spec.moe
+    kind = "qwen2_moe" if moe.shared_expert_ffn_hidden_size else "mixtral"
+    why = None
+    if moe.router != "softmax":
+        why = f"router {moe.router}: Mixtral and Qwen2-MoE route by a softmax"
+    elif moe.balance == "bias":
+        why = "balance bias: the expert biases that steer the top-k choice have no place in Mixtral or Qwen2-MoE"
+    elif moe.capacity_factor is not None:
+        why = "a capacity_factor: Mixtral and Qwen2-MoE are dropless"
+    elif kind == "mixtral" and (spec.qkv_bias or not moe.norm_topk_prob or len(spec.moe_layers()) != spec.num_layers):
+        why = ("no shared expert, so Mixtral, which has no q/k/v biases, renormalises the top-k weights and makes "
+               "every layer an MoE layer")
+    if why:
+        raise HeteroError(f"model {spec.name}: cannot be written as a Hugging Face model: {why} (fix: export a "
+                          f"model whose moe block Mixtral or Qwen2-MoE describes)")
+    return kind
 
 
 GPT2_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -192,8 +244,11 @@ def hf_config(spec: ModelSpec, base: dict | None = None) -> dict:
         # q/k/v biases without an output bias: Qwen2's layout (Llama's attention_bias adds all four)
         base_kind = (base or {}).get("model_type")
         kind = "qwen2" if spec.qkv_bias else base_kind if base_kind in ("llama", "mistral") else "llama"
+        if spec.moe is not None:
+            kind = moe_model_type(spec)
         keep = base if base and base.get("model_type") == kind else {}
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind]
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[kind]
         out = {"architectures": [arch], "model_type": kind, **keep,
                "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
                "num_attention_heads": spec.num_attention_heads, "num_hidden_layers": spec.num_layers,
@@ -204,6 +259,7 @@ def hf_config(spec: ModelSpec, base: dict | None = None) -> dict:
         if isinstance(out.get("rope_parameters"), dict):
             out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": spec.rope_theta}
         out.pop("rope_scaling", None)
+        out.update(_moe_config(spec, kind))
     else:
         keep = base if base and base.get("model_type") == "gpt2" else {}
         out = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **keep,
@@ -215,6 +271,23 @@ def hf_config(spec: ModelSpec, base: dict | None = None) -> dict:
     return out
 
 
+def _moe_config(spec: ModelSpec, kind: str) -> dict:
+    """The MoE keys of a Mixtral or Qwen2-MoE config.json (none for a dense model)."""
+    moe = spec.moe
+    if kind == "mixtral":
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "intermediate_size": moe.expert_ffn_hidden_size, "router_aux_loss_coef": moe.aux_loss_coef,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+    if kind == "qwen2_moe":
+        return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                "moe_intermediate_size": moe.expert_ffn_hidden_size,
+                "shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+                "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": moe.every,
+                "mlp_only_layers": list(moe.dense_layers), "router_aux_loss_coef": moe.aux_loss_coef,
+                "qkv_bias": spec.qkv_bias, "use_sliding_window": False}
+    return {}
+
+
 def check_matches(hf: HFModel, spec: ModelSpec, flag: str) -> None:
     """``--load hf:DIR`` with ``--model``: fail unless the folder's config is the model file's shape."""
     fields = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
@@ -223,6 +296,18 @@ def check_matches(hf: HFModel, spec: ModelSpec, flag: str) -> None:
         fields += ("seq_length",)   # the learned position table
     diff = [f"{f} {getattr(hf.spec, f)} there, {getattr(spec, f)} in the model file" for f in fields
             if getattr(hf.spec, f) != getattr(spec, f) and not (f == "rope_theta" and spec.architecture == "gpt")]
+    if _moe_shape(hf.spec) != _moe_shape(spec):   # the weights and routing; balancing and capacity may differ
+        diff.append(f"moe {_moe_shape(hf.spec)} there, {_moe_shape(spec)} in the model file")
     if diff:
         raise HeteroError(f"{flag}: {hf.config_file} describes another model: {'; '.join(diff[:4])} (fix: use the "
                           f"model file hetero import-hf writes for this folder)")
+
+
+def _moe_shape(spec: ModelSpec) -> str:
+    """What of the moe block the weights and the routing depend on (not balancing or capacity), in words."""
+    moe = spec.moe
+    if moe is None:
+        return "none"
+    return (f"{moe.num_experts} experts top-{moe.top_k} of width {moe.expert_ffn_hidden_size}, shared "
+            f"{moe.shared_expert_ffn_hidden_size}, {moe.router}, renormalised {moe.norm_topk_prob}, "
+            f"layers {list(spec.moe_layers())}")

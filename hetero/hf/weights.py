@@ -84,9 +84,10 @@ def sources(spec: ModelSpec, family: str, prefix: str = "") -> dict[str, Source]
                 out[rt + "attn.wk.bias"] = Source(hf + "self_attn.k_proj.bias", (kv,), rope_head_dim=d)
                 out[rt + "attn.wv.bias"] = Source(hf + "self_attn.v_proj.bias", (kv,))
             out[rt + "attn.wo.weight"] = Source(hf + "self_attn.o_proj.weight", (h, h))
-            out[rt + "mlp.w1.weight"] = Source(hf + "mlp.gate_proj.weight", (f, h))
-            out[rt + "mlp.w3.weight"] = Source(hf + "mlp.up_proj.weight", (f, h))
-            out[rt + "mlp.w2.weight"] = Source(hf + "mlp.down_proj.weight", (h, f))
+            if spec.is_moe_layer(i):
+                out.update(_moe_sources(spec, rt + "mlp.", hf))
+            else:
+                out.update(_mlp_sources(rt + "mlp.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), h, f))
         out["final_norm.weight"] = Source("model.norm.weight", (h,))
         if not spec.tie_embeddings:
             out["head.weight"] = Source("lm_head.weight", (v, h))
@@ -110,6 +111,36 @@ def sources(spec: ModelSpec, family: str, prefix: str = "") -> dict[str, Source]
     out["final_norm.bias"] = Source(p + "ln_f.bias", (h,))
     if not spec.tie_embeddings:
         out["head.weight"] = Source("lm_head.weight", (v, h))
+    return out
+
+
+def _mlp_sources(rt: str, hf: str, names: tuple[str, str, str], h: int, f: int) -> dict[str, Source]:
+    """A SwiGLU MLP's w1 (gate), w3 (up) and w2 (down) under runtime prefix ``rt``, Hugging Face ``hf``."""
+    gate, up, down = names
+    return {rt + "w1.weight": Source(hf + gate + ".weight", (f, h)), rt + "w3.weight": Source(hf + up + ".weight", (f, h)),
+            rt + "w2.weight": Source(hf + down + ".weight", (h, f))}
+
+
+def _moe_sources(spec: ModelSpec, rt: str, hf: str) -> dict[str, Source]:
+    """An MoE layer's router and experts, one Hugging Face tensor per expert as the files keep them:
+    Mixtral's ``block_sparse_moe.gate`` and ``experts.{e}.w1/w3/w2``; Qwen2-MoE's ``mlp.gate``,
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``
+    (transformers fuses the experts in memory, not on disk)."""
+    from hetero.hf.config import moe_model_type
+
+    moe, h = spec.moe, spec.hidden_size
+    f = moe.expert_ffn_hidden_size
+    if moe_model_type(spec) == "mixtral":
+        hf, names = hf + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        hf, names = hf + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {rt + "router.weight": Source(hf + "gate.weight", (moe.num_experts, h))}
+    for e in range(moe.num_experts):
+        out.update(_mlp_sources(f"{rt}experts.{e}.", f"{hf}experts.{e}.", names, h, f))
+    if moe.shared_expert_ffn_hidden_size:
+        out.update(_mlp_sources(rt + "shared_expert.", hf + "shared_expert.", names, h,
+                                moe.shared_expert_ffn_hidden_size))
+        out[rt + "shared_expert_gate.weight"] = Source(hf + "shared_expert_gate.weight", (1, h))
     return out
 
 

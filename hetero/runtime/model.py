@@ -123,9 +123,11 @@ def _cached_attention_core(q, k, v, gqa: bool):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """The dense MLP (SwiGLU, or gelu / relu); also each expert of an MoE layer, at width ``ffn``."""
+
+    def __init__(self, spec: ModelSpec, ffn: int | None = None):
         super().__init__()
-        h, f, bias = spec.hidden_size, spec.ffn_hidden_size, spec.has_bias
+        h, f, bias = spec.hidden_size, ffn or spec.ffn_hidden_size, spec.has_bias
         self.gated = spec.gated_mlp
         self.act = spec.activation
         self.w1 = nn.Linear(h, f, bias=bias)      # up (gate for swiglu)
@@ -142,7 +144,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int = 0):
+        """``layer``: the model-wide index, which tells an MoE layer (:class:`hetero.runtime.moe.MoEMLP`
+        as ``mlp``) from a dense one."""
         super().__init__()
         llama = spec.architecture == "llama"
         norm = (lambda: RMSNorm(spec.hidden_size, spec.norm_eps)) if llama else \
@@ -150,7 +154,12 @@ class Block(nn.Module):
         self.norm1 = norm()
         self.attn = Attention(spec, rope=llama)
         self.norm2 = norm()
-        self.mlp = MLP(spec)
+        if spec.is_moe_layer(layer):
+            from hetero.runtime.moe import MoEMLP
+
+            self.mlp = MoEMLP(spec, MLP)
+        else:
+            self.mlp = MLP(spec)
 
     def forward(self, x, cache=None):
         """``cache``: the layer's key/value cache when generating (see :meth:`Attention.forward`)."""
@@ -204,7 +213,7 @@ class StageModel(nn.Module):
             self.wte = nn.Embedding(spec.vocab_size, h)
         if first and spec.architecture == "gpt":
             self.wpe = nn.Embedding(spec.seq_length, h)
-        self.layers = nn.ModuleDict({str(i): Block(spec) for a, b in self.chunks for i in range(a, b)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for a, b in self.chunks for i in range(a, b)})
         if last:
             self.final_norm = (RMSNorm(h, spec.norm_eps) if spec.architecture == "llama"
                                else nn.LayerNorm(h, eps=spec.norm_eps))
@@ -317,7 +326,7 @@ def init_weights(module: StageModel, seed: int) -> None:
         elif leaf == "bias":
             p.zero_()
         else:
-            s = out_std if name.endswith(("attn.wo.weight", "mlp.w2.weight")) else std
+            s = out_std if name.endswith(("attn.wo.weight", ".w2.weight")) else std   # MLPs and experts
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
 
 
@@ -344,6 +353,11 @@ def apply_tensor_parallel(module: StageModel, mesh, src_data_rank: int | None = 
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    if module.spec.moe is not None and any(module.spec.is_moe_layer(int(i)) for i in module.layers):
+        from hetero.errors import HeteroError
+
+        raise HeteroError(f"model {module.spec.name}: tensor parallelism (tp > 1) of mixture-of-experts layers is "
+                          f"not supported; give the stages holding MoE layers tp: 1")
     if hasattr(module, "wte"):   # rows split over the vocabulary; looked up by vocab_parallel_lookup
         module.wte.weight = nn.Parameter(distribute_tensor(module.wte.weight.detach(), mesh, [Shard(0)],
                                                            src_data_rank=src_data_rank))
