@@ -50,3 +50,22 @@ def test_a_mistyped_option_gets_its_command_usage_and_the_closest_option(capsys)
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"usage: hetero {command}" in err and says in err, err
+
+
+def test_load_hf_of_a_missing_folder_asks_for_a_hugging_face_folder(tmp_path, capsys):
+    """``--load hf:DIR`` names a Hugging Face folder: its error asks for one (it asked for a --save
+    checkpoint), and a file given as DIR is a file, not "not found"."""
+    from conftest import CONFIGS
+    from hetero.cli import main
+
+    base = ["launch", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model",
+            str(CONFIGS / "models" / "tiny.yaml"), "--plan", str(CONFIGS / "plans" / "local-cpu-tiny.yaml")]
+    afile = tmp_path / "tokenizer.json"
+    afile.write_text("{}")
+    for load, says in ((f"hf:{tmp_path / 'missing'}", "not found"), (f"hf:{afile}", "a file, not a folder")):
+        assert main([*base, "--load", load]) == 1
+        err = capsys.readouterr().err
+        assert f"--load {load}: {says}" in err and "Hugging Face model folder" in err and "config.json" in err, err
+        assert "--save" not in err, err
+    assert main([*base, "--load", str(tmp_path / "missing")]) == 1
+    assert "checkpoint directory written by --save, or hf:DIR" in capsys.readouterr().err

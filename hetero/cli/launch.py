@@ -91,9 +91,12 @@ def _check_inputs(args) -> None:
                           f".int32.bin), a prompt/completion file (.jsonl) or a text file)")
     from hetero.hf import hf_dir_of
 
-    if args.load and not os.path.isdir(hf_dir_of(args.load) or args.load):
-        what = "not found" if not os.path.exists(args.load) else "a file, not a checkpoint directory"
-        raise HeteroError(f"--load {args.load}: {what} (fix: give a checkpoint directory written by --save)")
+    folder = hf_dir_of(args.load)
+    if args.load and not os.path.isdir(folder or args.load):
+        what = "not found" if not os.path.exists(folder or args.load) else "a file, not a folder"
+        fix = ("give hf: the Hugging Face model folder save_pretrained wrote, with config.json and *.safetensors"
+               if folder is not None else "give a checkpoint directory written by --save, or hf:DIR")
+        raise HeteroError(f"--load {args.load}: {what} (fix: {fix})")
     for flag, value, fix in (("--save", args.save, "give a directory for the checkpoint's files"),
                              ("--run-dir", args.run_dir, "give a directory, or leave --run-dir out for a "
                                                          "temporary one")):
