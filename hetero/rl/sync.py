@@ -69,8 +69,9 @@ class WeightSync:
         return out
 
     def _source_view(self, params: dict, rank: int, p: Piece) -> torch.Tensor:
+        """The piece's values on its source, as fp32 (the whole copies' dtype and the wire's)."""
         local = params[p.name]
-        return local[relative(p.box, self.held[rank][p.name])]
+        return local[relative(p.box, self.held[rank][p.name])].float()
 
     def send(self, comm, rank: int, params: dict[str, torch.Tensor], version: int) -> None:
         """Actor rank ``rank``: post its buckets to every other receiver (copies: the next update may

@@ -36,7 +36,8 @@ STAT_FIELDS = ("tokens", "loss_sum", "kl_sum", "clipped", "reward_sum", "samples
 def main(spec_path: str) -> int:
     """Run this process's part; its pid / ready / done / error files as the training worker's."""
     from hetero.runtime.spec import RunSpec, describe_rank
-    from hetero.runtime.worker import _write, derive_rank
+    from hetero.runtime.spec import derive_rank
+    from hetero.runtime.spec import write_rank_file as _write
 
     spec = RunSpec.load(spec_path)
     with open(os.environ[RL_ENV]) as f:
@@ -70,7 +71,7 @@ class RLProcess:
         from hetero.runtime.collectives import Collectives
         from hetero.runtime.device import rank_device, torch_device_type
         from hetero.runtime.parallel import ParallelLayout
-        from hetero.runtime.worker import _write
+        from hetero.runtime.spec import write_rank_file as _write
 
         self.spec, self.cfg, self.rank, self.phase = spec, cfg, rank, phase
         job = self.job = cfg["job"]
@@ -136,7 +137,7 @@ class RLProcess:
         acomm.world_size = self.A   # the engine's run-wide collectives are the actor's
         self.engine = NativeEngine(ctx, acomm)
         if self.spec.options.load:
-            self.engine.load(self.spec.options.load)
+            self._load(self.spec.options.load)
         job = self.job
         self.source = SampleSource(self.channel, job["prompts_per_step"] * job["group_size"], job["group_size"],
                                    self.model.seq_length, ctx.last)
@@ -147,6 +148,27 @@ class RLProcess:
         # the one rank that reports the step's rewards and rollout times: pipeline 0 replica 0's last stage
         self.reporter = ctx.last and (me.pipeline, me.replica, me.tp_rank) == (0, 0, 0)
         self.counts_loss = ctx.last and me.tp_rank == 0
+
+    def _load(self, path: str) -> None:
+        """The starting weights (a ``--save`` checkpoint or ``hf:DIR``); the optimizer starts afresh, as
+        an RL run after a warm start does. DCP's load is a collective of the whole world: the rollout
+        ranks join it with nothing to read."""
+        from hetero.hf import hf_dir_of
+
+        if hf_dir_of(path) is not None:
+            if self.is_actor:
+                self.engine.load(path)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        from hetero.runtime.checkpoint import _SafeReader, load_checkpoint
+
+        if not self.is_actor:
+            dcp.load({}, storage_reader=_SafeReader(path))
+            return
+        load_checkpoint(path, self.engine.module, None, num_layers=self.model.num_layers)
+        if self.engine.sharded:   # ZeRO's masters take the loaded weights
+            self.engine.sharded.retake_masters()
 
     def _build_rollout(self) -> None:
         from hetero.rl.prompts import PromptRecord
@@ -161,6 +183,8 @@ class RLProcess:
         self.rewards = RewardPool(RewardRef(**self.cfg["reward"]), workers=self.cfg.get("reward_workers", 1),
                                   timeout_s=self.spec.options.timeout_s)
         self.index = self.gen_ranks.index(self.rank)
+        if self.spec.options.load and not self.is_actor:
+            self._load(self.spec.options.load)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
