@@ -41,8 +41,8 @@ def test_outputs_that_name_an_input_are_refused_before_any_work(tmp_path, capsys
 
 
 def test_bad_inputs_are_one_line_each(tmp_path, capsys):
-    assert main(["rl", str(RL / "grpo-collocated.yaml"), "--cluster", CLUSTER, "--predict"]) == 1
-    assert "not available yet" in capsys.readouterr().err
+    assert main(["rl", str(RL / "grpo-collocated.yaml"), "--cluster", CLUSTER, "--json"]) == 1
+    assert "--json goes with --predict" in capsys.readouterr().err
     assert main(["rl", str(RL / "grpo-collocated.yaml"), "--cluster", CLUSTER, "--load", str(tmp_path)]) == 1
     assert "--load" in capsys.readouterr().err
     bad = tmp_path / "job.yaml"

@@ -44,8 +44,7 @@ def run(args) -> int:
     if args.json and not args.predict:
         raise HeteroError("--json goes with --predict (fix: add --predict, or drop --json)")
     if args.predict:
-        raise HeteroError("hetero rl --predict: predicting placements is not available yet (fix: run --dry-run to "
-                          "check the job, or run it)")
+        return _predict(args)
     if args.summary is not None:
         check_output(args.summary, "--summary")
     _check_save(args.save)
@@ -85,6 +84,21 @@ def run(args) -> int:
             print(f"summary: {args.summary}")
         if args.save:
             print(f"checkpoint: {args.save}")
+    return 0
+
+
+def _predict(args) -> int:
+    """``--predict [--json]``: the placements weighed with their predicted step times, nothing run."""
+    import json
+
+    from hetero.planner.rl_placement import format_report, predict_placements
+    from hetero.rl.job import load_rl_job
+    from hetero.specs.cluster import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    job = load_rl_job(args.job, cluster)
+    report = predict_placements(job, cluster)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0
 
 

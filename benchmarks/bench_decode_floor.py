@@ -1,0 +1,114 @@
+"""The host's dispatch floor of generation on this CPU: what one decode step of
+:func:`hetero.rl.generate.generate` costs when the model is too small for its arithmetic to matter.
+
+Method: tiny models (gpt and llama, 1-8 layers, hidden 64), rows 1-16, temperature 1.0 with a stop
+string (as the RL rollout samples). One decode step's seconds = (generate with N new tokens - generate
+with 1) / (N - 1), median of ``--repeats`` runs, one thread. A least-squares fit of
+``step = per_step + per_layer[architecture] x layers + per_row x rows`` over all cases gives the floor
+the predictor uses (:data:`hetero.predictor.generation.CPU_DISPATCH`: a llama layer issues more kernels
+than a gpt one: RoPE, the gated MLP, the grouped keys and values); the first call (prefill and the
+first token) of the same calls gets its own figures the same way.
+
+    python benchmarks/bench_decode_floor.py [--repeats 5] [--out benchmarks/results/decode_floor_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model(arch: str, layers: int):
+    from hetero.specs.model import load_model
+
+    spec = {"name": f"floor-{arch}-{layers}", "architecture": arch, "num_layers": layers, "hidden_size": 64,
+            "num_attention_heads": 4, "vocab_size": 256, "seq_length": 64, "dtype": "fp32"}
+    if arch == "llama":
+        spec["num_kv_heads"] = 2
+    return load_model(spec)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()   # warm-up
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _fit(rows: list[dict], key: str) -> tuple[list[float], float]:
+    import numpy as np
+
+    X = np.array([[1.0, r["layers"] * (r["arch"] == "gpt"), r["layers"] * (r["arch"] == "llama"), r["rows"]]
+                  for r in rows])
+    y = np.array([r[key] for r in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    pred = X @ coef
+    err = float(np.max(np.abs(pred - y) / y))
+    for r, p in zip(rows, pred):
+        r[key + "_fit"] = float(p)
+    return [float(c) for c in coef], err
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new", type=int, default=16, help="new tokens of the long call")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "decode_floor_cpu.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    from hetero.rl.generate import generate
+    from hetero.rl.load import load_whole_model
+    from hetero.tokenizer import load_text_tokenizer
+
+    torch.set_num_threads(1)
+    tok = load_text_tokenizer("bytes", 256, "tokenizer")
+    prompt = tok.encode("19+7=", special=True)
+    rows = []
+    for arch in ("gpt", "llama"):
+        for layers in (1, 2, 4, 8):
+            model = load_whole_model(_model(arch, layers), None)
+            for b in (1, 4, 8, 16):
+                def call(n):
+                    # a stop string that never comes: every call runs its n tokens
+                    return lambda: generate(model, [prompt], max_new_tokens=n, temperature=1.0, seed=0,
+                                            samples=b, stop="\x00\x01", tokenizer=tok, batch_rows=b)
+                one = _time(call(1), args.repeats)
+                many = _time(call(args.new), args.repeats)
+                step = (many - one) / (args.new - 1)
+                rows.append({"arch": arch, "layers": layers, "rows": b, "prompt_tokens": len(prompt),
+                             "first_call_s": one, "decode_step_s": step})
+                print(f"{arch:5s} layers {layers}  rows {b:2d}: prefill+first {one * 1e3:7.3f} ms  "
+                      f"decode step {step * 1e3:7.3f} ms", flush=True)
+    dec, dec_err = _fit(rows, "decode_step_s")
+    pre, pre_err = _fit(rows, "first_call_s")
+    for name, c, err in (("decode step", dec, dec_err), ("prefill + first token", pre, pre_err)):
+        print(f"{name} = {c[0] * 1e6:.1f} us + {c[1] * 1e6:.1f} us/gpt layer ({c[2] * 1e6:.1f} us/llama layer) "
+              f"+ {c[3] * 1e6:.1f} us/row (largest residual {err:.1%})")
+    out = {"method": "median of %d runs, one thread; decode step = (N=%d new tokens - 1) / (N - 1); "
+                     "least squares over the cases" % (args.repeats, args.new),
+           "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                       "torch": torch.__version__, "load_avg_1min": os.getloadavg()[0]},
+           "decode_step_fit_s": {"per_step": dec[0], "per_layer": {"gpt": dec[1], "llama": dec[2]},
+                                 "per_row": dec[3], "largest_residual": dec_err},
+           "first_call_fit_s": {"per_step": pre[0], "per_layer": {"gpt": pre[1], "llama": pre[2]},
+                                "per_row": pre[3], "largest_residual": pre_err},
+           "cases": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
