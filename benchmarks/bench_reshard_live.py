@@ -11,7 +11,7 @@ Model: GPT, 8 layers, hidden 1024, 16 heads, vocab 8192, seq 64, tied embeddings
 3. each survivor's pending receive from rank 3 fails (detect_s: death -> error; a receive, since on
    Gloo a rank blocked in a ring all-reduce behind a survivor is not woken), it checks in under the next
    generation, and this process (the coordinator: no tensor) replans on the three devices left with
-   the planner (hetero.runtime.elastic.replan; made for every possible single loss before the failure,
+   the planner (hetero.runtime.elastic.policy.replan; made for every possible single loss before the failure,
    while the workers set up), publishes the members and the plan (agree_replan_s: a survivor's
    check-in -> decision received), the survivors build the new world in-process (regroup_s),
    exchange exactly the intersections (transfer_s; on this one machine the receivers read the
@@ -151,7 +151,7 @@ def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
     """Old rank -> the most state its exchange allocates after any single loss planned ``ahead``
     (what the runtime's launcher publishes for its ranks to reserve)."""
     from hetero.layout import build_layout
-    from hetero.runtime.elastic_live import assign_ranks
+    from hetero.runtime.elastic.plans import assign_ranks
     from hetero.runtime.reshard.live import exchange_ranks, transition_between
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import reserve_bytes
@@ -174,8 +174,9 @@ def one_round(i: int, tmp: Path) -> dict:
 
     import hetero
     from hetero.layout import build_layout
-    from hetero.runtime.elastic import replan, without_devices
-    from hetero.runtime.elastic_live import assign_ranks
+    from hetero.runtime.elastic.policy import replan
+    from hetero.specs.cluster import without_devices
+    from hetero.runtime.elastic.plans import assign_ranks
     from hetero.runtime.host_memory import huge_pages_env
     from hetero.runtime.reshard.live import Coordinator, choose_transport, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s

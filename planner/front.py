@@ -86,7 +86,7 @@ class Resilience:
             lost = [types.SimpleNamespace(group=group, node=0)] * g.devices_per_node
             try:
                 rest = without_devices(self.cluster, lost)
-                # as hetero.runtime.elastic.replan asks the planner (ZeRO only if the plan used it),
+                # as hetero.runtime.elastic.policy.replan asks the planner (ZeRO only if the plan used it),
                 # with this search's calibration
                 best = search(rest, self.model, global_batch_size=self.B, top_k=1, upper_bound=False,
                               calibration=self.cal, zero_stages=(0, 1, 2) if zero else (0,))[0]

@@ -38,7 +38,7 @@ def _lost(group, node):
 
 
 def test_without_devices_shrinks_a_one_node_group_and_drops_an_empty_one():
-    from hetero.runtime.elastic import without_devices
+    from hetero.specs.cluster import without_devices
 
     c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 2},
                   {"name": "slow", "device": "cpu-emu-b", "nodes": 1, "devices_per_node": 1}])
@@ -48,7 +48,7 @@ def test_without_devices_shrinks_a_one_node_group_and_drops_an_empty_one():
 
 
 def test_without_devices_splits_the_node_that_lost_devices_into_a_group_of_its_own():
-    from hetero.runtime.elastic import without_devices
+    from hetero.specs.cluster import without_devices
 
     c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 3, "devices_per_node": 4,
                    "hosts": ["h0", "h1", "h2"]}])
@@ -60,7 +60,7 @@ def test_without_devices_splits_the_node_that_lost_devices_into_a_group_of_its_o
 
 def test_without_devices_refuses_when_nothing_is_left():
     from hetero.errors import HeteroError
-    from hetero.runtime.elastic import without_devices
+    from hetero.specs.cluster import without_devices
 
     c = _cluster([{"name": "fast", "device": "cpu-emu-a", "nodes": 1, "devices_per_node": 1}])
     with pytest.raises(HeteroError, match="no device is left"):
@@ -177,7 +177,7 @@ def test_a_rank_lost_during_the_reshard_ends_the_run_naming_it(tmp_path, monkeyp
     """Rank 0 is to die right after checking in after rank 3's loss: the run ends at once with an
     error that names it, or (when rank 0 had not checked in within the timeout) it is counted lost
     and the run recovers, saying so; never a hang, no process left behind (_launch checks)."""
-    from hetero.runtime.reshard.resume import FAIL_IN_RESHARD_ENV
+    from hetero.runtime.elastic.reconfig import FAIL_IN_RESHARD_ENV
 
     monkeypatch.setenv(FAIL_IN_RESHARD_ENV, "0")
     _, proc = _elastic(tmp_path, REPLICATED, "--inject-failure", "2:3", timeout=100, check=False)
@@ -255,8 +255,8 @@ def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
     It is 100x slower, so no plausible profile of this machine's CPU makes it worth a share of the
     batch (at 2x, a profile measured on a loaded machine does: the planner gives it a micro-batch)."""
     import hetero
-    from hetero.runtime.cluster_watch import ClusterWatch
-    from hetero.runtime.elastic import replan
+    from hetero.runtime.elastic.watch import ClusterWatch
+    from hetero.runtime.elastic.policy import replan
 
     crawl = {"base": "cpu", "vendor": "emu-b", "slowdown": 100.0}
     with_slow = {**ONE_FAST, "devices": {**ONE_FAST["devices"], "cpu-crawl": crawl},
@@ -278,7 +278,7 @@ def test_a_change_the_running_plan_absorbs_needs_no_pause(tmp_path):
 def test_a_change_while_another_is_pending_replaces_it(tmp_path):
     """Devices join (a pause is asked for), then the file goes back before the ranks paused: the ranks
     may already be pausing, so the second change replaces the first instead of cancelling it."""
-    from hetero.runtime.cluster_watch import REQUEST
+    from hetero.runtime.elastic.protocol import PAUSE_REQUEST
 
     printed: list = []
     path, watch = _watch(tmp_path, ONE_FAST, printed)
@@ -287,12 +287,12 @@ def test_a_change_while_another_is_pending_replaces_it(tmp_path):
     watch.attach(str(run_dir))
     _write(tmp_path, "cluster.yaml", CLUSTER)
     first = watch.poll()
-    assert first is not None and (run_dir / REQUEST).exists()
+    assert first is not None and (run_dir / PAUSE_REQUEST).exists()
     time.sleep(0.01)
     _write(tmp_path, "cluster.yaml", ONE_FAST)
     second = watch.poll()
     assert second is not None and watch.take() is second and second.cluster.num_devices == 1
-    assert (run_dir / REQUEST).exists() and not any("no pause" in line for line in printed), printed
+    assert (run_dir / PAUSE_REQUEST).exists() and not any("no pause" in line for line in printed), printed
 
 
 def _launch_and_act(tmp_path, cluster: dict, plan: dict, steps: int, marker: str, act, *extra: str,
@@ -434,7 +434,7 @@ TWO_FAST = local_cluster(devices=(2, 0))
 
 def _watch(tmp_path, loaded: dict, printed: list):
     import hetero
-    from hetero.runtime.cluster_watch import ClusterWatch
+    from hetero.runtime.elastic.watch import ClusterWatch
 
     path = _write(tmp_path, "cluster.yaml", loaded)
     plan = hetero.load_plan(_plan([{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}]))
@@ -443,17 +443,17 @@ def _watch(tmp_path, loaded: dict, printed: list):
 
 
 def test_a_changed_cluster_file_is_planned_for_and_asks_the_attempt_to_pause(tmp_path):
-    from hetero.runtime.cluster_watch import REQUEST
+    from hetero.runtime.elastic.protocol import PAUSE_REQUEST
 
     printed: list = []
     path, watch = _watch(tmp_path, ONE_FAST, printed)
     run_dir = tmp_path / "attempt"
     run_dir.mkdir()
     watch.attach(str(run_dir))
-    assert watch.poll() is None and not (run_dir / REQUEST).exists()    # the file says what was loaded
+    assert watch.poll() is None and not (run_dir / PAUSE_REQUEST).exists()    # the file says what was loaded
     _write(tmp_path, "cluster.yaml", CLUSTER)
     change = watch.poll()
-    assert change is not None and (run_dir / REQUEST).exists()
+    assert change is not None and (run_dir / PAUSE_REQUEST).exists()
     assert (change.added, change.removed) == (3, 0) and change.cluster.num_devices == 4
     assert "group 'fast' 1 -> 2, group 'slow' 0 -> 2" in change.reason and path in change.reason
     assert sum(change.result.plan.devices_by_group().values()) >= 2    # the new plan uses what joined
@@ -503,7 +503,7 @@ def test_an_unusable_or_unchanged_cluster_file_leaves_the_run_as_it_was(tmp_path
 
 def test_a_cluster_file_that_no_plan_fits_is_said_and_ignored(tmp_path):
     import hetero
-    from hetero.runtime.cluster_watch import ClusterWatch
+    from hetero.runtime.elastic.watch import ClusterWatch
 
     printed: list = []
     path = _write(tmp_path, "cluster.yaml", ONE_FAST)
@@ -550,7 +550,7 @@ def test_devices_that_join_are_taken_in_in_process_with_the_losses_of_a_run_that
     # the joiners started while training went on; the pause request came once they were ready
     assert rc["joiner_start_s"] > 0 and 0 <= rc["detect_s"] <= rc["reshard_time_s"] < 60
     # ... and the running rank had prepared its new regions at a step boundary (not the wait's bound)
-    from hetero.runtime.elastic_join import PREPARE_WAIT_S
+    from hetero.runtime.elastic.joiners import PREPARE_WAIT_S
 
     assert 0 <= rc["prepare_wait_s"] < PREPARE_WAIT_S
     for k in ("agree_replan_s", "regroup_s", "transfer_s", "rebuild_s"):

@@ -45,7 +45,7 @@ sys.path.insert(0, sys.argv[1])   # tests/, for helpers
 from helpers import DictStore
 from hetero.runtime.host_memory import mapped_free_bytes
 from hetero.runtime.reshard.live import reserve_key
-from hetero.runtime.reshard.resume import LiveReconfig
+from hetero.runtime.elastic.reconfig import LiveReconfig
 
 live = LiveReconfig.__new__(LiveReconfig)
 live.store, live.gen, live.rank = DictStore(), 0, 1

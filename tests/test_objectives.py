@@ -284,7 +284,8 @@ def test_resilience_is_what_the_elastic_replanner_keeps_after_the_worst_node():
     import types
 
     from hetero.planner.front import Resilience
-    from hetero.runtime.elastic import replan, without_devices
+    from hetero.runtime.elastic.policy import replan
+    from hetero.specs.cluster import without_devices
 
     cluster = hetero.load_cluster(CLUSTERS / "local-cpu-3vendor.yaml")
     model = hetero.load_model(MODELS / "tiny-llama.yaml")

@@ -445,7 +445,7 @@ def test_a_worker_resolves_ahead_the_transition_each_single_loss_would_need(tmp_
     the plans, regions and transition at a step boundary, and the decision a loss brings (its step,
     process ids, transport) finds them made: the launcher's own transition, nothing computed then."""
     from hetero.runtime.reshard import live as L
-    from hetero.runtime.reshard.resume import LiveReconfig
+    from hetero.runtime.elastic.reconfig import LiveReconfig
 
     run, cluster, model, plan, _ = live_run(tmp_path)
     try:
@@ -477,7 +477,7 @@ def test_after_a_reshard_the_launcher_plans_ahead_once_every_rank_is_ready(tmp_p
     import threading
     from types import SimpleNamespace
 
-    from hetero.runtime.reshard.resume import timing_key
+    from hetero.runtime.elastic.protocol import timing_key
 
     run, *_ = live_run(tmp_path)
     started = threading.Event()
@@ -488,7 +488,7 @@ def test_after_a_reshard_the_launcher_plans_ahead_once_every_rank_is_ready(tmp_p
         members = {r: r for r in range(len(ahead.layout.ranks))}
         run.now.procs = {r: SimpleNamespace(pid=1000 + r, poll=lambda: 0) for r in range(4)}
         rc = {"_failed_at": 1.0, "_launched_at": 2.0, "predicted_downtime_s": 0.1}
-        run._switch(rc, 1, survivors, members, {3}, ahead)
+        run.switch(rc, 1, survivors, members, {3}, ahead)
         run._collect_timings()
         assert not started.wait(0.2)   # the ranks have not reported yet
         for r in survivors:
@@ -654,7 +654,7 @@ def test_same_host_reads_of_several_parts_go_out_together_in_calls_the_kernel_ta
 
 IMPORTS_IN_A_REBUILD = r"""
 import json, sys
-from hetero.runtime.reshard.resume import import_training_modules
+from hetero.runtime.elastic.reconfig import import_training_modules
 import_training_modules()
 from hetero.runtime.collectives import Collectives
 from hetero.runtime.engine import NativeEngine, RunContext
@@ -663,7 +663,7 @@ import hetero
 spec = RunSpec.load(sys.argv[1])
 hetero.load_cluster(spec.cluster)   # as a joining process has, working out its regions
 before = set(sys.modules)
-ctx = RunContext(spec, 0)   # what LiveReconfig._adopt builds for a rank of the new plan
+ctx = RunContext(spec, 0)   # what LiveReconfig.adopt builds for a rank of the new plan
 comm = Collectives.init(0, 1, 30.0, vendors=[r.vendor for r in ctx.layout.ranks], device=ctx.device,
                         device_types=ctx.device_types)
 ctx.parallel.create_groups(comm)
@@ -675,7 +675,7 @@ print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("he
 @pytest.mark.timeout(120)
 def test_a_rebuild_imports_nothing_that_was_not_imported_ahead(tmp_path):
     """A process joining a run, or a survivor, imports ahead what its rebuild under the new plan uses
-    (:func:`~hetero.runtime.reshard.resume.import_training_modules`): a module first imported in the
+    (:func:`~hetero.runtime.elastic.reconfig.import_training_modules`): a module first imported in the
     rebuild (the unified communicator, the memory model) is downtime (docs/elastic.md)."""
     import subprocess
     import sys
@@ -707,7 +707,8 @@ def _blocked_receiver_worker(rank, world, port, group_timeout_s):
 
     import torch.distributed as dist
 
-    from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL, RECONFIG_ENV, LiveReconfig
+    from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, RECONFIG_ENV
+    from hetero.runtime.elastic.reconfig import LiveReconfig
 
     os.environ[RECONFIG_ENV] = str(port)
     live = LiveReconfig.from_env(rank, world, group_timeout_s)

@@ -57,7 +57,7 @@ def _worker(rank, world, name, ckpt, port, run_dir):
     import hetero
     from hetero.runtime.launcher import prepare
     from hetero.runtime.options import RunOptions
-    from hetero.runtime.reshard.resume import LiveReconfig
+    from hetero.runtime.elastic.reconfig import LiveReconfig
     from hetero.runtime.trainer import Trainer
 
     dtype, _, (c0, p0), (c1, p1) = SCENARIOS[name]

@@ -15,9 +15,11 @@
   :mod:`~hetero.runtime.reference` (single-device reference losses),
   :mod:`~hetero.runtime.trace` (Chrome / Perfetto traces, merged over an elastic run's attempts).
 - :mod:`~hetero.runtime.elastic` (``--elastic``: replan on the devices left after a loss, or on those
-  a change of the cluster file brings), :mod:`~hetero.runtime.cluster_watch` (that change, planned
-  for while training goes on) and :mod:`~hetero.runtime.handoff` (the ranks' live state, assembled
-  into a checkpoint).
+  a change of the cluster file brings, and reshard in-process; a package whose modules depend one
+  way: the launcher's controller decides, the workers' side reshards over
+  :mod:`~hetero.runtime.reshard`), :mod:`~hetero.runtime.handoff` (the ranks' live state, assembled
+  into a checkpoint, where the in-process path does not apply) and :mod:`~hetero.runtime.lifeline`
+  (no process of a job outlives the launcher).
 
 Python entry points::
 

@@ -35,7 +35,7 @@ class NativeEngine:
 
     def __init__(self, ctx: RunContext, comm, stage: tuple | None = None):
         """``stage``: (module, optimizer) already built and holding their state (an in-process elastic
-        reshard, :mod:`hetero.runtime.reshard.resume`), tp-sharded on this rank's mesh; None: built
+        reshard, :mod:`hetero.runtime.elastic.reconfig`), tp-sharded on this rank's mesh; None: built
         here from the seed."""
         self.ctx, self.comm = ctx, comm
         me, model, opts = ctx.me, ctx.model, ctx.options

@@ -2,7 +2,7 @@
 
 When a peer fails, every surviving rank writes what it holds, as of the last optimizer step it
 applied, into the run directory before it exits (and so does every rank when they pause for a
-change of the cluster file, :mod:`hetero.runtime.cluster_watch`): its parameters and AdamW
+change of the cluster file, :mod:`hetero.runtime.elastic.watch`): its parameters and AdamW
 moments (tp ranks: their local shards, with the split dimension), the step, the fp16 loss scale,
 and the step results every rank shares (losses, times). That is the live state: nothing is read
 back from an older checkpoint.
@@ -139,7 +139,7 @@ class Survivors:
                 lost = sorted(set(holders[missing[0]]) - set(self.ranks))
                 where = "; ".join(describe_rank(self.layout.ranks[r]) for r in lost[:3])
                 raise HeteroError(f"elastic: no surviving rank holds a whole copy of {len(missing)} parameter(s), "
-                                  f"e.g. {_layer_of(missing[0])} ({missing[0]}), held only by {where}: the live "
+                                  f"e.g. {layer_of(missing[0])} ({missing[0]}), held only by {where}: the live "
                                   f"state cannot be rebuilt (fix: a plan whose stages have data-parallel replicas, "
                                   f"'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
         by = ", ".join(f"rank {r}: {m['applied_step']}" for r, m in sorted(self.meta.items()))
@@ -180,6 +180,7 @@ def _param_of(key: str) -> str:
     return rest if kind == "model" else rest.rsplit("/", 1)[0]
 
 
-def _layer_of(name: str) -> str:
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to, in words (``layer 3``), or ``the embedding or head``."""
     parts = name.split(".")
     return f"layer {parts[1]}" if parts[0] == "layers" and len(parts) > 1 else "the embedding or head"

@@ -398,7 +398,7 @@ class _Job:
                 _signal_group(p.pid, signal.SIGTERM)
         pids = [pid for r in self.ranks if (pid := self.worker_pid(r)) and _alive_worker(pid)]
         for pid in pids:
-            _kill(pid, signal.SIGTERM)
+            send_signal(pid, signal.SIGTERM)
         deadline = time.time() + grace_s
         while time.time() < deadline and (any(p.poll() is None for p in self.procs.values())
                                           or any(_alive_worker(pid) for pid in pids)):
@@ -408,7 +408,7 @@ class _Job:
                 _signal_group(p.pid, signal.SIGKILL)
         for pid in pids:
             if _alive_worker(pid):
-                _kill(pid, signal.SIGKILL)
+                send_signal(pid, signal.SIGKILL)
         for p in self.procs.values():
             try:
                 p.wait(timeout=5)
@@ -434,7 +434,8 @@ def _alive_worker(pid: int) -> bool:
             return False
 
 
-def _kill(pid: int, sig) -> None:
+def send_signal(pid: int, sig) -> None:
+    """``os.kill``, where a process already gone is no error."""
     try:
         os.kill(pid, sig)
     except OSError:
@@ -445,7 +446,7 @@ def _signal_group(pid: int, sig) -> None:
     try:
         os.killpg(pid, sig)  # the node launcher leads its own session
     except OSError:
-        _kill(pid, sig)
+        send_signal(pid, sig)
 
 
 def check_node_rank(launch: Launch, node_rank: int | None) -> None:
@@ -474,7 +475,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
     job = _Job(launch, slots)
     timeout = launch.spec.options.timeout_s
     layout = launch.layout
-    previous = _catch_termination()
+    previous = catch_termination()
     try:
         job.start()  # inside the try: a node launcher that fails to start ends the ones already started
         started_at, first_seen = time.time(), None
@@ -553,7 +554,7 @@ def _lost_devices(job: _Job, layout: RankLayout, timeout: float) -> RankFailure 
     return RankFailure(_failure_message(job, layout, errors, {}, sorted(dead)), lost, reason, at)
 
 
-def _catch_termination() -> dict:
+def catch_termination() -> dict:
     """SIGTERM / SIGHUP to the launcher raise a LaunchError, so the job is torn down like any failure
     (the node launchers run in sessions of their own: the default action would leave them running).
     Returns the handlers it replaced (none off the main thread, where Python cannot set handlers)."""

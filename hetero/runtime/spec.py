@@ -60,3 +60,28 @@ def describe_rank(info: RankInfo) -> str:
               if len(info.chunks) > 1 else "")
     return (f"rank {info.rank} (group {info.group}, pipeline {info.pipeline} replica {info.replica} "
             f"stage {info.stage}, layers {a}-{b - 1}{tp}{chunks})")
+
+
+def derive_rank(spec: RunSpec) -> int:
+    """This process's rank: its node slot (:data:`SLOT_ENV`) and ``LOCAL_RANK`` against the run file's
+    layout, checked against torchrun's ``RANK``."""
+    slot = int(os.environ.get(SLOT_ENV, "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    node = spec.nodes[slot]
+    if local >= node["num_ranks"]:
+        raise RuntimeError(f"LOCAL_RANK {local} but node slot {slot} runs {node['num_ranks']} ranks")
+    rank = node["first_rank"] + local
+    env_rank = os.environ.get("RANK")
+    if env_rank is not None and int(env_rank) != rank:
+        raise RuntimeError(f"torchrun assigned RANK={env_rank} but the layout puts node slot {slot} local rank "
+                           f"{local} at rank {rank}: the rendezvous ordered nodes differently (use static)")
+    return rank
+
+
+def write_rank_file(path: str, text: str) -> None:
+    """Write one of a rank's small files in the run directory (pid, ready, done, error) whole: a
+    reader (the launcher) sees the old file or the new one, never a part."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

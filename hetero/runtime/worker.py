@@ -14,31 +14,10 @@ import sys
 import time
 import traceback
 
-from hetero.runtime.cluster_watch import REQUEST
-from hetero.runtime.elastic_join import JOIN_ENV
+from hetero.runtime.elastic.protocol import JOIN_ENV, PAUSE_REQUEST
 from hetero.runtime.lifeline import end_with_parent
-from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunSpec, describe_rank
-
-
-def derive_rank(spec: RunSpec) -> int:
-    slot = int(os.environ.get(SLOT_ENV, "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    node = spec.nodes[slot]
-    if local >= node["num_ranks"]:
-        raise RuntimeError(f"LOCAL_RANK {local} but node slot {slot} runs {node['num_ranks']} ranks")
-    rank = node["first_rank"] + local
-    env_rank = os.environ.get("RANK")
-    if env_rank is not None and int(env_rank) != rank:
-        raise RuntimeError(f"torchrun assigned RANK={env_rank} but the layout puts node slot {slot} local rank "
-                           f"{local} at rank {rank}: the rendezvous ordered nodes differently (use static)")
-    return rank
-
-
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from hetero.runtime.spec import SPEC_ENV, RunSpec, derive_rank, describe_rank
+from hetero.runtime.spec import write_rank_file as _write
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                 "info": info, "rank": rank}
     live = None
     if spec.options.elastic:
-        from hetero.runtime.reshard.resume import LiveReconfig
+        from hetero.runtime.elastic.reconfig import LiveReconfig
 
         live = LiveReconfig.from_env(rank, len(spec.layout), spec.options.timeout_s)
         if live is None:   # under torchrun: its stop signal must not end a survivor before its handoff
@@ -69,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         joined = None
         if live is not None and os.environ.get(JOIN_ENV):   # a device that joins a running in-process run
-            from hetero.runtime.reshard.join import join_run
+            from hetero.runtime.elastic.joining import join_run
 
             step_box["phase"] = "joining the running ranks"
             joined = join_run(live, spec)
@@ -136,9 +115,9 @@ def _hand_off(base: str, trainer, where: str) -> None:
 
 def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None, joined=None) -> bool | str:
     """Train the run's steps; True when the ranks paused for a cluster change and handed off;
-    ``"left"`` when an in-process reconfiguration (``live``, :mod:`hetero.runtime.reshard.resume`)
+    ``"left"`` when an in-process reconfiguration (``live``, :mod:`hetero.runtime.elastic.reconfig`)
     left this rank out of the new plan after it served its state. ``joined``: ``(trainer, end)`` of a
-    process that joined a running in-process run (:mod:`hetero.runtime.reshard.join`)."""
+    process that joined a running in-process run (:mod:`hetero.runtime.elastic.joining`)."""
     from hetero.runtime.report import Reporter
     from hetero.runtime.trainer import InjectedFailure, Trainer, summary_dict
 
@@ -174,7 +153,7 @@ def _train(spec: RunSpec, rank: int, base: str | None, step_box: dict, live=None
 
     step_box["phase"] = "training"
     if base and opts.elastic:   # the launcher asks for a pause when the cluster file changed
-        trainer.add_hook(lambda t, _result: not os.path.exists(os.path.join(t.ctx.options.run_dir, REQUEST)))
+        trainer.add_hook(lambda t, _result: not os.path.exists(os.path.join(t.ctx.options.run_dir, PAUSE_REQUEST)))
     if joined is None:
         end = trainer.step + opts.steps
     if live is not None:

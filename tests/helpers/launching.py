@@ -88,13 +88,13 @@ def assert_matches_reference(summary: dict, model: dict, gbs: int = 8) -> None:
 
 
 def live_run(tmp_path: Path, plan: str = "tiny-local-cpu-replicated.yaml"):
-    """The launcher's in-process elastic controller (:class:`hetero.runtime.elastic_live.LiveRun`) for
+    """The launcher's in-process elastic controller (:class:`hetero.runtime.elastic.live.LiveRun`) for
     configs/models/tiny.yaml on configs/clusters/local-cpu.yaml with ``configs/plans/<plan>``, its
     workers not started (a test calls its planning and publishing directly; it closes
     ``run.coordinator``). Returns ``(run, cluster, model, plan, launch)``."""
     import hetero
     from hetero.runtime import launcher
-    from hetero.runtime.elastic_live import LiveRun
+    from hetero.runtime.elastic.live import LiveRun
     from hetero.runtime.spec import RunOptions
 
     cluster = hetero.load_cluster(str(ROOT / "configs/clusters/local-cpu.yaml"))

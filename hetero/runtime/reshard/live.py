@@ -34,6 +34,12 @@ def _key(gen: int, what: str) -> str:
     return f"hetero/reconfig/gen{gen}/{what}"
 
 
+def alive_key(gen: int, rank: int) -> str:
+    """Where rank ``rank`` of the generation before ``gen`` checks in for it, with where its state is
+    (:func:`report_alive`); the coordinator decides once every live rank has."""
+    return _key(gen, f"alive/{rank}")
+
+
 def reserve_key(gen: int) -> str:
     """Where the ranks of generation ``gen`` find, by rank, the most state their exchange would
     allocate after any single loss (set by the launcher once it planned for each)."""
@@ -55,8 +61,8 @@ class Coordinator:
         got: dict[int, dict] = {}
         while True:
             for c in candidates:
-                if c not in got and self.store.check([_key(gen, f"alive/{c}")]):
-                    got[c] = json.loads(self.store.get(_key(gen, f"alive/{c}")))
+                if c not in got and self.store.check([alive_key(gen, c)]):
+                    got[c] = json.loads(self.store.get(alive_key(gen, c)))
             if len(got) == len(candidates) or time.monotonic() > deadline:
                 return got
             time.sleep(0.005)
@@ -79,7 +85,7 @@ def connect(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
 
 def report_alive(store, gen: int, me: int, **info) -> None:
     """Check in as a survivor of generation ``gen - 1``'s failure (``info``: the applied step, ...)."""
-    store.set(_key(gen, f"alive/{me}"), json.dumps({"pid": os.getpid(), **info}))
+    store.set(alive_key(gen, me), json.dumps({"pid": os.getpid(), **info}))
 
 
 def await_decision(store, gen: int, timeout_s: float) -> dict:
@@ -299,8 +305,8 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     same_host = None
     if d.get("transport") == "same-host":   # every peer's process id: the launcher's, else its check-in's
         pids = {world_rank[int(k)]: v for k, v in d.get("pids", {}).items() if int(k) in world_rank}
-        pids.update({world_rank[r]: json.loads(store.get(_key(gen, f"alive/{r}")))["pid"] for r in world_rank
-                     if world_rank[r] not in pids and store.check([_key(gen, f"alive/{r}")])})
+        pids.update({world_rank[r]: json.loads(store.get(alive_key(gen, r)))["pid"] for r in world_rank
+                     if world_rank[r] not in pids and store.check([alive_key(gen, r)])})
         same_host = (store, _key(gen, "same-host"), pids, timeout_s)
     state, stats = exchange(rank, transition, live, targets.get(rank, {}), describe=describe,
                             max_bytes=max_bytes or DEFAULT_MAX_BYTES, same_host=same_host, prepared=prepared)

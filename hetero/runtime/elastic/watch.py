@@ -6,9 +6,9 @@ lowered, a group removed to drain it), the watcher plans for the new cluster (th
 batch, so the losses go on as if nothing happened) off the training's critical path, and only then
 asks the workers to pause: every rank stops at the next step boundary, hands off its live state
 (:mod:`hetero.runtime.handoff`) and exits cleanly, and the launcher relaunches on the new plan from
-that state (:mod:`hetero.runtime.elastic`). On the in-process path the launcher may hold the pause
+that state (:mod:`hetero.runtime.elastic.run`). On the in-process path the launcher may hold the pause
 request back (:attr:`ClusterWatch.hold`) while it starts the processes of devices that join
-(:mod:`hetero.runtime.elastic_join`), and the ranks reshard in their processes instead.
+(:mod:`hetero.runtime.elastic.joiners`), and the ranks reshard in their processes instead.
 
 What a change to the file means: the file is the truth about the machines from the moment it
 changes. Devices that an earlier failure removed and that the file still lists are used again.
@@ -26,15 +26,15 @@ import os
 import threading
 import time
 
+from hetero.runtime.elastic.policy import replan
+from hetero.runtime.elastic.protocol import PAUSE_REQUEST
+
 POLL_S = 0.5
 """How often the file is looked at (a stat; it is read only when its size or time changed)."""
 
 SETTLE_S = 0.2
 """A changed file is read once it has stayed the same this long: a copy or an editor that writes in
 place truncates first, and a read in between would see an empty or partial cluster."""
-
-REQUEST = "reconfigure.request"
-"""The file in an attempt's run directory that asks its workers to pause at the next step boundary."""
 
 
 @dataclasses.dataclass
@@ -225,7 +225,6 @@ class ClusterWatch:
 
     def _replan(self, cluster):
         from hetero.errors import HeteroError
-        from hetero.runtime.elastic import replan
 
         try:
             return replan(cluster, self.model, self.plan)
@@ -252,7 +251,7 @@ def _runs_the_same(cluster, plan, new_cluster, new_plan) -> bool:
 
 
 def _write_request(run_dir: str, change: Change) -> None:
-    path = os.path.join(run_dir, REQUEST)
+    path = os.path.join(run_dir, PAUSE_REQUEST)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"reason": change.reason, "seen_at": change.seen_at}, f)

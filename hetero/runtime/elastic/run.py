@@ -14,7 +14,7 @@ state (:mod:`hetero.runtime.handoff`) and reports. The launcher then
    and trains the remaining steps.
 
 Devices also come and go on purpose: a change of the ``--cluster`` file while the run trains
-(:mod:`hetero.runtime.cluster_watch`) is planned for at once; then every rank pauses at the next
+(:mod:`hetero.runtime.elastic.watch`) is planned for at once; then every rank pauses at the next
 step boundary, hands off its state as above, and the new plan goes on from it.
 
 The run summary lists every reconfiguration (docs/formats.md, ``reconfigurations``): the step (the first one
@@ -43,49 +43,8 @@ import tempfile
 import time
 
 from hetero.errors import HeteroError
+from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
 from hetero.specs.cluster import without_devices
-
-MAX_RECONFIGURATIONS = 8
-"""A run that loses devices more often than this ends: something beyond single failures is going on.
-Changes of the cluster file are not counted."""
-
-
-def check_elastic(plan, options, node_rank: int | None) -> str | None:
-    """Refuse what an elastic run cannot recover, before anything starts; returns a caveat to print
-    (None: none)."""
-    if node_rank is not None:
-        raise HeteroError("--elastic with --node-rank: an elastic run is launched from one machine, which starts "
-                          "every node slot and replans (fix: drop --node-rank, or drop --elastic)")
-    if options.engine != "native":
-        raise HeteroError("--elastic with --engine deepspeed: only the native engine hands off its live state "
-                          "(fix: --engine native)")
-    if plan.zero_stage:
-        return (f"elastic with zero_stage {plan.zero_stage}: devices that join or leave through the cluster file "
-                f"are taken in, but after a device lost to a failure the run goes on only from a --save "
-                f"checkpoint, since ZeRO keeps each slice of the optimizer state on one rank only (a plan with "
-                f"zero_stage: 0 survives failures too)")
-    return None
-
-
-def _refuse_lost_slices(plan, reason: str) -> None:
-    if plan.zero_stage:
-        raise HeteroError(f"elastic: {reason}; with zero_stage {plan.zero_stage} the lost rank's slice of the "
-                          f"optimizer state has no copy, so the run cannot go on (fix: a plan with zero_stage: 0, "
-                          f"or restart from a checkpoint written by --save)")
-
-
-def replan(cluster, model, plan):
-    """The planner's best plan on ``cluster`` for ``plan``'s global batch (a
-    :class:`hetero.planner.SearchResult`): with ``zero_stage: 0``, so the next failure can be handed
-    off too, unless ``plan`` used ZeRO (then any ZeRO stage, whichever the planner predicts best)."""
-    from hetero.planner import PlannerError, search
-
-    try:
-        return search(cluster, model, global_batch_size=plan.global_batch_size, top_k=1, upper_bound=False,
-                      zero_stages=(0,) if not plan.zero_stage else (0, 1, 2))[0]
-    except PlannerError as e:
-        raise HeteroError(f"elastic: no plan fits the remaining devices ({cluster.num_devices}): {e}") from None
-
 
 @dataclasses.dataclass
 class _Attempt:
@@ -103,7 +62,8 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     (the file ``cluster`` was read from), after each usable change of that file; returns the merged
     summary (docs/formats.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
     ``master_port``: the first attempt's (later ones take a free port)."""
-    from hetero.runtime.elastic_live import LiveRun, live_applies
+    from hetero.runtime.elastic.live import LiveRun
+    from hetero.runtime.elastic.plans import live_applies
     from hetero.runtime.grads import param_holders
     from hetero.runtime.launcher import RankFailure, prepare, run
     from hetero.specs.io import write_text_atomic
@@ -121,7 +81,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     summary = None
     watch = None
     if cluster_path:
-        from hetero.runtime.cluster_watch import ClusterWatch
+        from hetero.runtime.elastic.watch import ClusterWatch
 
         watch = ClusterWatch(cluster_path, cluster, model, plan, print_fn=print_fn).start()
     try:
@@ -142,7 +102,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             k += 1
             try:
                 why_not_live = live_applies(attempt.plan, opts, launch)
-                if why_not_live is None:   # survivors reshard in-process (hetero.runtime.elastic_live)
+                if why_not_live is None:   # survivors reshard in-process (hetero.runtime.elastic.live)
                     now = LiveRun(launch, attempt.cluster, model, attempt.plan, reconfigurations, print_fn,
                                   on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
                                   else None, watch=watch).run()
@@ -213,32 +173,6 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
             shutil.rmtree(base, ignore_errors=True)
 
 
-def reconfiguration_table(reconfigurations: list[dict]):
-    """A rich table of an elastic run's reconfigurations (the summary's entries): when, why, the
-    world sizes, and the downtime split."""
-    from rich.table import Table
-
-    table = Table(title="reconfigurations")
-    for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
-                 "event -> first step s", "transfer s (predicted)", "MB moved", "new plan predicted tok/s"):
-        table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
-
-    for rc in reconfigurations:
-        table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
-                      f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", seconds_cell(rc.get("handoff_time_s")),
-                      seconds_cell(rc.get("replan_time_s")), seconds_cell(rc.get("restart_time_s")), seconds_cell(rc.get("reshard_time_s")),
-                      # in-process reshards: the measured transfer beside the predictor's
-                      f"{seconds_cell(rc.get('transfer_s'))} ({seconds_cell(rc.get('predicted_downtime_s'))})",
-                      "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
-                      f"{rc['predicted_tokens_per_s']:,.0f}")
-    return table
-
-
-def seconds_cell(v: float | None) -> str:
-    """A duration for the reconfiguration table and messages: two decimals, '-' where there is none."""
-    return "-" if v is None else f"{v:.2f}"
-
-
 def _failed_attempt_trace(run_dir: str, layout, path: str) -> None:
     """A failed attempt's trace from the events its survivors handed off (none from lost ranks)."""
     from hetero.runtime.handoff import Survivors
@@ -282,7 +216,7 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
     who = "; ".join(describe_rank(i) for i in lost)
     reason = f"{who} {failure.reason}"
     print_fn(f"elastic: {reason}")
-    _refuse_lost_slices(attempt.plan, reason)
+    refuse_lost_slices(attempt.plan, reason)
     step, ckpt, handed_at = _hand_over(attempt, layout, holders, done, base, k, reason, failure.time, print_fn)
     cluster = without_devices(attempt.cluster, lost)
     result = replan(cluster, model, attempt.plan)
@@ -295,7 +229,7 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
 
 
 def _reconfigure(change, launch, attempt, holders, done, reconfigurations, total, base, k, print_fn):
-    """Every rank paused for a change of the cluster file (:mod:`hetero.runtime.cluster_watch`), with
+    """Every rank paused for a change of the cluster file (:mod:`hetero.runtime.elastic.watch`), with
     its new plan already made: hand off and prepare the next attempt (None when no step is left)."""
     layout = launch.layout
     with open(os.path.join(attempt.run_dir, "rank0.paused")) as f:

@@ -1,23 +1,24 @@
 """A worker's side of an in-process elastic reconfiguration: survive a lost peer and train on.
 
 ``hetero launch --elastic`` (native engine, one launching machine) starts every
-worker itself, with the port of the launcher's coordinator store in :data:`RECONFIG_ENV`
-(:mod:`hetero.runtime.elastic_live`). The worker then forms its first world on that store
+worker itself, with the port of the launcher's coordinator store in :data:`~.protocol.RECONFIG_ENV`
+(:mod:`hetero.runtime.elastic.live`). The worker then forms its first world on that store
 (generation 0, :meth:`LiveReconfig.first_world`) instead of torchrun's, and when a step fails
 because a peer's process ended, :meth:`LiveReconfig.recover`
 
 1. reads its live state as regions of the virtual parameter space (no copy),
-2. drops the broken world: first its connections are broken (:mod:`~.sockets`), so the peers
-   blocked on this rank wake at once, then the unified communicator, every process group and the
-   DTensor mesh are released,
+2. drops the broken world: first its connections are broken
+   (:mod:`~hetero.runtime.reshard.sockets`), so the peers blocked on this rank wake at once, then
+   the unified communicator, every process group and the DTensor mesh are released,
 3. checks in with the coordinator, takes its decision and exchanges the intersections
    (:func:`hetero.runtime.reshard.live.reconfigure`) in the new generation's world,
 4. when the new plan leaves it out: it has served its state and leaves (``recover`` returns False);
    else, when others leave, the members form a world of their own,
 5. rebuilds everything the new plan gives it: the run context (rank, stage, layers, tp degree),
    the communicator with its vendor groups, host bridge, holder and peer sets, the tp mesh, the
-   stage module and AdamW around the exchanged tensors (:func:`~.transfer.rebuild_stage`), and the
-   engine (buckets, schedule, data slice),
+   stage module and AdamW around the exchanged tensors
+   (:func:`~hetero.runtime.reshard.transfer.rebuild_stage`), and the engine (buckets, schedule,
+   data slice),
 
 and the trainer goes on from the step the state is at, with the same global batch and the same
 global sample indices, so the losses are those of a run that lost nothing. What each phase took
@@ -25,12 +26,12 @@ is put in the store for the launcher's ``reconfigurations`` entry.
 
 ZeRO (``zero_stage`` 1 or 2: each rank keeps AdamW state for a slice of each holder set only). At a
 pause every rank is alive, so after the decision each gathers its stage's moments (and a bf16
-model's fp32 masters) whole with a collective in the old world (:func:`~.transfer.sharded_live_state`):
-its live state is then what a ``zero_stage: 0`` rank holds, and the exchange is unchanged. Where the
+model's fp32 masters) whole with a collective in the old world
+(:func:`~hetero.runtime.reshard.transfer.sharded_live_state`): its live state is then what a ``zero_stage: 0`` rank holds, and the exchange is unchanged. Where the
 new plan shards too, the rebuilt engine's optimizer takes its slices of the exchanged states as
 from a checkpoint. After a lost peer no gather is possible (it would wait on the lost rank): the
 survivors serve nothing and take their state from the last checkpoint, which the launcher names
-(:mod:`hetero.runtime.elastic_live`).
+(:mod:`hetero.runtime.elastic.live`).
 """
 from __future__ import annotations
 
@@ -41,21 +42,16 @@ import math
 import os
 import time
 
-RECONFIG_ENV = "HETERO_RECONFIG_PORT"
-"""The coordinator store's port (127.0.0.1): set by the launcher for the in-process path."""
+from hetero.runtime.elastic.protocol import (PEER_LOST_SIGNAL, RECONFIG_ENV, generation_dir, history_key, prepare_key,
+                                             prepared_key, root_run_dir, timing_key)
+
 FAIL_IN_RESHARD_ENV = "HETERO_TEST_FAIL_IN_RESHARD"
 """Testing: ``<rank>``: that rank (its rank before the reconfiguration) exits hard right after
 checking in, so a peer is lost during the reshard itself."""
 
 
-PEER_LOST_SIGNAL = "SIGUSR1"
-"""The signal the launcher sends every survivor the moment it sees a worker's process end: a
-survivor in the middle of its pipeline schedule (compute for seconds before its next operation with
-the lost rank) stops there instead of finishing it (see :meth:`LiveReconfig.watch`)."""
-
-
 WAKE_GRACE_S = 0.05
-"""How long the main thread has to take :data:`PEER_LOST_SIGNAL` itself before its connections are
+"""How long the main thread has to take :data:`~.protocol.PEER_LOST_SIGNAL` itself before its connections are
 broken under it (it is then blocked in a collective). The waker looks every millisecond whether the
 handler ran, so a main thread that takes the signal at once keeps them until it drops its world;
 one inside a long computation loses them, harmlessly (its next operation on a group fails, as it
@@ -64,10 +60,6 @@ would anyway)."""
 
 class PeerLost(RuntimeError):
     """Raised in the schedule when the launcher says a peer's process ended."""
-
-
-def timing_key(gen: int, me: int) -> str:
-    return f"hetero/reconfig/gen{gen}/timing/{me}"
 
 
 def exchanged_key(gen: int, rank: int) -> str:
@@ -101,7 +93,7 @@ class LiveReconfig:
     @classmethod
     def from_env(cls, rank: int, world: int, timeout_s: float) -> "LiveReconfig | None":
         """The worker's link when the launcher runs the in-process path (else None); from here on
-        :data:`PEER_LOST_SIGNAL` stops the schedule instead of ending the process."""
+        :data:`~.protocol.PEER_LOST_SIGNAL` stops the schedule instead of ending the process."""
         port = os.environ.get(RECONFIG_ENV)
         if not port:
             return None
@@ -116,10 +108,10 @@ class LiveReconfig:
     """Set once this rank left the training loop for a reconfiguration."""
 
     def _start_waker(self) -> None:
-        """A thread that sees :data:`PEER_LOST_SIGNAL` even while the main thread is blocked inside a
+        """A thread that sees :data:`~.protocol.PEER_LOST_SIGNAL` even while the main thread is blocked inside a
         Gloo operation on a survivor (Python runs a signal's handler only between bytecodes): when
         the main thread has not taken the signal within :data:`WAKE_GRACE_S`, it breaks this rank's
-        connections (:func:`~.sockets.break_connections`), so the blocked operation fails at once
+        connections (:func:`~hetero.runtime.reshard.sockets.break_connections`), so the blocked operation fails at once
         instead of at the group's timeout (Gloo's abort does not end it)."""
         import signal
         import threading
@@ -187,7 +179,7 @@ class LiveReconfig:
             raise PeerLost("a peer's process ended (the launcher said so)")
 
     def watch(self, trainer) -> None:
-        """Let :data:`PEER_LOST_SIGNAL` stop ``trainer``'s step anywhere but in its optimizer update;
+        """Let :data:`~.protocol.PEER_LOST_SIGNAL` stop ``trainer``'s step anywhere but in its optimizer update;
         and work out now, not in the downtime, the regions this rank holds."""
         from hetero.runtime.reshard.space import ParameterSpace
 
@@ -238,7 +230,7 @@ class LiveReconfig:
 
     prepared: tuple[int, bytes, dict] | None = None
     """(generation, the announcement, state tensors) allocated and touched ahead for the regions this
-    rank will hold after a change the launcher announced (:func:`~.elastic_join.prepare_key`)."""
+    rank will hold after a change the launcher announced (:func:`~.protocol.prepare_key`)."""
 
     def prepare_ahead(self, trainer) -> None:
         """At a step boundary (a hook of the worker's trainer): when the launcher announced the plan
@@ -246,15 +238,12 @@ class LiveReconfig:
         while training goes on, so that the exchange copies into mapped memory, not fresh pages that
         fault on their first write. A change replaced before the pause is announced again, and
         prepared again."""
-        from hetero.runtime.elastic_join import prepare_key, prepared_key
-
         key = prepare_key(self.gen + 1, self.rank)
         if not self.store.check([key]):
             return
         told = self.store.get(key)
         if self.prepared is not None and self.prepared[:2] == (self.gen + 1, told):
             return
-        from hetero.runtime.reshard.join import regions_in
         from hetero.runtime.reshard.transfer import prepare_regions
         from hetero.runtime.spec import RunSpec
 
@@ -355,8 +344,7 @@ class LiveReconfig:
 
     def _leave_history(self, trainer, gen: int) -> None:
         """Rank 0, before checking in under ``gen``: the results so far, where the run ends and the fp16
-        loss scale, for processes that join (:mod:`hetero.runtime.reshard.join`)."""
-        from hetero.runtime.elastic_join import history_key
+        loss scale, for processes that join (:mod:`hetero.runtime.elastic.joining`)."""
 
         if self.rank == 0:
             engine = trainer.engine
@@ -391,8 +379,8 @@ class LiveReconfig:
     """A ZeRO rank's live state, gathered in :meth:`pause` for the :meth:`recover` that follows."""
 
     def _live(self, trainer) -> dict:
-        """This rank's live state as regions (:func:`~.transfer.live_state`); a ZeRO rank's gathered
-        whole (:func:`~.transfer.sharded_live_state`, a collective)."""
+        """This rank's live state as regions (:func:`~hetero.runtime.reshard.transfer.live_state`); a
+        ZeRO rank's gathered whole (:func:`~hetero.runtime.reshard.transfer.sharded_live_state`, a collective)."""
         from hetero.runtime.reshard.transfer import live_state, sharded_live_state
 
         engine = trainer.engine
@@ -452,7 +440,7 @@ class LiveReconfig:
             _leave_trace(trainer, gen, me)
             return False
         members_world(self.store, gen, place, self.timeout_s)
-        self._adopt(trainer, place, scale)   # the old stage and optimizer are dropped here
+        self.adopt(trainer, place, scale)   # the old stage and optimizer are dropped here
         if trainer.ctx.device.type == "cpu":   # what is left of an old tensor kept as a view
             from hetero.runtime.host_memory import release_unused_pages
 
@@ -465,7 +453,7 @@ class LiveReconfig:
         self.store.set(timing_key(gen, me), json.dumps(timing))
         return True
 
-    def _adopt(self, trainer, place, scale) -> None:
+    def adopt(self, trainer, place, scale) -> None:
         """``trainer`` rebuilt for ``place`` (its rank in the new plan, the exchanged state)."""
         from hetero.runtime.collectives import Collectives
         from hetero.runtime.engine import NativeEngine, RunContext
@@ -475,7 +463,7 @@ class LiveReconfig:
         old = trainer.ctx
         layout, rank = place.layout, place.rank
         opts = dataclasses.replace(old.options, inject_failure=None, load=None,
-                                   run_dir=os.path.join(_root_run_dir(old.options.run_dir), f"gen{self.gen}"))
+                                   run_dir=generation_dir(old.options.run_dir, self.gen))
         os.makedirs(opts.run_dir, exist_ok=True)
         spec = RunSpec(cluster=place.cluster, model=old.spec.model, plan=place.plan.to_dict(),
                        layout=[r.to_dict() for r in layout.ranks],
@@ -520,12 +508,6 @@ def import_training_modules() -> None:
     import hetero.runtime.zero  # noqa: F401
 
 
-def _root_run_dir(run_dir: str) -> str:
-    """The run directory of generation 0 (later generations' are ``gen<g>`` inside it)."""
-    base = os.path.basename(run_dir.rstrip(os.sep))
-    return os.path.dirname(run_dir.rstrip(os.sep)) if base.startswith("gen") and base[3:].isdigit() else run_dir
-
-
 def _leave_trace(trainer, gen: int, rank: int) -> None:
     """With ``--trace``: this process's events so far, for the launcher's merged trace (the new plan
     left it out, so the final ranks' trace at the end cannot have them)."""
@@ -537,7 +519,7 @@ def _leave_trace(trainer, gen: int, rank: int) -> None:
 
     events = [[] for _ in trainer.ctx.layout.ranks]
     events[rank] = list(trainer.state.events)
-    path = os.path.join(_root_run_dir(opts.run_dir), LEFT_PART.format(gen=gen, rank=rank))
+    path = os.path.join(root_run_dir(opts.run_dir), LEFT_PART.format(gen=gen, rank=rank))
     write_text_atomic(path, json.dumps(trace_dict(trainer.ctx.layout, events, ranks=[rank])), "--trace")
 
 
@@ -592,3 +574,12 @@ def _drop_world(trainer) -> list:
             pass
     gc.collect()
     return groups
+
+
+def regions_in(space, spec, rank: int) -> dict:
+    """The regions rank ``rank`` of the plan in ``spec`` (a run file) holds: name -> box."""
+    import hetero
+    from hetero.layout import build_layout
+
+    plan = hetero.load_plan(spec.plan)
+    return space.rank_regions(plan, build_layout(hetero.load_cluster(spec.cluster), plan).ranks[rank])

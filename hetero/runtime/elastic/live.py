@@ -9,7 +9,7 @@ never holds a tensor; it watches the same processes for the whole run.
 When a rank's process ends (a failure, ``--inject-failure``, a kill):
 
 1. *detect*: the survivors' next operation with it fails; each reads its live state and checks in
-   under the next generation (:mod:`hetero.runtime.reshard.resume`); the launcher waits for every
+   under the next generation (:mod:`hetero.runtime.elastic.reconfig`); the launcher waits for every
    process still alive (one silent past the timeout is lost too, and ended);
 2. *agree and replan*: the plan for the remaining devices (made for every single loss while the
    first steps trained, so a loss is a look-up), the members and their new ranks (a survivor keeps
@@ -29,83 +29,28 @@ Where no survivor holds a region (a stage without a replica) the ranks go on fro
 run was ``--load``-ed from or the ``--save`` directory, if one is there, and the lost steps are
 printed; without one the run ends naming the layers. A ZeRO plan (``zero_stage`` 1 or 2) keeps each
 optimizer slice on one rank: a change of the cluster file is resharded in-process (every rank gathers
-its stage's moments whole before the exchange, :meth:`~hetero.runtime.reshard.resume.LiveReconfig.pause`),
+its stage's moments whole before the exchange, :meth:`~hetero.runtime.elastic.reconfig.LiveReconfig.pause`),
 but after a lost rank the survivors' slices cannot be made whole, so the ranks go on from that
 checkpoint, or the run ends naming the fix.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 from hetero.errors import HeteroError
+from hetero.runtime.elastic.plans import Ahead, Generation, assign_ranks
+from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
+from hetero.runtime.elastic.processes import start_worker
+from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, generation_dir, timing_key
+from hetero.runtime.elastic.report import seconds_cell
+from hetero.runtime.launcher import LaunchError, catch_termination, send_signal
 
 STEP_POLL_S = 0.005
-
-
-def live_applies(plan, options, launch) -> str | None:
-    """None when a lost device is survived in-process; else why not (printed once: the disk
-    handoff and a restart are used instead)."""
-    if options.engine != "native":
-        return f"--engine {options.engine}"
-    if not launch.local:
-        return "node slots on other machines"
-    return None
-
-
-def keep_devices(old, new, survivors: list[int]) -> dict[int, int]:
-    """Old rank -> new rank for the ranks that keep their device: the n-th survivor of a group takes
-    the n-th rank the new layout puts on that group (survivors past those are left out)."""
-    by_group: dict[str, list[int]] = {}
-    for info in new.ranks:
-        by_group.setdefault(info.group, []).append(info.rank)
-    seen: dict[str, int] = {}
-    members = {}
-    for r in sorted(survivors):
-        g = old.ranks[r].group
-        k = seen.get(g, 0)
-        seen[g] = k + 1
-        if k < len(by_group.get(g, [])):
-            members[r] = by_group[g][k]
-    return members
-
-
-def assign_ranks(old, new, survivors: list[int]) -> dict[int, int]:
-    """Old rank -> new rank: a survivor keeps its device (:func:`keep_devices`), and every rank of
-    the new layout must be a survivor's."""
-    members = keep_devices(old, new, survivors)
-    if sorted(members.values()) != list(range(len(new.ranks))):
-        raise HeteroError(f"elastic: the new plan's {len(new.ranks)} ranks do not map onto the survivors' devices")
-    return members
-
-
-@dataclasses.dataclass
-class Generation:
-    """The plan the workers run now."""
-
-    cluster: object
-    plan: object
-    layout: object
-    run_dir: str
-    procs: dict   # rank -> Popen
-
-
-@dataclasses.dataclass
-class _Ahead:
-    cluster: object
-    result: object
-    layout: object
-    transition: object = None
-    """The transition when every other rank survives (made ahead with the plan)."""
-    survivors: tuple = ()
-    members: dict = dataclasses.field(default_factory=dict)
-    """Old rank -> its rank in this plan (the survivors it keeps)."""
 
 
 class LiveRun:
@@ -123,31 +68,23 @@ class LiveRun:
         self.now = Generation(cluster, plan, launch.layout, self.options.run_dir, {})
         self.leaving: list = []
         self.lost_procs: list = []
-        self._ahead: dict[frozenset, _Ahead] = {}
+        self._ahead: dict[frozenset, Ahead] = {}
         self._pending: dict | None = None
         self._plan_after_reshard = False
         self.joiners = None
         if watch is not None:   # devices that join get their processes before the ranks pause
-            from hetero.runtime.elastic_join import Joiners
+            from hetero.runtime.elastic.joiners import Joiners
 
             self.joiners = Joiners(self)
             watch.set_hold(self.joiners.holds)
 
     # ---------------------------------------------------------------- processes
     def start(self) -> None:
-        from hetero.runtime.launcher import WORKER_MODULE
-        from hetero.runtime.lifeline import child_env
-        from hetero.runtime.reshard.resume import RECONFIG_ENV
-
         world = self.launch.layout.world_size
         for cmd in self.launch.nodes:
             for local in range(cmd.num_ranks):
-                rank = cmd.first_rank + local
-                env = {**os.environ, **cmd.env, "LOCAL_RANK": str(local), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(cmd.num_ranks),
-                       RECONFIG_ENV: str(self.coordinator.port), **child_env()}
-                argv = [sys.executable, "-m", WORKER_MODULE, "--spec", self.launch.spec_path, *self.options.extra]
-                self.now.procs[rank] = subprocess.Popen(argv, env=env, start_new_session=True)
+                self.now.procs[cmd.first_rank + local] = start_worker(
+                    cmd, local, world, self.launch.spec_path, self.options.extra, self.coordinator.port)
         threading.Thread(target=self._plan_ahead, daemon=True).start()
 
     def _plan_ahead(self) -> None:
@@ -161,7 +98,7 @@ class LiveRun:
                 ahead = self._replan({info.rank}, now)
                 survivors = [r for r in range(now.layout.world_size) if r != info.rank]
                 members = assign_ranks(now.layout, ahead.layout, survivors)
-                ahead.transition = self._transition(now, ahead, members, survivors)
+                ahead.transition = self.transition(now, ahead, members, survivors)
                 ahead.survivors, ahead.members = tuple(survivors), members
                 table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
@@ -191,7 +128,7 @@ class LiveRun:
     def _publish_reserves(self, gen: int, now, aheads: list) -> None:
         """Tell each rank of generation ``gen`` the most state its exchange allocates over the single
         losses planned ahead, for it to keep that much host memory mapped while it trains
-        (:meth:`hetero.runtime.reshard.resume.LiveReconfig.reserve_ahead`)."""
+        (:meth:`hetero.runtime.elastic.reconfig.LiveReconfig.reserve_ahead`)."""
         from hetero.runtime.reshard.live import reserve_key
         from hetero.runtime.reshard.transfer import reserve_bytes
 
@@ -221,13 +158,13 @@ class LiveRun:
             self.watch.set_hold(None)
         for p in procs:
             if p.poll() is None:
-                _signal(p.pid, signal.SIGTERM)
+                send_signal(p.pid, signal.SIGTERM)
         deadline = time.time() + grace_s
         while time.time() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.02)
         for p in procs:
             if p.poll() is None:
-                _signal(p.pid, signal.SIGKILL)
+                send_signal(p.pid, signal.SIGKILL)
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -238,9 +175,7 @@ class LiveRun:
     def run(self) -> Generation:
         """Until every worker of the current plan exited (finished or paused for a cluster change);
         raises HeteroError when the run cannot go on."""
-        from hetero.runtime.launcher import LaunchError, _catch_termination
-
-        previous = _catch_termination()
+        previous = catch_termination()
         try:
             self.start()
             while True:
@@ -287,10 +222,8 @@ class LiveRun:
 
     # ---------------------------------------------------------------- a lost device
     def _recover(self, lost: list[tuple[int, dict | None]]) -> None:
-        from hetero.runtime.elastic import MAX_RECONFIGURATIONS
-        from hetero.runtime.handoff import _layer_of
-        from hetero.runtime.launcher import LaunchError
-        from hetero.runtime.reshard.live import _key
+        from hetero.runtime.handoff import layer_of
+        from hetero.runtime.reshard.live import alive_key
         from hetero.runtime.spec import describe_rank
 
         now = self.now
@@ -315,8 +248,8 @@ class LiveRun:
         while waiting:
             for r in list(waiting):
                 p = now.procs[r]
-                if store.check([_key(gen, f"alive/{r}")]):
-                    got[r] = json.loads(store.get(_key(gen, f"alive/{r}")))
+                if store.check([alive_key(gen, r)]):
+                    got[r] = json.loads(store.get(alive_key(gen, r)))
                     waiting.remove(r)
                 elif p.poll() is not None:
                     report = self._report(r)
@@ -327,7 +260,7 @@ class LiveRun:
                     waiting.remove(r)
             if waiting and time.monotonic() > deadline:
                 for r in waiting:   # silent past the timeout: lost, and ended
-                    _signal(now.procs[r].pid, signal.SIGKILL)
+                    send_signal(now.procs[r].pid, signal.SIGKILL)
                     lost_ranks.add(r)
                 self.print_fn(f"elastic: {'; '.join(describe_rank(now.layout.ranks[r]) for r in waiting)} did not "
                               f"check in within {self.options.timeout_s:g} s: lost too")
@@ -352,18 +285,16 @@ class LiveRun:
         members = assign_ranks(now.layout, ahead.layout, survivors)
         checkpoint = self._checkpoint()
         if lost_slices and not checkpoint:
-            from hetero.runtime.elastic import _refuse_lost_slices
-
-            _refuse_lost_slices(now.plan, reason)
+            refuse_lost_slices(now.plan, reason)
         transition = (ahead.transition if ahead.survivors == tuple(survivors)
-                      else self._transition(now, ahead, members, survivors))
+                      else self.transition(now, ahead, members, survivors))
         if transition.missing and not checkpoint:
             names = sorted({reg.name for _, reg in transition.missing})
             region = next((reg for _, reg in transition.missing if reg.name.startswith("layers.")),
                           transition.missing[0][1])
             holders = [i for i in now.layout.ranks if region.name in self._space().rank_regions(now.plan, i)]
             where = "; ".join(describe_rank(i) for i in holders[:3])
-            raise HeteroError(f"elastic: no surviving rank holds a whole copy of {_layer_of(region.name)} "
+            raise HeteroError(f"elastic: no surviving rank holds a whole copy of {layer_of(region.name)} "
                               f"({region.name}; {len(names)} parameter(s) in all), held only by {where}: "
                               f"the live state cannot be rebuilt (fix: a plan whose stages have data-parallel "
                               f"replicas, 'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
@@ -387,23 +318,24 @@ class LiveRun:
               "plan": ahead.result.plan.to_dict(), "predicted_tokens_per_s": ahead.result.tokens_per_s,
               "path": "in-process", "transport": transport, "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(now, transition, members, survivors)}
-        self._switch(rc, gen, survivors, members, lost_ranks, ahead)
+        self.switch(rc, gen, survivors, members, lost_ranks, ahead)
 
-    def _switch(self, rc: dict, gen: int, survivors: list[int], members: dict, lost_ranks, ahead) -> None:
-        """Record ``rc`` and make generation ``gen`` (``ahead``'s plan, ``members``' processes) current."""
+    def switch(self, rc: dict, gen: int, survivors: list[int], members: dict, lost_ranks, ahead, joiners=()) -> None:
+        """Record ``rc`` and make generation ``gen`` (``ahead``'s plan, ``members``' processes) current;
+        ``joiners``: the ids of processes that joined in it (their timings are waited for too)."""
         now = self.now
         self.reconfigurations.append(rc)
         self._pending = {"rc": rc, "gen": gen, "survivors": survivors, "decided": rc["_launched_at"],
-                         "pids": {r: now.procs[r].pid for r in survivors}}
+                         "pids": {r: now.procs[r].pid for r in survivors}, "joiners": list(joiners)}
         # the processes of the new plan: the same ones, under their new ranks
         for r in lost_ranks:
             if now.procs[r].poll() is None:
-                _signal(now.procs[r].pid, signal.SIGKILL)
+                send_signal(now.procs[r].pid, signal.SIGKILL)
             self.lost_procs.append(now.procs[r])
         self.leaving += [now.procs[r] for r in survivors if r not in members]
         self.gen_no = gen
-        self.now = Generation(ahead.cluster, ahead.result.plan, ahead.layout, os.path.join(
-            self.options.run_dir, f"gen{gen}"), {members[r]: now.procs[r] for r in members})
+        self.now = Generation(ahead.cluster, ahead.result.plan, ahead.layout, generation_dir(self.options.run_dir, gen),
+                              {members[r]: now.procs[r] for r in members})
         os.makedirs(self.now.run_dir, exist_ok=True)
         self._ahead = {}
         self._plan_after_reshard = True   # not now: the planner would take a core from the exchange
@@ -413,11 +345,11 @@ class LiveRun:
     # ---------------------------------------------------------------- a change of the cluster file
     def _paused_all(self) -> bool:
         """Whether every rank paused for a pending change of the cluster file and checked in."""
-        from hetero.runtime.reshard.live import _key
+        from hetero.runtime.reshard.live import alive_key
 
         if self.watch is None or self.watch.pending is None:
             return False
-        return self.coordinator.store.check([_key(self.gen_no + 1, f"alive/{r}") for r in self.now.procs])
+        return self.coordinator.store.check([alive_key(self.gen_no + 1, r) for r in self.now.procs])
 
     def _reshape(self) -> None:
         """Every rank paused at a step boundary for the pending change: devices that leave (the new
@@ -426,12 +358,12 @@ class LiveRun:
         is answered with a handoff: the ranks write their state and exit, and the launch restarts on
         the new plan (:mod:`hetero.runtime.elastic`)."""
         from hetero.layout import build_layout
-        from hetero.runtime.reshard.live import _key, choose_transport, decision_for
+        from hetero.runtime.reshard.live import alive_key, choose_transport, decision_for
 
         now, gen, store = self.now, self.gen_no + 1, self.coordinator.store
         change = self.watch.pending
         ranks = sorted(now.procs)
-        got = {r: json.loads(store.get(_key(gen, f"alive/{r}"))) for r in ranks}
+        got = {r: json.loads(store.get(alive_key(gen, r))) for r in ranks}
         checked_in = time.time()
         step = max(g["applied_step"] for g in got.values())
         layout = build_layout(change.cluster, change.result.plan)
@@ -447,8 +379,8 @@ class LiveRun:
             self.gen_no = gen
             return
         self.watch.take()
-        ahead = _Ahead(change.cluster, change.result, layout)
-        transition = self._transition(now, ahead, members, ranks)
+        ahead = Ahead(change.cluster, change.result, layout)
+        transition = self.transition(now, ahead, members, ranks)
         transport = choose_transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
@@ -465,27 +397,25 @@ class LiveRun:
               "plan": change.result.plan.to_dict(), "predicted_tokens_per_s": change.result.tokens_per_s,
               "path": "in-process", "transport": transport, "intersection_bytes": transition.intersection_bytes,
               "predicted_downtime_s": self._predict(now, transition, members, ranks)}
-        self._switch(rc, gen, ranks, members, set(), ahead)
+        self.switch(rc, gen, ranks, members, set(), ahead)
 
     def _stop_schedules(self, lost) -> None:
-        """Tell every other worker at once that a peer is lost (:data:`~.reshard.resume.PEER_LOST_SIGNAL`):
+        """Tell every other worker at once that a peer is lost (:data:`~.protocol.PEER_LOST_SIGNAL`):
         one in the middle of its schedule stops there, instead of computing the rest of the step
         before its next operation with the lost rank fails."""
-        from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL
-
         gone = {r for r, _ in lost}
         for r, p in self.now.procs.items():
             if r not in gone and p.poll() is None:
-                _signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+                send_signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
 
-    def _replan(self, lost_ranks, now=None) -> _Ahead:
+    def _replan(self, lost_ranks, now=None) -> Ahead:
         """The planner's best plan on the devices left; when it puts ranks on devices that run no
         process (idle under the plan before), the plan for the survivors' devices alone: the
         survivors carry on in their processes, and nothing new is started after a failure."""
         from types import SimpleNamespace
 
         from hetero.layout import build_layout
-        from hetero.runtime.elastic import replan, without_devices
+        from hetero.specs.cluster import without_devices
 
         now = now or self.now
         left = without_devices(now.cluster, [now.layout.ranks[r] for r in sorted(lost_ranks)])
@@ -504,7 +434,7 @@ class LiveRun:
             left = without_devices(left, idle)
             result = replan(left, self.model, now.plan)
             layout = build_layout(left, result.plan)
-        return _Ahead(left, result, layout)
+        return Ahead(left, result, layout)
 
     def _space(self):
         from hetero.runtime.reshard.space import ParameterSpace
@@ -513,7 +443,7 @@ class LiveRun:
             self._space_cache = ParameterSpace(self.model)
         return self._space_cache
 
-    def _transition(self, now, ahead, members, survivors):
+    def transition(self, now, ahead, members, survivors):
         """The transition exactly as the workers compute it (:func:`hetero.runtime.reshard.live.reconfigure`)."""
         from hetero.runtime.reshard.live import exchange_ranks, transition_between
 
@@ -541,14 +471,11 @@ class LiveRun:
 
     def _collect_timings(self, wait_s: float = 0.0) -> None:
         """The pending reconfiguration's per-survivor timings, once every survivor put them in the store."""
-        from hetero.runtime.elastic import seconds_cell
-        from hetero.runtime.reshard.resume import timing_key
-
         pend = self._pending
         if pend is None:
             return
         store = self.coordinator.store
-        keys = [timing_key(pend["gen"], r) for r in pend["survivors"] + pend.get("joiners", [])]
+        keys = [timing_key(pend["gen"], r) for r in pend["survivors"] + pend["joiners"]]
         deadline = time.monotonic() + wait_s
         while not store.check(keys):
             if time.monotonic() >= deadline:
@@ -578,10 +505,3 @@ class LiveRun:
         if self._plan_after_reshard:
             self._plan_after_reshard = False
             threading.Thread(target=self._plan_ahead, daemon=True).start()
-
-
-def _signal(pid: int, sig) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass

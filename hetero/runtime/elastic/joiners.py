@@ -1,26 +1,26 @@
 """Devices that join an in-process elastic run: their processes start while training goes on.
 
 When the ``--cluster`` file grows and the new plan puts ranks on devices that run no process, the
-launcher's :class:`~hetero.runtime.elastic_live.LiveRun` holds the pause request back
-(:attr:`hetero.runtime.cluster_watch.ClusterWatch.hold`) and :class:`Joiners`
+launcher's :class:`~hetero.runtime.elastic.live.LiveRun` holds the pause request back
+(:attr:`hetero.runtime.elastic.watch.ClusterWatch.hold`) and :class:`Joiners`
 
-1. starts one worker per new rank at once, with the coordinator's port and :data:`JOIN_ENV`
+1. starts one worker per new rank at once, with the coordinator's port and :data:`~.protocol.JOIN_ENV`
    (``<generation>:<id>``; the id is the new rank plus the old world size, so it never meets an old
    rank). Each imports what it will need, connects to the store, allocates and touches the regions
-   the new plan gives it, and checks in as ready (:func:`ready_key`) while the running ranks keep
-   training; the running ranks are told the new plan too (:func:`prepare_key`) and prepare their
+   the new plan gives it, and checks in as ready (:func:`~.protocol.ready_key`) while the running ranks keep
+   training; the running ranks are told the new plan too (:func:`~.protocol.prepare_key`) and prepare their
    new regions the same way at their next step boundary, so no rank's exchange writes into memory
    mapped in the downtime;
 2. once every joiner is ready and every running rank prepared (or :data:`PREPARE_WAIT_S` passed),
    asks the ranks to pause at the next step boundary (the request file
-   of :mod:`~hetero.runtime.cluster_watch`); the pause-request -> first-step time then covers only
+   of :mod:`~hetero.runtime.elastic.watch`); the pause-request -> first-step time then covers only
    the step under way, agree, regroup, transfer and rebuild, not the joiners' start-up. A lone rank
    is stopped at once instead (the launcher's signal, as after a failure): the step under way is
    trained again under the new plan;
 3. when every rank paused, publishes the decision: the running ranks keep their devices (the n-th
    of a group takes the new plan's n-th rank there), the joiners take the ranks left, and all of
    them reshard in-process as after a failure, the joiners holding no state
-   (:func:`hetero.runtime.reshard.join.join_run`).
+   (:func:`hetero.runtime.elastic.joining.join_run`).
 
 A joiner that dies before it is ready, or a change replaced meanwhile, drops the joiners: the
 pause is then asked for at once and the change goes through the handoff and a restart. The
@@ -31,44 +31,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 from hetero.errors import HeteroError
-from hetero.runtime.elastic_live import _signal, keep_devices
-
-JOIN_ENV = "HETERO_JOIN"
-"""``<generation>:<id>``: set by the launcher for a worker that joins a running in-process run."""
-
-
-def ready_key(gen: int, me: int) -> str:
-    return f"hetero/reconfig/gen{gen}/joined/{me}"
-
-
-def prepare_key(gen: int, rank: int) -> str:
-    """Where a running rank finds, while it trains, the run file of the plan it will reshard into
-    and its rank there (it prepares its new regions as the joiners do theirs)."""
-    return f"hetero/reconfig/gen{gen}/prepare/{rank}"
-
-
-def prepared_key(gen: int, rank: int) -> str:
-    """Set by a running rank once its new regions are prepared (:func:`prepare_key`)."""
-    return f"hetero/reconfig/gen{gen}/prepared/{rank}"
-
+from hetero.runtime.elastic.plans import Ahead, keep_devices, live_applies
+from hetero.runtime.elastic.processes import start_worker
+from hetero.runtime.elastic.protocol import (JOIN_ENV, PEER_LOST_SIGNAL, generation_dir, prepare_key, prepared_key,
+                                             ready_key)
+from hetero.runtime.launcher import prepare, send_signal
 
 PREPARE_WAIT_S = 30.0
 """How long the pause waits, once every joiner is ready, for the running ranks to prepare their new
 regions (at their next step boundary); past it they pause unprepared (their exchange then maps its
 memory in the downtime)."""
-
-
-def history_key(gen: int) -> str:
-    """What the running rank 0 leaves for the joiners when it pauses: the step results so far, the
-    step the run ends at and the fp16 loss scale."""
-    return f"hetero/reconfig/gen{gen}/history"
 
 
 class Joiners:
@@ -120,24 +97,18 @@ class Joiners:
             watch.release()
             if len(run.now.procs) == 1:
                 # a lone rank agrees with no one: it stops at once (anywhere but in its optimizer update,
-                # :meth:`~hetero.runtime.reshard.resume.LiveReconfig.recover`) rather than at the end of the
+                # :meth:`~hetero.runtime.elastic.reconfig.LiveReconfig.recover`) rather than at the end of the
                 # step under way, which the new plan trains again; ranks that train together pause at a step
                 # boundary, which they all-reduce, so that they pause after the same update
-                from hetero.runtime.reshard.resume import PEER_LOST_SIGNAL
-
                 (p,) = run.now.procs.values()
                 if p.poll() is None:
-                    _signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+                    send_signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
 
     def id(self, new_rank: int) -> int:
         return self.run.now.layout.world_size + new_rank
 
     def _start(self, change) -> bool:
         from hetero.layout import build_layout
-        from hetero.runtime.elastic_live import live_applies
-        from hetero.runtime.launcher import WORKER_MODULE, prepare
-        from hetero.runtime.lifeline import child_env
-        from hetero.runtime.reshard.resume import RECONFIG_ENV
 
         run, now = self.run, self.run.now
         self.change, self.gen = change, run.gen_no + 1
@@ -150,8 +121,7 @@ class Joiners:
         opts = dataclasses.replace(run.options, inject_failure=None, load=None)
         try:
             launch = prepare(change.cluster, run.model, change.result.plan, opts,
-                             master_addr=run.launch.master_addr, run_dir=os.path.join(
-                                 _root(run.options.run_dir), f"gen{self.gen}"))
+                             master_addr=run.launch.master_addr, run_dir=generation_dir(run.options.run_dir, self.gen))
         except HeteroError as e:
             run.print_fn(f"elastic: the joining devices' processes cannot be started ({e}): the ranks hand off "
                          f"their state and every worker restarts")
@@ -167,12 +137,8 @@ class Joiners:
                 nr = cmd.first_rank + local
                 if nr not in joining:
                     continue
-                env = {**os.environ, **cmd.env, "LOCAL_RANK": str(local), "RANK": str(nr),
-                       "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(cmd.num_ranks),
-                       RECONFIG_ENV: str(run.coordinator.port), JOIN_ENV: f"{self.gen}:{self.id(nr)}",
-                       **child_env()}
-                argv = [sys.executable, "-m", WORKER_MODULE, "--spec", launch.spec_path, *opts.extra]
-                self.procs[nr] = subprocess.Popen(argv, env=env, start_new_session=True)
+                self.procs[nr] = start_worker(cmd, local, layout.world_size, launch.spec_path, opts.extra,
+                                              run.coordinator.port, {JOIN_ENV: f"{self.gen}:{self.id(nr)}"})
         for old, nr in members.items():   # the running ranks prepare their new regions while they train
             run.coordinator.store.set(prepare_key(self.gen, old), json.dumps({"spec": launch.spec_path, "rank": nr,
                                                                              "at": self.started_at}))
@@ -197,16 +163,15 @@ class Joiners:
 
     def switch(self, step: int, checked_in: float) -> None:
         """Every rank paused: publish the decision with the joiners' ranks and make the new plan current."""
-        from hetero.runtime.elastic_live import _Ahead
-        from hetero.runtime.reshard.live import _key, choose_transport, decision_for
+        from hetero.runtime.reshard.live import alive_key, choose_transport, decision_for
 
         run, now, change, gen = self.run, self.run.now, self.run.watch.take(), self.gen
         ranks = sorted(now.procs)
         members = {**self.members, **{self.id(nr): nr for nr in self.procs}}
-        ahead = _Ahead(change.cluster, change.result, self.layout)
-        transition = run._transition(now, ahead, members, ranks)
+        ahead = Ahead(change.cluster, change.result, self.layout)
+        transition = run.transition(now, ahead, members, ranks)
         store = run.coordinator.store   # the running ranks' check-ins say where their state is
-        transport = choose_transport({r: json.loads(store.get(_key(gen, f"alive/{r}"))) for r in ranks})
+        transport = choose_transport({r: json.loads(store.get(alive_key(gen, r))) for r in ranks})
         pids = {**{r: now.procs[r].pid for r in ranks}, **{self.id(nr): p.pid for nr, p in self.procs.items()}}
         run.coordinator.publish(gen, members, decision_for(
             run.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
@@ -229,8 +194,7 @@ class Joiners:
         for nr, p in self.procs.items():   # the new plan's processes: the running ones and the joiners
             now.procs[self.id(nr)] = p
         self.__init__(run)
-        run._switch(rc, gen, ranks, members, set(), ahead)
-        run._pending["joiners"] = joiners
+        run.switch(rc, gen, ranks, members, set(), ahead, joiners)
 
     def _predict(self, transition, members, survivors, cluster) -> float | None:
         from hetero.runtime.reshard.live import exchange_ranks
@@ -246,14 +210,8 @@ class Joiners:
             return None
 
 
-def _root(run_dir: str) -> str:
-    from hetero.runtime.reshard.resume import _root_run_dir
-
-    return _root_run_dir(run_dir)
-
-
 def _kill(p) -> None:
-    _signal(p.pid, signal.SIGKILL)
+    send_signal(p.pid, signal.SIGKILL)
     try:
         p.wait(timeout=5)
     except subprocess.TimeoutExpired:

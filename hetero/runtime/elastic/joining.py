@@ -1,7 +1,7 @@
 """A worker that joins a running in-process elastic run (a device added to the ``--cluster`` file).
 
-The launcher starts it with :data:`~hetero.runtime.elastic_join.JOIN_ENV` while the running ranks
-train (:mod:`hetero.runtime.elastic_join`). :func:`join_run`
+The launcher starts it with :data:`~.protocol.JOIN_ENV` while the running ranks train
+(:mod:`hetero.runtime.elastic.joiners`). :func:`join_run`
 
 1. imports everything the reshard and training need and works out the parameter space, then checks
    in as ready (the launcher asks the running ranks to pause only once every joiner did);
@@ -9,7 +9,7 @@ train (:mod:`hetero.runtime.elastic_join`). :func:`join_run`
    and takes part in the exchange as a member that holds no state
    (:func:`hetero.runtime.reshard.live.reconfigure` with nothing live);
 3. builds its trainer for its new rank around what it received, as a survivor rebuilds its own
-   (:meth:`~hetero.runtime.reshard.resume.LiveReconfig._adopt`), with the step results so far from
+   (:meth:`~hetero.runtime.elastic.reconfig.LiveReconfig.adopt`), with the step results so far from
    the running rank 0, and trains on with the others from the step the state is at.
 """
 from __future__ import annotations
@@ -19,19 +19,20 @@ import json
 import os
 import time
 
+from hetero.runtime.elastic.protocol import JOIN_ENV, history_key, ready_key, timing_key
+
 
 def join_run(live, spec):
     """``(trainer, end)`` for this joining process (``live``: its
-    :class:`~hetero.runtime.reshard.resume.LiveReconfig`, ``spec``: the new plan's run file), or None
+    :class:`~hetero.runtime.elastic.reconfig.LiveReconfig`, ``spec``: the new plan's run file), or None
     when the decision leaves it out (the change was dropped, or went through a handoff)."""
     from types import SimpleNamespace
 
     import torch
 
     import hetero
-    from hetero.runtime.elastic_join import JOIN_ENV, history_key, ready_key
+    from hetero.runtime.elastic.reconfig import import_training_modules, members_world, regions_in
     from hetero.runtime.reshard.live import await_decision, reconfigure
-    from hetero.runtime.reshard.resume import import_training_modules, members_world, timing_key
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transfer import prepare_regions
 
@@ -62,7 +63,7 @@ def join_run(live, spec):
     members_world(live.store, gen, place, live.timeout_s)
     trainer = _bare_trainer(SimpleNamespace(options=opts, spec=spec), history["results"])
     live.gen = gen
-    live._adopt(trainer, place, history.get("scale"))
+    live.adopt(trainer, place, history.get("scale"))
     trainer.tokens_per_step = trainer.ctx.plan.global_batch_size * trainer.ctx.model.seq_length
     live.rank, live.world = place.rank, members
     live.store.set(timing_key(gen, me), json.dumps({
@@ -73,17 +74,8 @@ def join_run(live, spec):
     return trainer, history["end"]
 
 
-def regions_in(space, spec, rank: int) -> dict:
-    """The regions rank ``rank`` of the plan in ``spec`` (a run file) holds: name -> box."""
-    import hetero
-    from hetero.layout import build_layout
-
-    plan = hetero.load_plan(spec.plan)
-    return space.rank_regions(plan, build_layout(hetero.load_cluster(spec.cluster), plan).ranks[rank])
-
-
 def _bare_trainer(ctx, results: list[dict]):
-    """A :class:`~hetero.runtime.trainer.Trainer` with no world, model or engine yet (``_adopt`` gives
+    """A :class:`~hetero.runtime.trainer.Trainer` with no world, model or engine yet (``adopt`` gives
     it those) and the run's step results so far."""
     from hetero.runtime.trainer import StepResult, TrainState, Trainer
 

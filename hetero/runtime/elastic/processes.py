@@ -1,0 +1,28 @@
+"""The processes of an in-process elastic run: the launcher starts every worker itself.
+
+Not through torchrun, whose agent ends a node's other workers when one of them fails: each worker
+is one process per rank, in a session of its own, told the coordinator's port
+(:data:`~.protocol.RECONFIG_ENV`), and tied to the launcher's life (:mod:`hetero.runtime.lifeline`).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hetero.runtime.elastic.protocol import RECONFIG_ENV
+from hetero.runtime.lifeline import child_env
+from hetero.runtime.torchrun_loopback import WORKER_MODULE
+
+
+def start_worker(node, local: int, world: int, spec_path: str, extra, port: int,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The worker of local rank ``local`` of node slot ``node`` (a
+    :class:`~hetero.runtime.launcher.NodeCommand`) in a world of ``world`` ranks, running the run
+    file ``spec_path`` with the worker's ``extra`` arguments, its coordinator on ``port``; ``env``:
+    more variables (a joiner's :data:`~.protocol.JOIN_ENV`)."""
+    variables = {**os.environ, **node.env, "LOCAL_RANK": str(local), "RANK": str(node.first_rank + local),
+                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(node.num_ranks), RECONFIG_ENV: str(port),
+                 **(env or {}), **child_env()}
+    argv = [sys.executable, "-m", WORKER_MODULE, "--spec", spec_path, *extra]
+    return subprocess.Popen(argv, env=variables, start_new_session=True)

@@ -1,0 +1,65 @@
+"""What the elastic launcher and its workers agree on: environment variables, store keys, the pause
+request file, the signal of a lost peer and the run directories of later generations.
+
+Both sides import this module and nothing of each other: the launcher's controller
+(:mod:`.live`, :mod:`.joiners`, :mod:`.watch`) writes what the workers' side (:mod:`.reconfig`,
+:mod:`.joining`, :mod:`hetero.runtime.worker`) reads, and the other way round. It imports nothing.
+The coordination's own keys (check-ins, decisions, the exchange) are
+:mod:`hetero.runtime.reshard.live`'s.
+"""
+from __future__ import annotations
+
+import os
+
+RECONFIG_ENV = "HETERO_RECONFIG_PORT"
+"""The coordinator store's port (127.0.0.1): set by the launcher for the in-process path."""
+
+JOIN_ENV = "HETERO_JOIN"
+"""``<generation>:<id>``: set by the launcher for a worker that joins a running in-process run."""
+
+PEER_LOST_SIGNAL = "SIGUSR1"
+"""The signal the launcher sends every survivor the moment it sees a worker's process end: a
+survivor in the middle of its pipeline schedule (compute for seconds before its next operation with
+the lost rank) stops there instead of finishing it (:meth:`.reconfig.LiveReconfig.watch`)."""
+
+PAUSE_REQUEST = "reconfigure.request"
+"""The file in an attempt's run directory that asks its workers to pause at the next step boundary
+(the cluster file changed: :mod:`.watch`)."""
+
+
+def timing_key(gen: int, me: int) -> str:
+    """Where a process of generation ``gen``'s plan puts what each phase of its reconfiguration took."""
+    return f"hetero/reconfig/gen{gen}/timing/{me}"
+
+
+def ready_key(gen: int, me: int) -> str:
+    """Set by a joining process once it is ready to take part in generation ``gen``'s exchange."""
+    return f"hetero/reconfig/gen{gen}/joined/{me}"
+
+
+def prepare_key(gen: int, rank: int) -> str:
+    """Where a running rank finds, while it trains, the run file of the plan it will reshard into
+    and its rank there (it prepares its new regions as the joiners do theirs)."""
+    return f"hetero/reconfig/gen{gen}/prepare/{rank}"
+
+
+def prepared_key(gen: int, rank: int) -> str:
+    """Set by a running rank once its new regions are prepared (:func:`prepare_key`)."""
+    return f"hetero/reconfig/gen{gen}/prepared/{rank}"
+
+
+def history_key(gen: int) -> str:
+    """What the running rank 0 leaves for the joiners when it pauses: the step results so far, the
+    step the run ends at and the fp16 loss scale."""
+    return f"hetero/reconfig/gen{gen}/history"
+
+
+def root_run_dir(run_dir: str) -> str:
+    """The run directory of generation 0 (later generations' are ``gen<g>`` inside it)."""
+    base = os.path.basename(run_dir.rstrip(os.sep))
+    return os.path.dirname(run_dir.rstrip(os.sep)) if base.startswith("gen") and base[3:].isdigit() else run_dir
+
+
+def generation_dir(run_dir: str, gen: int) -> str:
+    """The run directory of generation ``gen`` of the run whose (any generation's) directory is ``run_dir``."""
+    return os.path.join(root_run_dir(run_dir), f"gen{gen}")

@@ -1,0 +1,28 @@
+"""An elastic run's reconfigurations, as the launcher prints them."""
+from __future__ import annotations
+
+
+def reconfiguration_table(reconfigurations: list[dict]):
+    """A rich table of an elastic run's reconfigurations (the summary's entries): when, why, the
+    world sizes, and the downtime split."""
+    from rich.table import Table
+
+    table = Table(title="reconfigurations")
+    for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
+                 "event -> first step s", "transfer s (predicted)", "MB moved", "new plan predicted tok/s"):
+        table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
+
+    for rc in reconfigurations:
+        table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
+                      f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", seconds_cell(rc.get("handoff_time_s")),
+                      seconds_cell(rc.get("replan_time_s")), seconds_cell(rc.get("restart_time_s")), seconds_cell(rc.get("reshard_time_s")),
+                      # in-process reshards: the measured transfer beside the predictor's
+                      f"{seconds_cell(rc.get('transfer_s'))} ({seconds_cell(rc.get('predicted_downtime_s'))})",
+                      "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
+                      f"{rc['predicted_tokens_per_s']:,.0f}")
+    return table
+
+
+def seconds_cell(v: float | None) -> str:
+    """A duration for the reconfiguration table and messages: two decimals, '-' where there is none."""
+    return "-" if v is None else f"{v:.2f}"
