@@ -69,3 +69,60 @@ def test_load_hf_of_a_missing_folder_asks_for_a_hugging_face_folder(tmp_path, ca
         assert "--save" not in err, err
     assert main([*base, "--load", str(tmp_path / "missing")]) == 1
     assert "checkpoint directory written by --save, or hf:DIR" in capsys.readouterr().err
+
+
+def test_the_step_line_names_the_rank_busiest_in_the_step_as_predict_names_its_bottleneck(capsys):
+    """Two pipelines: rank 0 runs 3 micro-batches of 0.65 s, rank 1 one of 1.36 s (the getting-started
+    run). Predict names rank 0's stage the bottleneck (most busy time); the step line named rank 1,
+    the slowest per micro-batch. Both name rank 0 now."""
+    import types
+
+    from hetero.layout import RankInfo
+    from hetero.runtime.report import Reporter
+
+    ranks = [RankInfo(rank=i, group=g, vendor=v, node=0, local_rank=0, pipeline=i, replica=0, stage=0, tp_rank=0,
+                      tp_size=1, layers=(0, 6)) for i, (g, v) in enumerate((("fast", "emu-a"), ("slow", "emu-b")))]
+    plan = types.SimpleNamespace(pipelines=[types.SimpleNamespace(micro_batches=3), types.SimpleNamespace(micro_batches=1)])
+    trainer = types.SimpleNamespace(tokens_per_step=2048, ctx=types.SimpleNamespace(layout=types.SimpleNamespace(ranks=ranks),
+                                                                                    plan=plan))
+    step = types.SimpleNamespace(step=2, loss=7.6, time_s=2.0, grad_norm=1.0, forward_s=[0.242, 0.435],
+                                 backward_s=[0.407, 0.922], skipped=False)
+    Reporter(trainer).step(step)
+    line = capsys.readouterr().out
+    assert "bottleneck rank 0 (3 x F 242.0 / B 407.0 ms)" in line, line
+
+
+def test_a_note_on_slow_compute_mentions_tensor_parallelism_only_where_a_rank_has_it(capsys):
+    import types
+
+    import hetero
+    from conftest import CONFIGS
+    from hetero.runtime.report import Reporter
+
+    ctx = types.SimpleNamespace(cluster=hetero.load_cluster(CONFIGS / "clusters" / "local-cpu.yaml"),
+                                model=hetero.load_model(CONFIGS / "models" / "tiny.yaml"),
+                                plan=hetero.load_plan(CONFIGS / "plans" / "local-cpu-tiny.yaml"))
+    stage = hetero.predict(ctx.cluster, ctx.model, ctx.plan).stage(0, 0)
+    for tp, says in ((1, "the processes sharing this machine's cores"), (2, "with tensor parallelism on CPU")):
+        rank = {"rank": 1, "group": "fast", "pipeline": 0, "replica": 1, "stage": 0, "layers": [0, 4], "tp_rank": 0,
+                "tp_size": tp, "forward_time_s": 20 * stage.forward_time_s, "backward_time_s": 20 * stage.backward_time_s}
+        Reporter(types.SimpleNamespace(tokens_per_step=1024, ctx=ctx)).footer(
+            {"ranks": [rank], "median_iteration_time_s": 1.0, "predicted_iteration_time_s": 0.1,
+             "losses": [6.0, 5.0], "iteration_times_s": [1.0, 1.0]})
+        text = " ".join(capsys.readouterr().out.split())
+        assert "the stages compute slower than predicted" in text and says in text, text
+        assert ("tensor parallelism" in text) == (tp > 1), text
+
+
+def test_every_column_of_the_predict_tables_has_a_header(capsys):
+    """The column that marked the bottleneck had no header (and was empty in the other pipelines'
+    tables); the mark now follows the stage number."""
+    from conftest import CONFIGS
+    from hetero.cli import main
+
+    assert main(["predict", "--cluster", str(CONFIGS / "clusters" / "local-cpu.yaml"), "--model",
+                 str(CONFIGS / "models" / "tiny.yaml"), "--plan", str(CONFIGS / "plans" / "tiny-local-cpu-pp.yaml")]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("┃")]
+    assert headers and all(cell.strip() for h in headers for cell in h.strip("┃").split("┃")), headers
+    assert "0 (bottleneck)" in out, out

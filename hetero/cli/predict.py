@@ -93,7 +93,7 @@ def run(args) -> int:
                   title_justify="left")
         numeric = ("tp", "forward", "backward", "to next", "DP sync")
         memcol = f"memory ({args.allocator} reserves) / capacity" if args.allocator else "memory / capacity"
-        for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", memcol, "DP sync", ""):
+        for col in ("stage", "group", "tp", "layers", "forward", "backward", "to next", memcol, "DP sync"):
             t.add_column(col, justify="right" if col in numeric else "left")
         for si, s in enumerate(pp.stages):
             memtxt = f"{_bytes(s.peak_memory_bytes)} / {_bytes(s.memory_capacity_bytes)}"
@@ -101,13 +101,14 @@ def run(args) -> int:
                 memtxt = f"{_bytes(s.peak_memory_bytes)} live, {_bytes(s.needed_bytes)} / {_bytes(s.memory_capacity_bytes)}"
             if not s.fits:
                 memtxt = f"[red]{memtxt}[/red]"
-            mark = "[bold yellow]<- bottleneck[/bold yellow]" if (pi, si) == (bp, bs) else ""
+            # the stage that limits the slowest pipeline (most busy time), as the launch's step line names it
+            mark = " [bold yellow](bottleneck)[/bold yellow]" if (pi, si) == (bp, bs) else ""
             # the hand-off of one micro-batch's activation to the next stage (its gradient comes back
             # in the same time): link, host staging across vendors, the tp all-gather
             send = _ms(s.p2p_time_s) if si < len(pp.stages) - 1 else ""
-            t.add_row(str(si), s.group, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})", _ms(s.forward_time_s),
+            t.add_row(f"{si}{mark}", s.group, str(s.tp), f"[{s.layers[0]}, {s.layers[1]})", _ms(s.forward_time_s),
                       _ms(s.backward_time_s), send, memtxt,
-                      f"{_ms(s.dp_sync_time_s)} ({_ms(s.dp_sync_exposed_s)} exposed)", mark)
+                      f"{_ms(s.dp_sync_time_s)} ({_ms(s.dp_sync_exposed_s)} exposed)")
         out.print(t)
     gather = max(s.param_gather_exposed_s for s in pred.pipelines[bp].stages)
     out.print(f"[bold]iteration[/bold] {pred.iteration_time_s:.4f} s  (slowest pipeline "

@@ -28,12 +28,24 @@ class Reporter:
 
     def step(self, r) -> None:
         tps = self.t.tokens_per_step / r.time_s if r.time_s > 0 else 0.0
-        slowest = max(range(len(r.forward_s)), key=lambda i: r.forward_s[i] + r.backward_s[i])
+        passes = self._passes(len(r.forward_s))
+        # the rank computing longest in the step, as `hetero predict` names its bottleneck (most busy
+        # time): a rank running more micro-batches can be the bottleneck though each is faster
+        busiest = max(range(len(r.forward_s)), key=lambda i: passes[i] * (r.forward_s[i] + r.backward_s[i]))
         self.out.print(f"step {r.step:>4}  loss {r.loss:8.4f}  time {r.time_s * 1e3:8.1f} ms  "
-                       f"{tps:10.0f} tok/s  |g| {r.grad_norm:7.3f}  slowest rank {slowest} "
-                       f"(F {r.forward_s[slowest] * 1e3:.1f} / B {r.backward_s[slowest] * 1e3:.1f} ms per mb)"
+                       f"{tps:10.0f} tok/s  |g| {r.grad_norm:7.3f}  bottleneck rank {busiest} "
+                       f"({passes[busiest]} x F {r.forward_s[busiest] * 1e3:.1f} / B {r.backward_s[busiest] * 1e3:.1f} ms)"
                        + (f"  [yellow]gradient overflow at loss scale {r.loss_scale:g}: update skipped, "
                           f"scale halved[/yellow]" if r.skipped else ""))
+
+    def _passes(self, world: int) -> list[int]:
+        """Forward (and backward) passes per step of each rank: its pipeline's micro-batches times its
+        model chunks; ones when the run's layout is not at hand or is not of this world size."""
+        ctx = getattr(self.t, "ctx", None)
+        ranks = getattr(getattr(ctx, "layout", None), "ranks", None)
+        if not ranks or len(ranks) != world:
+            return [1] * world
+        return [ctx.plan.pipelines[info.pipeline].micro_batches * len(info.virtual_stages) for info in ranks]
 
     def footer(self, summary: dict) -> None:
         from rich.table import Table
@@ -106,12 +118,13 @@ class Reporter:
         if worst is None:
             return None
         r, sp = worst
+        shared = ("with tensor parallelism on CPU the all-reduces and the processes sharing cores count here"
+                  if r["tp_size"] > 1 else "on CPU the processes sharing this machine's cores count here")
         return (f"the stages compute slower than predicted: rank {r['rank']} ({r['group']}, tp {r['tp_size']}) "
                 f"takes {r['forward_time_s'] * 1e3:.2f} ms forward and {r['backward_time_s'] * 1e3:.2f} ms backward "
                 f"per micro-batch against {sp.forward_time_s * 1e3:.2f} / {sp.backward_time_s * 1e3:.2f} ms predicted "
-                f"({worst_ratio:.0f}x; the per-rank table above): with tensor parallelism on CPU the all-reduces and "
-                f"the processes sharing cores count here; `hetero profile` on this machine, or `hetero calibrate` "
-                f"on run logs, brings the prediction closer")
+                f"({worst_ratio:.0f}x; the per-rank table above): {shared}; `hetero profile` on this machine, or "
+                f"`hetero calibrate` on run logs, brings the prediction closer")
 
 
 def _spans(ranks: list[int]) -> str:
