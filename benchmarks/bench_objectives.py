@@ -104,9 +104,9 @@ def run_one(algo: str, problem, X0: np.ndarray, budget: int, pop: int, seed: int
 
 def plot(results: dict, path: str) -> None:
     """Bars of mean hypervolume and IGD (error bars: one standard deviation) per case and algorithm."""
-    from hetero.plots import _pyplot, png_bytes
+    from hetero.plots import load_pyplot, png_bytes
 
-    plt = _pyplot("--plot")
+    plt = load_pyplot("--plot")
     names = list(results["cases"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     algorithms = list(next(iter(results["cases"].values()))["summary"])

@@ -3,7 +3,7 @@ coordinates over every objective (each axis scaled to the front's range, better 
 throughput-cost projection. matplotlib is imported through :mod:`hetero.plots` only."""
 from __future__ import annotations
 
-from hetero.plots import _pyplot
+from hetero.plots import load_pyplot
 
 LABELS = {"throughput": "throughput\n(tokens/s)", "cost": "cost\n(USD/Mtok, indicative)",
           "memory_headroom": "memory\nheadroom", "energy": "energy\n(J/token)", "resilience": "resilience\n(kept)"}
@@ -13,7 +13,7 @@ def front_figure(front: list, names, title: str = "", picked=None):
     """Figure of ``front`` (items with ``.objectives``); ``picked`` (one of them) is drawn bold."""
     from hetero.predictor.objectives import MAXIMISE
 
-    plt = _pyplot("--plot")
+    plt = load_pyplot("--plot")
     names = list(names)
     both = "throughput" in names and "cost" in names
     fig, axes = plt.subplots(1, 2 if both else 1, figsize=(13 if both else 8, 4.8), squeeze=False,

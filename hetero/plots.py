@@ -27,7 +27,9 @@ def require_matplotlib(flag: str = "--plot") -> None:
                           f"or pip install 'hetero[plot]')") from None
 
 
-def _pyplot(flag: str):
+def load_pyplot(flag: str):
+    """``matplotlib.pyplot`` drawing to files only (Agg); without matplotlib, the error that names
+    ``flag`` and what to install."""
     require_matplotlib(flag)
     import matplotlib
 
@@ -87,6 +89,10 @@ def _merged(events: list[dict]) -> list[dict]:
         {"ph": "X", "cat": "steady", "name": f"{len(middle)} forwards and backwards", "ts": start, "dur": end - start}]
 
 
+LEGEND_ROW_PT = 22
+"""Points between a Gantt chart's axes and a title above it: the height of the legend row there."""
+
+
 def draw_gantt(ax, trace: dict) -> dict[str, int]:
     """One horizontal bar per event of ``trace`` (seconds on x, one row per process / thread),
     coloured by category, the middle of a long forward / backward run merged into one ``steady``
@@ -117,7 +123,7 @@ def step_figure(prediction, plan=None, title: str = ""):
     """The predicted step: its schedule as a Gantt chart (``prediction`` made with
     ``timeline=True``), and each stage's predicted peak memory against its device's capacity (with
     ``plan``, an interleaved pipeline's devices once each, not every model chunk)."""
-    plt = _pyplot("--plot")
+    plt = load_pyplot("--plot")
     trace = prediction.timeline()
     rows = len(trace_rows(trace))
     stages = []
@@ -165,7 +171,7 @@ def run_figure(prediction, trace: dict, title: str = ""):
     the run's trace (:func:`one_step`), on one time scale: where the schedules agree, and where the
     prediction is off, at a glance. Both hold the schedule, the gradient sync and the optimizer (a
     trace of an older run: forwards and backwards only, and the title says so)."""
-    plt = _pyplot("--plot")
+    plt = load_pyplot("--plot")
     predicted = prediction.timeline()
     measured, step, span = one_step(trace)
     rows_p, rows_m = len(trace_rows(predicted)), len(trace_rows(measured))
@@ -173,12 +179,14 @@ def run_figure(prediction, trace: dict, title: str = ""):
                                       gridspec_kw={"height_ratios": [max(rows_p, 2), max(rows_m, 2)]})
     draw_gantt(top, predicted)
     top.set_xlabel("")
-    top.set_title(f"predicted: {prediction.iteration_time_s:.4g} s per step", fontsize=9, loc="right")
+    # each panel's title on a line of its own above the legend row draw_gantt puts over the axes
+    top.set_title(f"predicted: {prediction.iteration_time_s:.4g} s per step", fontsize=9, loc="right",
+                  pad=LEGEND_ROW_PT)
     drawn = draw_gantt(bottom, measured)
     what = ("schedule, gradient sync and optimizer" if "dp" in drawn or "optimizer" in drawn
             else "forwards and backwards only")
     bottom.set_title(f"measured: step {step}, {what}: {span:.4g} s (the median step after the first)",
-                     fontsize=9, loc="right")
+                     fontsize=9, loc="right", pad=LEGEND_ROW_PT)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -212,7 +220,7 @@ def arena_figure(trace, arena, reserved_bytes: int, title: str = ""):
     """A memory plan in time and address: every planned block as a rectangle (its lifetime in trace
     events x its byte range in the arena), the bytes live at each event (the lower bound is their
     maximum), the arena's size and what the caching allocator reserves for the same trace."""
-    plt = _pyplot("--plot")
+    plt = load_pyplot("--plot")
     import numpy as np
     from matplotlib.collections import PolyCollection
 

@@ -130,7 +130,7 @@ def test_whole_model_takes_the_weights_of_a_saved_checkpoint_and_leaves_its_opti
     parameter equals the stored tensor; the moments are not read."""
     import torch.distributed.checkpoint as dcp
 
-    from hetero.runtime.checkpoint import _SafeReader
+    from hetero.runtime.checkpoint import SafeReader
 
     model = tiny_model("llama", vocab_size=VOCAB)
     with warnings.catch_warnings():
@@ -138,8 +138,8 @@ def test_whole_model_takes_the_weights_of_a_saved_checkpoint_and_leaves_its_opti
         random_state_checkpoint(str(tmp_path / "ckpt"), model)
         whole = _whole(_spec(model), str(tmp_path / "ckpt"))
         stored = {f"model/{n}": torch.empty(p.shape) for n, p in whole.named_parameters()}
-        dcp.load(stored, storage_reader=_SafeReader(str(tmp_path / "ckpt")), no_dist=True)
-    assert any(k.startswith("optim/") for k in _SafeReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata)
+        dcp.load(stored, storage_reader=SafeReader(str(tmp_path / "ckpt")), no_dist=True)
+    assert any(k.startswith("optim/") for k in SafeReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata)
     for name, p in whole.named_parameters():
         assert torch.equal(p, stored[f"model/{name}"]), name
 

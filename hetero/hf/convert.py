@@ -111,15 +111,15 @@ def export_hf(spec: ModelSpec, checkpoint: str, out: str, max_shard_bytes: int =
     """Write the Hugging Face folder ``out`` (config.json, safetensors shards and their index) of the
     model ``spec`` with the weights of ``checkpoint``; ``base``: a folder whose config.json seeds the
     written one and whose tokenizer files are copied (import-hf's ``OUT/hf``). Returns the files written."""
-    from hetero.runtime.checkpoint import _check_same_model, _SafeReader
+    from hetero.runtime.checkpoint import check_same_model, SafeReader
     from hetero.runtime.model import stage_param_shapes
 
     save_file = require("safetensors.torch", "export-hf").save_file
     base_config = _read_base(base)
     shapes = stage_param_shapes(spec, (0, spec.num_layers), True, True)
     try:
-        saved = _SafeReader(checkpoint).read_metadata().state_dict_metadata
-        _check_same_model(checkpoint, saved, shapes, spec.num_layers)
+        saved = SafeReader(checkpoint).read_metadata().state_dict_metadata
+        check_same_model(checkpoint, saved, shapes, spec.num_layers)
     except HeteroError as e:   # the checkpoint module speaks of --load; here the flag is --checkpoint
         raise HeteroError(str(e).replace(f"--load {checkpoint}", f"--checkpoint {checkpoint}", 1)) from None
     family = "llama" if spec.architecture == "llama" else "gpt2"
@@ -188,12 +188,12 @@ def _load_one(checkpoint: str, name: str, shape: tuple) -> torch.Tensor:
     """One full tensor ``model/<name>`` of the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from hetero.runtime.checkpoint import _SafeReader
+    from hetero.runtime.checkpoint import SafeReader
 
     state = {f"model/{name}": torch.empty(shape)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=_SafeReader(checkpoint), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(checkpoint), no_dist=True)
     return state[f"model/{name}"]
 
 

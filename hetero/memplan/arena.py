@@ -59,12 +59,12 @@ def plan_arena(trace: AllocationTrace, progress=None) -> ArenaPlan:
     starts = np.array([b.start for b in known], dtype=np.int64)
     ends = np.array([b.end for b in known], dtype=np.int64)
     offsets = np.full(n, -1, dtype=np.int64)
-    index = _LifetimeIndex(starts, ends)
+    index = LifetimeIndex(starts, ends)
     # largest first; among equal sizes the longer-lived first (it constrains more blocks)
     order = np.lexsort((starts, -(ends - starts), -sizes))
     for done, i in enumerate(order):
         live = index.placed_overlapping(starts[i], ends[i])
-        offsets[i] = _best_gap(offsets[live], sizes[live], sizes[i])
+        offsets[i] = best_gap(offsets[live], sizes[live], sizes[i])
         index.place(i)
         if progress is not None and (done % 4096 == 0 or done == n - 1):
             progress(done + 1, n)
@@ -72,7 +72,7 @@ def plan_arena(trace: AllocationTrace, progress=None) -> ArenaPlan:
     return ArenaPlan(offsets.tolist(), sizes.tolist(), starts.tolist(), ends.tolist(), arena, fallback)
 
 
-class _LifetimeIndex:
+class LifetimeIndex:
     """Which placed blocks are live during ``[s, e)``, without looking at every block: blocks are
     binned by lifetime (tier ``j``: at most ``2**j`` events), each tier sorted by start, so only the
     blocks of a tier that start in ``(s - 2**j, e)`` can overlap. A training step's trace has
@@ -113,7 +113,7 @@ class _LifetimeIndex:
         return ids[self.placed[ids] & (self.ends[pos] > s)]
 
 
-def _best_gap(offsets, sizes, size: int) -> int:
+def best_gap(offsets, sizes, size: int) -> int:
     """The offset of the smallest gap of at least ``size`` between the busy ranges
     ``[offsets, offsets + sizes)``, or the top of them."""
     import numpy as np

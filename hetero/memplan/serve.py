@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from hetero.memplan.arena import ALIGN, _best_gap, _LifetimeIndex
+from hetero.memplan.arena import ALIGN, best_gap, LifetimeIndex
 from hetero.memplan.trace import AllocationTrace
 
 LOOK_AHEAD = 64
@@ -146,11 +146,11 @@ def place_cyclic(sizes: list[int], pieces: list[list[tuple[int, int]]]) -> tuple
     np.add.at(span, owner_a, pe_a - ps_a)
     blocks = np.asarray(sorted(of_block), dtype=np.int64)
     order = blocks[np.lexsort((-span[blocks], -size_a[blocks]))]
-    index = _LifetimeIndex(ps_a, pe_a)
+    index = LifetimeIndex(ps_a, pe_a)
     for b in order:
         hits = np.concatenate([index.placed_overlapping(ps_a[p], pe_a[p]) for p in of_block[b]])
         near = np.unique(owner_a[hits]) if len(hits) else np.empty(0, dtype=np.int64)
-        offsets[b] = _best_gap(offsets[near], size_a[near], int(size_a[b]))
+        offsets[b] = best_gap(offsets[near], size_a[near], int(size_a[b]))
         for p in of_block[b]:
             index.place(p)
     placed = offsets >= 0

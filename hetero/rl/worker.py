@@ -161,10 +161,10 @@ class RLProcess:
             return
         import torch.distributed.checkpoint as dcp
 
-        from hetero.runtime.checkpoint import _SafeReader, load_checkpoint
+        from hetero.runtime.checkpoint import SafeReader, load_checkpoint
 
         if not self.is_actor:
-            dcp.load({}, storage_reader=_SafeReader(path))
+            dcp.load({}, storage_reader=SafeReader(path))
             return
         load_checkpoint(path, self.engine.module, None, num_layers=self.model.num_layers)
         if self.engine.sharded:   # ZeRO's masters take the loaded weights

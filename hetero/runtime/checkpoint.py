@@ -41,7 +41,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
 
-class _SafeReader(dcp.FileSystemReader):
+class SafeReader(dcp.FileSystemReader):
     """``FileSystemReader`` whose metadata is read by :class:`_MetadataUnpickler` (torch's reader calls
     plain ``pickle.load``, which runs whatever code the file names) and must describe tensors only
     (a non-tensor entry would be read back with ``torch.load(weights_only=False)``)."""
@@ -163,7 +163,7 @@ def is_checkpoint_dir(path: str) -> bool:
 
 def saved_loss_scale(path: str) -> float | None:
     """The fp16 loss scale stored in the checkpoint at ``path``, or None (fp32/bf16, older checkpoints)."""
-    reader = _SafeReader(path)
+    reader = SafeReader(path)
     if "meta/loss_scale" not in reader.read_metadata().state_dict_metadata:
         return None
     state = {"meta/loss_scale": torch.tensor(0.0, dtype=torch.float64)}
@@ -175,12 +175,12 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
     """Fill this rank's parameters and AdamW state from ``path``; returns the step to resume at.
     ``num_layers``: the model's, checked against the checkpoint's (a rank sees only its own layers).
     ``optimizer`` None: the parameters alone (generation), the optimizer state not read."""
-    reader = _SafeReader(path)
+    reader = SafeReader(path)
     saved = reader.read_metadata().state_dict_metadata
     available = set(saved) if optimizer is not None else {k for k in saved if not k.startswith("optim/")}
     state: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
     params = dict(module.named_parameters())
-    _check_same_model(path, saved, {name: tuple(_full_shape(p)) for name, p in params.items()}, num_layers)
+    check_same_model(path, saved, {name: tuple(_full_shape(p)) for name, p in params.items()}, num_layers)
     for name, p in params.items():
         shape = tuple(_full_shape(p))
         state[f"model/{name}"] = torch.empty(shape)
@@ -210,7 +210,7 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
     return int(state["meta/step"])
 
 
-def _check_same_model(path: str, saved: dict, shapes: dict, num_layers: int | None) -> None:
+def check_same_model(path: str, saved: dict, shapes: dict, num_layers: int | None) -> None:
     """Fail with the differences when the checkpoint at ``path`` was written for another model."""
     problems = []
     if num_layers is not None:

@@ -431,7 +431,7 @@ def load_regions(path: str, regions: dict[str, Box], shapes: dict[str, tuple]) -
     a region: the whole state then comes from the checkpoint, so it is one step's."""
     import torch.distributed.checkpoint as dcp
 
-    from hetero.runtime.checkpoint import _SafeReader
+    from hetero.runtime.checkpoint import SafeReader
 
     want: dict[str, torch.Tensor] = {"meta/step": torch.tensor(0, dtype=torch.int64)}
     for name in regions:
@@ -439,7 +439,7 @@ def load_regions(path: str, regions: dict[str, Box], shapes: dict[str, tuple]) -
         for k in STATE_KINDS[1:]:
             want[f"optim/{name}/{k}"] = torch.empty(shapes[name])
         want[f"optim/{name}/step"] = torch.tensor(0.0)
-    dcp.load(want, storage_reader=_SafeReader(path))
+    dcp.load(want, storage_reader=SafeReader(path))
     out = {}
     for name, box in regions.items():
         idx = tuple(slice(a, b) for a, b in box)
