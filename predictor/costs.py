@@ -46,16 +46,9 @@ from .allocator import reserved_bytes
 from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
+from .ops import GRAD_NORM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM  # defined there: profiles read them too
 from .optime import ROOFLINE, op_cost, op_model_for, stream_split
 
-OPTIMIZER_BYTES_PER_PARAM = 28
-"""Adam step traffic per fp32 parameter: read grad (4), read+write parameter, m, v (24). hetero's
-runtime keeps fp32 parameters under autocast and updates them in place, nothing more; Megatron-LM's
-mixed precision also writes the model-dtype copy of its fp32 master weights (+e, see
-:meth:`StageCostModel.optimizer_time`)."""
-GRAD_NORM_BYTES_PER_PARAM = 4
-"""The step's gradient-norm pass (clipping needs the global norm before AdamW runs): one read of
-each fp32 gradient."""
 
 
 KERNEL_BUILDERS = {   # name -> (model, micro-batch, tp, recompute) -> the kernels, in order

@@ -117,6 +117,16 @@ def backward_of(f: Op, e: int) -> list[Op]:
             Op(f.name + ".grad2", f.op, f.dims, f.flops, f.nbytes)]
 
 
+OPTIMIZER_BYTES_PER_PARAM = 28
+"""Adam step traffic per fp32 parameter: read grad (4), read+write parameter, m, v (24). hetero's
+runtime keeps fp32 parameters under autocast and updates them in place, nothing more; Megatron-LM's
+mixed precision also writes the model-dtype copy of its fp32 master weights (+e, see
+:meth:`hetero.predictor.costs.StageCostModel.optimizer_time`)."""
+GRAD_NORM_BYTES_PER_PARAM = 4
+"""The step's gradient-norm pass (clipping needs the global norm before AdamW runs): one read of
+each fp32 gradient."""
+
+
 # Names of the attention core (what selective recomputation recomputes in backward).
 ATTENTION_CORE = ("scores", "softmax", "attn_dropout", "context")
 

@@ -367,7 +367,7 @@ class LocalOpModel:
         before profiles timed the norm pass has it estimated from its AdamW time by bytes read
         (GRAD_NORM_BYTES_PER_PARAM of the step's OPTIMIZER_BYTES_PER_PARAM). ``hidden`` is accepted
         for the interface and unused."""
-        from .costs import GRAD_NORM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+        from .ops import GRAD_NORM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 
         def seconds(b):
             adamw = float(b["adamw_ms"]) * 1e-3
