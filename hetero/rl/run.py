@@ -33,10 +33,7 @@ def run_rl(job, cluster, options=None) -> dict:
     if mode == "auto":
         raise HeteroError(f"{job.source}: placement.mode auto: choosing a placement is not available yet "
                           f"(fix: write mode: collocated or mode: disaggregated)")
-    plan = job.actor_plan
-    if plan is None:
-        raise HeteroError(f"{job.source}: placement.actor.groups: making an actor plan is not available yet "
-                          f"(fix: give placement.actor.plan, a plan file)")
+    plan = job.actor_plan if job.actor_plan is not None else plan_actor(job, cluster)
     if job.rollout_tp != 1:
         raise HeteroError(f"{job.source}: placement.rollout.tp {job.rollout_tp}: rollout ranks hold a whole copy "
                           f"each for now (fix: tp: 1)")
@@ -59,10 +56,12 @@ def run_rl(job, cluster, options=None) -> dict:
                                   f"mode: collocated)")
             rollout = add_rollout_slots(launch, cluster, job.model_spec, job.rollout_groups)
         run_dir = run_opts.run_dir
+        placement = job.placement_dict()
+        placement["actor"]["plan"] = plan.to_dict()
         cfg = {"job": {k: getattr(job, k) for k in JOB_FIELDS}, "steps": steps, "rollout": rollout,
                "prompts": [_record(r) for r in job.prompt_records],
                "eval_prompts": [_record(r) for r in job.eval_records],
-               "reward": dataclasses.asdict(job.reward_ref), "placement": job.placement_dict(),
+               "reward": dataclasses.asdict(job.reward_ref), "placement": placement,
                "summary_path": os.path.join(run_dir, "rl-summary.json"), "save": opt("save"),
                "quiet": bool(opt("quiet", False)), "reward_workers": opt("reward_workers", 1)}
         cfg_path = os.path.join(run_dir, "rl.json")
@@ -78,6 +77,22 @@ def run_rl(job, cluster, options=None) -> dict:
         return summary
     finally:
         launch.remove_run_dir()
+
+
+def plan_actor(job, cluster):
+    """``placement.actor.groups``: the planner's best plan of the model on those groups alone, for the
+    step's samples (prompts_per_step x group_size) as the global batch."""
+    import hetero
+
+    data = cluster.to_dict()
+    data["groups"] = [g for g in data["groups"] if g["name"] in job.actor_groups]
+    results = hetero.search(hetero.load_cluster(data), job.model_spec, global_batch_size=job.samples_per_step,
+                            top_k=1)
+    if not len(results):
+        raise HeteroError(f"{job.source}: placement.actor.groups {job.actor_groups}: the planner found no plan of "
+                          f"the model for {job.samples_per_step} samples a step on them (fix: more groups, or "
+                          f"give placement.actor.plan)")
+    return results[0].plan
 
 
 def _record(r) -> list:
