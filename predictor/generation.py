@@ -297,6 +297,8 @@ def weight_sync_time(cluster, model, senders: dict[str, int], receivers: dict[st
         moved = nbytes * (shards - 1) / shards
         return comm.p2p(moved, link.bandwidth, link.latency * max(1.0, moved / SYNC_BUCKET_BYTES), staged)
     link = cluster.network.cross_group
+    if set(receivers) == set(senders) and len(senders) == 1 and cluster.group(next(iter(senders))).nodes == 1:
+        link = cluster.group(next(iter(senders))).intra_node   # a split of one node's devices
     staged = any(cluster.device_type(s).vendor != cluster.device_type(r).vendor
                  and cluster.device_type(s).family != "cpu" and cluster.device_type(r).family != "cpu"
                  for s in senders for r in receivers)
