@@ -210,9 +210,13 @@ def output_named(what: str):
 
 
 def write_yaml_atomic(path, data: dict, header: str = "") -> None:
-    """Write ``data`` as YAML to ``path`` with :func:`write_text_atomic`."""
+    """Write ``data`` as YAML to ``path`` with :func:`write_text_atomic`: one top-level field a line
+    (a mapping of plain values would otherwise be written as one ``{...}`` flow mapping), nested
+    lists of plain values inline (``layers: [0, 4]``)."""
     text = (header if header.endswith("\n") or not header else header + "\n")
-    text += yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+    for key, value in data.items():
+        nested = isinstance(value, (dict, list, tuple))
+        text += yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=None if nested else False, width=100)
     write_text_atomic(path, text)
 
 
