@@ -182,15 +182,33 @@ def candidates(job, cluster) -> list[Candidate]:
             out.append(Candidate("disaggregated", dict(used), {g: free[g] for g in r}, tp, plan=job.actor_plan))
         return out
     out = [Candidate("collocated", {g: pool[g] for g in s}, {g: pool[g] for g in s}) for s in _subsets(names)]
+    length = round(mean_prompt_tokens(job)) + job.max_new_tokens
+    fit = {g: max(tp, copy_tp(cluster, job.model_spec, g, length, job.group_size)) for g in names}
     for a in _subsets(names):
         rest = [g for g in names if g not in a]
         for r in _subsets(rest):
-            out.append(Candidate("disaggregated", {g: pool[g] for g in a}, {g: pool[g] for g in r}, tp))
+            out.append(Candidate("disaggregated", {g: pool[g] for g in a}, {g: pool[g] for g in r},
+                                 max(fit[g] for g in r)))
     for g in names:
+        t = fit[g]
         for k in _splits(cluster.group(g)):
-            if pool[g] - k >= tp:
-                out.append(Candidate("disaggregated", {g: k}, {g: pool[g] - k}, tp))
+            if pool[g] - k >= t:
+                out.append(Candidate("disaggregated", {g: k}, {g: pool[g] - k}, t))
     return out
+
+
+def copy_tp(cluster, model, group: str, length: int, rows: int) -> int:
+    """The fewest devices of ``group`` (a power of two within a node, dividing the heads) whose copy
+    of ``model`` caches ``rows`` sequences of ``length`` tokens (a prompt group); 1 when none does
+    (the candidate then says it does not fit)."""
+    from hetero.predictor import generation as gen
+
+    tp = 1
+    while tp <= cluster.group(group).devices_per_node and model.num_attention_heads % tp == 0:
+        if gen.sequences_fit(cluster, group, model, length, tp) >= rows:
+            return tp
+        tp *= 2
+    return 1
 
 
 def _subsets(names: list[str]) -> list[tuple[str, ...]]:

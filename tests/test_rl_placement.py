@@ -97,6 +97,17 @@ def test_the_catalog_case_trains_at_least_4x_faster_on_h100(big):
     assert h20 >= 4 * h100
 
 
+def test_a_copy_too_large_for_one_device_generates_tensor_parallel(big):
+    cluster, model = big
+    assert rp.copy_tp(cluster, model, "h100", 2048, 16) == 1
+    seventy = hetero.load_model(CONFIGS / "models" / "llama2-70b.yaml")   # 140 GB of bf16 weights
+    tp = rp.copy_tp(cluster, seventy, "h100", 2048, 16)
+    assert tp == 2 and gen.sequences_fit(cluster, "h100", seventy, 2048, 1) < 16 <= gen.sequences_fit(
+        cluster, "h100", seventy, 2048, 2)
+    one, four = (gen.decode_step(cluster, "h100", seventy, 16, 1024, t) for t in (1, 4))
+    assert four.comm_s > 0 and four.device_s == pytest.approx(one.device_s / 4, rel=0.05)
+
+
 def _job(cluster):
     from hetero.rl.job import load_rl_job
 
