@@ -108,7 +108,7 @@ def test_a_note_on_slow_compute_mentions_tensor_parallelism_only_where_a_rank_ha
                 "tp_size": tp, "forward_time_s": 20 * stage.forward_time_s, "backward_time_s": 20 * stage.backward_time_s}
         Reporter(types.SimpleNamespace(tokens_per_step=1024, ctx=ctx)).footer(
             {"ranks": [rank], "median_iteration_time_s": 1.0, "predicted_iteration_time_s": 0.1,
-             "losses": [6.0, 5.0], "iteration_times_s": [1.0, 1.0]})
+             "losses": [6.0 - 0.1 * i for i in range(8)], "iteration_times_s": [1.0] * 8})
         text = " ".join(capsys.readouterr().out.split())
         assert "the stages compute slower than predicted" in text and says in text, text
         assert ("tensor parallelism" in text) == (tp > 1), text
@@ -126,3 +126,39 @@ def test_every_column_of_the_predict_tables_has_a_header(capsys):
     headers = [line for line in out.splitlines() if line.startswith("┃")]
     assert headers and all(cell.strip() for h in headers for cell in h.strip("┃").split("┃")), headers
     assert "0 (bottleneck)" in out, out
+
+
+def test_the_run_plot_titles_clear_their_legends():
+    """`hetero launch --plot` (the demo's out/demo-run.png): the measured panel's title sat in the row
+    of the legend above the axes and ran over its last entries."""
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    import hetero
+    from conftest import CONFIGS
+    from hetero.plots import run_figure
+    from hetero.predictor import predict
+
+    cluster, model, plan = (hetero.load_cluster(CONFIGS / "clusters" / "local-cpu.yaml"),
+                            hetero.load_model(CONFIGS / "models" / "tiny.yaml"),
+                            hetero.load_plan(CONFIGS / "plans" / "tiny-local-cpu-pp.yaml"))
+    events = [{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}} for r in (0, 1)]
+    for step in (1, 2, 3):
+        for r in (0, 1):
+            t = step * 1e6 + r * 1e5
+            events += [{"ph": "X", "name": n, "cat": c, "pid": r, "tid": 0, "ts": t + k * 2e5, "dur": 1.5e5,
+                        "args": {"step": step}}
+                       for k, (n, c) in enumerate((("F0", "forward"), ("B0", "backward"), ("sync", "dp"),
+                                                   ("adam", "optimizer")))]
+    fig = run_figure(predict(cluster, model, plan, timeline=True), {"traceEvents": events},
+                     "local-cpu / tiny: schedule 1f1b, predicted vs measured")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.text import Text
+
+    titles = [t for t in fig.findobj(Text) if t.get_text().startswith(("predicted:", "measured:"))]
+    legends = [ax.get_legend().get_window_extent(renderer) for ax in fig.axes]
+    assert len(titles) == 2 and len(legends) == 2
+    for title in titles:
+        box = title.get_window_extent(renderer)
+        assert not any(box.overlaps(legend) for legend in legends), (title.get_text(), box, legends)
