@@ -48,13 +48,11 @@ def run_rl(job, cluster, options=None) -> dict:
     try:
         rollout = []
         if mode == "disaggregated":
-            used = set(plan.devices_by_group())
-            shared = used & set(job.rollout_groups)
-            if shared:
-                raise HeteroError(f"{job.source}: placement.rollout.groups: {sorted(shared)} also train the actor; "
-                                  f"a disaggregated rollout needs groups of its own (fix: other groups, or "
-                                  f"mode: collocated)")
             rollout = add_rollout_slots(launch, cluster, job.model_spec, job.rollout_groups)
+            if not rollout:
+                raise HeteroError(f"{job.source}: placement.rollout.groups {job.rollout_groups}: the actor plan uses "
+                                  f"every device of them (fix: rollout groups with devices the actor leaves free, or "
+                                  f"mode: collocated)")
         run_dir = run_opts.run_dir
         placement = job.placement_dict()
         placement["actor"]["plan"] = plan.to_dict()
@@ -100,24 +98,29 @@ def _record(r) -> list:
 
 
 def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
-    """Add a node slot for every node of ``groups`` to ``launch`` (ranks after the actor's, one
-    whole model copy per device) and to its run file; returns the rollout ranks
-    (``{"rank", "group", "vendor", "node"}`` each)."""
+    """Add a node slot for every node of ``groups`` with devices the actor leaves free to ``launch``
+    (ranks after the actor's, one whole model copy per device; on a node the actor shares, the devices
+    after its own) and to its run file; returns the rollout ranks (``{"rank", "group", "vendor",
+    "node"}`` each)."""
     from hetero.backends import registry
     from hetero.layout import NodeSlot, RankInfo, RankLayout
     from hetero.runtime.launcher import NodeCommand
     from hetero.runtime.spec import SLOT_ENV
     from hetero.runtime.torchrun_loopback import FORK_ENV
 
-    ranks, slots, infos = [], [], []
+    ranks, slots, infos, offsets = [], [], [], []
     first = len(launch.layout.ranks)
     for name in groups:
         g = cluster.group(name)
         vendor = cluster.vendor(name)
         for node in range(g.nodes):
+            taken = sum(n.num_ranks for n in launch.layout.nodes if (n.group, n.node) == (name, node))
+            if taken >= g.devices_per_node:
+                continue
             slots.append(NodeSlot(group=name, node=node, host=g.hosts[node] if g.hosts else None,
-                                  first_rank=first, num_ranks=g.devices_per_node))
-            for local in range(g.devices_per_node):
+                                  first_rank=first, num_ranks=g.devices_per_node - taken))
+            offsets.append(taken)
+            for local in range(g.devices_per_node - taken):
                 ranks.append({"rank": first, "group": name, "vendor": vendor, "node": node})
                 infos.append(RankInfo(rank=first, group=name, vendor=vendor, node=node, local_rank=local,
                                       pipeline=0, replica=len(infos), stage=0, tp_rank=0, tp_size=1,
@@ -125,7 +128,7 @@ def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
                 first += 1
     template = launch.nodes[0]
     nnodes = len(launch.nodes) + len(slots)
-    for slot in slots:
+    for slot, offset in zip(slots, offsets):
         family = cluster.device_type(slot.group).family
         env = {k: v for k, v in template.env.items() if k != FORK_ENV}
         env[SLOT_ENV] = str(len(launch.nodes))
@@ -133,7 +136,7 @@ def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
             env[FORK_ENV] = template.env.get(FORK_ENV, "fork")
         var = registry.visible_devices_env(family)
         if var:
-            env[var] = ",".join(str(i) for i in range(slot.num_ranks))
+            env[var] = ",".join(str(offset + i) for i in range(slot.num_ranks))
         launch.nodes.append(NodeCommand(slot=len(launch.nodes), group=slot.group, node=slot.node, host=slot.host,
                                         first_rank=slot.first_rank, num_ranks=slot.num_ranks, env=env,
                                         torchrun_args=list(template.torchrun_args), family=family,
