@@ -25,8 +25,8 @@ from hetero.predictor.objectives import MAXIMISE, OBJECTIVES, missing_data, miss
 from .encoding import PlanEncoding
 from .maoea_cs import angle_select, corner_indices, maoea_cs, non_dominated
 from .options import Options
-from .scoring import _Scorer
-from .search import _progress, search
+from .scoring import Scorer
+from .search import SearchProgress, search
 
 ALL_OBJECTIVES = OBJECTIVES + ("resilience",)
 
@@ -112,7 +112,7 @@ class PlanProblem:
         self.cluster, self.model, self.names = cluster, model, tuple(names)
         cm = cost_model_for(cluster, model, calibration)
         self.enc = PlanEncoding(cluster, model, global_batch_size, cm, opts)
-        self.scorer = _Scorer(cluster, model, calibration, None, cm)
+        self.scorer = Scorer(cluster, model, calibration, None, cm)
         self.resilience = Resilience(cluster, model, global_batch_size, calibration) if "resilience" in names else None
         self.sign = np.array([-1.0 if n in MAXIMISE else 1.0 for n in self.names])
         self.fallback = fallback
@@ -234,7 +234,7 @@ def search_front(cluster, model, global_batch_size: int, objectives=("throughput
         if problem.evaluate_plan(plan) is not None:
             seed_obj[name] = dict(problem.record(plan).objectives)
     X0 = [problem.enc.encode(p) for p in seeds.values()]
-    with _progress(progress) as report:
+    with SearchProgress(progress) as report:
         maoea_cs(problem.evaluate, problem.n_var, budget, pop_size=pop_size, X0=X0, seed=seed,
                  log=lambda phase, used: report(f"MaOEA-CS phase {phase}", used, budget))
     front = problem.front(max_front)

@@ -15,7 +15,7 @@ from .interleave import interleaved_twins
 from .options import Options
 
 
-class _Scorer:
+class Scorer:
     """Memoised ``predict()`` on plans (keyed by the plan's dict); :meth:`predict_many` spreads a
     list of plans over ``workers`` processes."""
 
@@ -79,10 +79,10 @@ MIN_PARALLEL_PREDICTIONS = 16
 """Fewer plans than this are predicted in the search's own process: forking the workers and
 sending the results back costs more than predicting them."""
 
-_worker_scorer: _Scorer | None = None
+_worker_scorer: Scorer | None = None
 
 
-def _adopt_scorer(scorer: _Scorer) -> None:
+def _adopt_scorer(scorer: Scorer) -> None:
     global _worker_scorer
     _worker_scorer = scorer
 
@@ -94,7 +94,7 @@ def _predict_in_worker(plan: Plan):
     return res
 
 
-def _predict_in_processes(scorer: _Scorer, plans: list[Plan], progress) -> list:
+def _predict_in_processes(scorer: Scorer, plans: list[Plan], progress) -> list:
     """The predictions (or rejecting exceptions) of ``plans``, in order, from ``scorer.workers``
     forked processes; in this process where processes cannot be forked."""
     import multiprocessing
@@ -116,7 +116,8 @@ def _predict_in_processes(scorer: _Scorer, plans: list[Plan], progress) -> list:
     return [scorer._predict(p) for p in plans]
 
 
-def _score(pred) -> float:
+def plan_score(pred) -> float:
+    """What the search ranks a prediction by: its tokens/s when it fits in memory, else -1."""
     return pred.tokens_per_s if pred is not None and pred.fits_memory else -1.0
 
 
@@ -164,14 +165,14 @@ def _structure(plan: Plan) -> tuple:
                   for p in plan.pipelines))
 
 
-def _score_all(scorer: _Scorer, plans: list[tuple[Plan, Candidate]], scored: list) -> None:
+def _score_all(scorer: Scorer, plans: list[tuple[Plan, Candidate]], scored: list) -> None:
     """Predict ``(plan, candidate)`` pairs together, append them to ``scored`` in order and re-sort it."""
     preds = scorer.predict_many([plan for plan, _ in plans])
-    scored += [(_score(pred), plan, pred, c) for (plan, c), pred in zip(plans, preds)]
+    scored += [(plan_score(pred), plan, pred, c) for (plan, c), pred in zip(plans, preds)]
     scored.sort(key=lambda x: -x[0])
 
 
-def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options, scorer: _Scorer, progress
+def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options, scorer: Scorer, progress
                      ) -> list[tuple[float, Plan, object, Candidate]]:
     """``(score, plan, prediction, candidate)`` for the predicted and refined plans, best first.
 
@@ -191,7 +192,7 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
     plans = [c.to_plan(B, L) for c in pool]
     preds = scorer.predict_many(plans, lambda done, total: progress("predict", done, total))
     scored: list[tuple[float, Plan, object, Candidate]] = [
-        (_score(pred), plan, pred, c) for plan, pred, c in zip(plans, preds, pool)]
+        (plan_score(pred), plan, pred, c) for plan, pred, c in zip(plans, preds, pool)]
     scored.sort(key=lambda x: -x[0])
     # even-split twins of the best (so the tuned split is never worse than the uniform one), and
     # higher ZeRO stages (sharding the optimizer step can pay even where memory does not need it)
@@ -220,8 +221,8 @@ def score_and_refine(candidates: list[Candidate], B: int, L: int, opts: Options,
             best = (s, plan, pred)
             neighbours = list(_neighbours(plan))
             for nb, np_ in zip(neighbours, scorer.predict_many(neighbours)):
-                if _score(np_) > best[0] * (1 + 1e-9):
-                    best = (_score(np_), nb, np_)
+                if plan_score(np_) > best[0] * (1 + 1e-9):
+                    best = (plan_score(np_), nb, np_)
             if best[1] is plan:
                 break
             s, plan, pred = best

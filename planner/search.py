@@ -31,7 +31,7 @@ from hetero.specs.plan import Plan
 
 from .candidates import Candidate, allocate, candidates_from_shapes, combine
 from .options import Options, workers_for
-from .scoring import _score, _Scorer, score_and_refine
+from .scoring import plan_score, Scorer, score_and_refine
 from .shapes import enumerate_all, enumerate_blocks
 from .space import mbs_options
 
@@ -84,7 +84,7 @@ class SearchResults(list):
     stats: dict
 
 
-def _search_core(cluster, model, B: int, opts: Options, cost_model, scorer: _Scorer, progress, calibration):
+def _search_core(cluster, model, B: int, opts: Options, cost_model, scorer: Scorer, progress, calibration):
     """The three steps over one cluster: ``(scored plans best first, candidates, stats)``."""
     stats = {"splits": 0, "shapes": 0, "candidates": 0}
     t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def _dedupe(scored):
     return out
 
 
-def _upper_bound(cluster, model, B: int, opts: Options, cost_model, scorer: _Scorer, calibration):
+def _upper_bound(cluster, model, B: int, opts: Options, cost_model, scorer: Scorer, calibration):
     """:func:`hetero.planner.bound.upper_bound` on the costs the search's predictions use (the
     scorer's cost model; a replaced predictor's plans are bounded by the real predictor's costs)."""
     from hetero.predictor import cost_model_for
@@ -191,8 +191,8 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
         from hetero.predictor import cost_model_for
 
         cost_model = cost_model_for(cluster, model, calibration, allocator)
-    with _progress(progress) as report:
-        scorer = _Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None,
+    with SearchProgress(progress) as report:
+        scorer = Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None,
                          workers_for(opts, cluster))
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
         scored = _dedupe(scored)
@@ -206,13 +206,13 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
                 else:
                     sub = _subcluster(cluster, g.name)
                     sub_cm = None if cost_model is None else type(cost_model)(sub, model)
-                    sub_scorer = _Scorer(sub, model, calibration, predict_fn, workers=workers_for(opts, sub))
+                    sub_scorer = Scorer(sub, model, calibration, predict_fn, workers=workers_for(opts, sub))
                     s2, _, _ = _search_core(sub, model, B, opts, sub_cm, sub_scorer, report, calibration)
                     best = s2[0] if s2 and s2[0][0] > 0 else None
                     if best is not None:
                         # a plan of one group is a plan of the whole cluster too
                         pred_full = scorer(best[1])
-                        scored.append((_score(pred_full), best[1], pred_full, best[3]))
+                        scored.append((plan_score(pred_full), best[1], pred_full, best[3]))
                 alone_by_group[g.name] = best[0] if best else 0.0
                 best_alone[g.name] = best[1] if best else None
                 alone += alone_by_group[g.name]
@@ -269,7 +269,7 @@ def _confirm_by_replay(cluster, model, calibration, cost_model, fitting: list, t
                for i in range(len(plan.physical_stages(p)))):
             pred = predict(cluster, model, plan, calibration, cost_model=cost_model, check=False, replay=True)
         if pred.fits_memory:
-            out.append((_score(pred), plan, pred, c))
+            out.append((plan_score(pred), plan, pred, c))
             if len(out) == top_k:
                 break
     out.sort(key=lambda x: -x[0])
@@ -319,7 +319,7 @@ def describe(plan: Plan, cluster=None) -> str:
     return " + ".join(parts) + (f" ({', '.join(tail)})" if tail else "")
 
 
-class _progress:
+class SearchProgress:
     """Context manager turning ``progress`` (False / True / callable) into a report function."""
 
     def __init__(self, progress):

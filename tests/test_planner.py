@@ -318,12 +318,12 @@ def test_no_plan_the_search_returns_exceeds_its_upper_bound(cluster_name, model_
 
 @pytest.mark.timeout(120)
 def test_predictions_spread_over_processes_are_the_ones_made_here():
-    """A big search predicts its plans in two forked processes (_Scorer.predict_many): every plan,
+    """A big search predicts its plans in two forked processes (Scorer.predict_many): every plan,
     a rejected one included, gets the prediction one process makes, in order, and the work was not
     done here (this process's cost model never saw the plans' gradient-sync structures)."""
     import dataclasses
 
-    from hetero.planner.scoring import MIN_PARALLEL_PREDICTIONS, _neighbours, _Scorer
+    from hetero.planner.scoring import MIN_PARALLEL_PREDICTIONS, _neighbours, Scorer
 
     cluster, model = four_type_cluster(256), hetero.load_model(MODELS / "llama2-70b.yaml")
     best = hetero.search(cluster, model, global_batch_size=512, top_k=1, upper_bound=False, micro_batch_sizes=(2,),
@@ -333,8 +333,8 @@ def test_predictions_spread_over_processes_are_the_ones_made_here():
     bad = dataclasses.replace(best.pipelines[0], stages=best.pipelines[0].stages[:1])   # covers too few layers
     plans.append(dataclasses.replace(best, pipelines=[bad] + list(best.pipelines[1:])))
     assert len(plans) >= MIN_PARALLEL_PREDICTIONS
-    here = _Scorer(cluster, model, None, None, workers=1)
-    spread = _Scorer(cluster, model, None, None, workers=2)
+    here = Scorer(cluster, model, None, None, workers=1)
+    spread = Scorer(cluster, model, None, None, workers=2)
     expected = here.predict_many(plans)
     cm = spread.extra["cost_model"]
     structures_before = len(cm._dp_cache)
@@ -622,11 +622,11 @@ def test_the_planner_never_proposes_interleaving_two_stages_of_one_nccl_vendor()
     activations and gradients apart): the plan check refuses the twin, so the scorer drops it,
     while the three-stage twin is scored."""
     from hetero.planner.interleave import interleaved_twin
-    from hetero.planner.scoring import _Scorer
+    from hetero.planner.scoring import Scorer
 
     cluster = small_cluster(na=4, nb=4)
     model = small_model(layers=24)
-    scorer = _Scorer(cluster, model, None, None)
+    scorer = Scorer(cluster, model, None, None)
 
     def plan_of(groups):
         k = 24 // len(groups)

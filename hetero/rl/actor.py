@@ -78,12 +78,12 @@ class GRPOLoss:
         self.step, self.stats = step, StepStats()
 
     def __call__(self, logits, targets: torch.Tensor):
-        from hetero.runtime.model import _vocab_parallel, is_dtensor
+        from hetero.runtime.model import vocab_parallel, is_dtensor
 
         B, T = targets.shape[0], targets.shape[1]
         ids, mask, adv, ref = (targets[..., k] for k in range(TARGET_FIELDS))
         mesh = logits.device_mesh if is_dtensor(logits) else None
-        with _vocab_parallel(logits):
+        with vocab_parallel(logits):
             nll = F.cross_entropy((logits.float() / self.temperature).reshape(B * T, -1), ids.long().reshape(-1),
                                   reduction="none")
         logp = -(nll.to_local() if mesh is not None else nll).view(B, T)

@@ -400,7 +400,7 @@ def vocab_parallel_lookup(tokens: torch.Tensor, weight) -> torch.Tensor:
     return DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
 
 
-def _vocab_parallel(t: torch.Tensor):
+def vocab_parallel(t: torch.Tensor):
     """torch's loss_parallel context for a DTensor sharded on the vocabulary (forward and backward of
     the cross-entropy), else nothing."""
     if is_dtensor(t):
@@ -416,7 +416,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     (:func:`loss_sum`). Logits sharded on the vocabulary (a DTensor, tensor parallelism) are reduced
     over the shards; the loss is then a replicated DTensor, whose backward must run under
     :func:`backward_loss`."""
-    with _vocab_parallel(logits):
+    with vocab_parallel(logits):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction=reduction)
 
@@ -436,5 +436,5 @@ def loss_value(loss: torch.Tensor) -> float:
 
 def backward_loss(loss: torch.Tensor) -> None:
     """``loss.backward()``; a vocabulary-parallel loss backpropagates under loss_parallel."""
-    with _vocab_parallel(loss):
+    with vocab_parallel(loss):
         loss.backward()

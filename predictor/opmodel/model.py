@@ -171,7 +171,7 @@ class OpModel:
         """1 + index of the trained device with the same (bandwidth, units, L2, clock), else 0."""
         if self.design not in FLOOR_DESIGNS:
             return -1
-        k = _device_key(device)
+        k = device_key(device)
         for i, key in enumerate(self._floor_keys):
             if all(abs(a - b) <= 0.01 * max(abs(a), abs(b)) for a, b in zip(k, key)):
                 return i + 1
@@ -316,7 +316,7 @@ class OpModel:
         known = self._floor_tables[fi]
         own = {o: float(floors.get(o, known[F.OP_POS[o]])) for o in F.OPS}
         m.floors = {"global": dict(self.floors.get("global", {})),
-                    "devices": [{"name": "<measured>", "key": list(_device_key(device)), "floors": own}]
+                    "devices": [{"name": "<measured>", "key": list(device_key(device)), "floors": own}]
                     + list(self.floors.get("devices", []))}
         m._prepare_floors()
         return m
@@ -352,7 +352,7 @@ class OpModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _device_key(device) -> tuple:
+def device_key(device) -> tuple:
     """Identity of a device for its trained floors: (bandwidth, compute units, L2, clock)."""
     return (float(device.effective_memory_bandwidth), float(device.compute_units or 0),
             float(device.l2_cache or 0), float(device.clock or 0))
@@ -370,7 +370,7 @@ def _estimate_floors(rec: Records, devices: Mapping, aggregate: str = "gmean") -
         m = rec.device == name
         own = {op: float(np.quantile(rec.latency_ms[m & (rec.op == op)], FLOOR_QUANTILE)) * 1e-3
                for op in F.OPS if (m & (rec.op == op)).any()}
-        per_dev.append({"name": name, "key": list(_device_key(devices[name])), "floors": own})
+        per_dev.append({"name": name, "key": list(device_key(devices[name])), "floors": own})
     glob = {}
     for op in F.OPS:
         vals = [e["floors"][op] for e in per_dev if op in e["floors"]]

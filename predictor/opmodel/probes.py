@@ -30,7 +30,7 @@ from typing import Mapping
 import numpy as np
 
 from . import features as F
-from .model import OpModel, _device_key
+from .model import OpModel, device_key
 from .specs import as_records
 
 FLOOR_SHAPES = {**{op: {"B": 1, "M": 16, "N": 16, "K": 16} for op in F.GEMM_OPS},
