@@ -9,14 +9,14 @@ import pytest
 pytest.importorskip("torch")
 
 
-def _footer(capsys, predicted_s: float) -> str:
+def _footer(capsys, predicted_s: float, steps: int = 8) -> str:
     from hetero.runtime.report import Reporter
 
     rep = Reporter(types.SimpleNamespace(tokens_per_step=1024))
     rank = {"rank": 0, "group": "fast", "pipeline": 0, "replica": 0, "stage": 0, "layers": [0, 4], "tp_rank": 0,
             "tp_size": 1, "forward_time_s": 0.01, "backward_time_s": 0.02}
     rep.footer({"ranks": [rank], "median_iteration_time_s": 0.1, "predicted_iteration_time_s": predicted_s,
-                "losses": [6.0, 5.0], "iteration_times_s": [0.1, 0.1]})
+                "losses": [6.0 - 0.1 * i for i in range(steps)], "iteration_times_s": [0.1] * steps})
     return " ".join(capsys.readouterr().out.split())
 
 
@@ -24,7 +24,20 @@ def test_a_large_under_prediction_is_explained(capsys):
     text = _footer(capsys, 0.02)
     assert "-80.0 %" in text and "per-step framework overhead" in text and "hetero calibrate" in text
     text = _footer(capsys, 0.09)
-    assert "-10.0 %" in text and "framework overhead" not in text
+    assert "-10.0 % (median of 7 steady steps)" in text and "framework overhead" not in text
+
+
+def test_a_run_too_short_to_judge_says_so_instead_of_an_error(capsys):
+    """Six steps are the warm-up and five steady ones: judged; five steps are not (the demo ran six
+    steps and printed a bare -28.9 %)."""
+    from hetero.runtime.report import MIN_STEADY_STEPS
+
+    text = _footer(capsys, 0.02, steps=MIN_STEADY_STEPS)
+    assert "%" not in text.split("predicted vs measured")[1].split("loss")[0]
+    assert f"{MIN_STEADY_STEPS - 1} steady step(s) after the warm-up step: too short to judge" in text
+    assert "framework overhead" not in text
+    text = _footer(capsys, 0.02, steps=MIN_STEADY_STEPS + 1)
+    assert "-80.0 %" in text and "too short" not in text
 
 
 def test_the_note_names_a_stage_whose_compute_the_table_shows_far_above_its_prediction(capsys):
@@ -43,7 +56,7 @@ def test_the_note_names_a_stage_whose_compute_the_table_shows_far_above_its_pred
             "tp_size": 1, "forward_time_s": 20 * stage.forward_time_s, "backward_time_s": 20 * stage.backward_time_s}
     rep = Reporter(types.SimpleNamespace(tokens_per_step=1024, ctx=ctx))
     rep.footer({"ranks": [rank], "median_iteration_time_s": 1.0, "predicted_iteration_time_s": 0.1,
-                "losses": [6.0, 5.0], "iteration_times_s": [1.0, 1.0]})
+                "losses": [6.0] * 8, "iteration_times_s": [1.0] * 8})
     text = " ".join(capsys.readouterr().out.split())
     assert "the stages compute slower than predicted: rank 1 (fast, tp 1)" in text and "(20x;" in text, text
     assert "framework overhead" not in text

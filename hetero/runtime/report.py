@@ -6,6 +6,12 @@ import statistics
 from hetero.specs.units import plural
 
 
+MIN_STEADY_STEPS = 5
+"""Steps after the warm-up one (its first allocations, page faults and connections; the summary's
+figures leave it out) that predicted vs measured needs: with fewer, one slow step on a shared
+machine moves the median, and the error is not printed as a verdict."""
+
+
 class Reporter:
     """Rank 0's console output for a run: header, one line per step, footer tables."""
 
@@ -68,10 +74,16 @@ class Reporter:
         tokens = self.t.tokens_per_step
         cmp.add_row("measured (median)", f"{measured * 1e3:.1f} ms" if measured else "-",
                     f"{tokens / measured:.0f}" if measured else "-")
-        if pred:
+        steady = max(0, len(summary.get("iteration_times_s") or []) - 1)
+        if pred and steady < MIN_STEADY_STEPS:
+            cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
+            cmp.add_row("error", "n/a", "")
+            notes.append(f"{steady} steady step(s) after the warm-up step: too short to judge the prediction "
+                         f"(run at least {MIN_STEADY_STEPS + 1} steps)")
+        elif pred:
             err = (pred - measured) / measured * 100 if measured else float("nan")
             cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
-            cmp.add_row("error", f"{err:+.1f} %", "")
+            cmp.add_row("error", f"{err:+.1f} % (median of {steady} steady steps)", "")
             if err < -50:
                 slow = self._slowest_stage(summary["ranks"])
                 if slow:   # the per-rank table shows compute itself far above its prediction: say that
