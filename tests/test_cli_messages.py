@@ -162,3 +162,19 @@ def test_the_run_plot_titles_clear_their_legends():
     for title in titles:
         box = title.get_window_extent(renderer)
         assert not any(box.overlaps(legend) for legend in legends), (title.get_text(), box, legends)
+
+
+def test_the_reconfiguration_table_says_whether_processes_restarted(capsys):
+    """An in-process reconfiguration keeps the survivors' processes: its row said 'restart s'. The
+    column now says per row whether the ranks resharded in place or restarted from a checkpoint."""
+    from rich.console import Console
+
+    from hetero.runtime.elastic.report import reconfiguration_table
+
+    row = {"step": 4, "reason": "rank 3 failed", "world_size_before": 4, "world_size_after": 2, "devices_added": 0,
+           "devices_removed": 1, "handoff_time_s": 0.2, "replan_time_s": 0.01, "restart_time_s": 0.5,
+           "reshard_time_s": 0.8, "predicted_tokens_per_s": 1000.0}
+    Console(width=400).print(reconfiguration_table([{**row, "path": "in-process"}, row]))   # no header wraps
+    out = capsys.readouterr().out
+    assert "restart / reshard s" in out and "0.50 (reshard)" in out and "0.50 (restart)" in out, out
+    assert "restart s" not in out.replace("restart / reshard s", ""), out

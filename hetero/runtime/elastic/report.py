@@ -8,19 +8,29 @@ def reconfiguration_table(reconfigurations: list[dict]):
     from rich.table import Table
 
     table = Table(title="reconfigurations")
-    for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart s",
+    for name in ("before step", "reason", "ranks", "devices +/-", "handoff s", "replan s", "restart / reshard s",
                  "event -> first step s", "transfer s (predicted)", "MB moved", "new plan predicted tok/s"):
         table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
 
     for rc in reconfigurations:
         table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
                       f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", seconds_cell(rc.get("handoff_time_s")),
-                      seconds_cell(rc.get("replan_time_s")), seconds_cell(rc.get("restart_time_s")), seconds_cell(rc.get("reshard_time_s")),
+                      seconds_cell(rc.get("replan_time_s")), _restart_cell(rc), seconds_cell(rc.get("reshard_time_s")),
                       # in-process reshards: the measured transfer beside the predictor's
                       f"{seconds_cell(rc.get('transfer_s'))} ({seconds_cell(rc.get('predicted_downtime_s'))})",
                       "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
                       f"{rc['predicted_tokens_per_s']:,.0f}")
     return table
+
+
+def _restart_cell(rc: dict) -> str:
+    """The decision to every rank ready for its first step (``restart_time_s``), saying how: the
+    survivors resharded in place (an in-process reconfiguration keeps their processes) or the
+    workers restarted from a checkpoint."""
+    v = rc.get("restart_time_s")
+    if v is None:
+        return seconds_cell(v)
+    return f"{seconds_cell(v)} ({'reshard' if rc.get('path') == 'in-process' else 'restart'})"
 
 
 def seconds_cell(v: float | None) -> str:
