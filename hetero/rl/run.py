@@ -56,7 +56,7 @@ def run_rl(job, cluster, options=None) -> dict:
         run_dir = run_opts.run_dir
         placement = job.placement_dict()
         placement["actor"]["plan"] = plan.to_dict()
-        cfg = {"job": {k: getattr(job, k) for k in JOB_FIELDS}, "steps": steps, "rollout": rollout,
+        cfg = {"job": {k: getattr(job, k) for k in JOB_FIELDS}, "steps": steps, "rollout": rollout, "rollout_groups": job.rollout_groups,
                "prompts": [_record(r) for r in job.prompt_records],
                "eval_prompts": [_record(r) for r in job.eval_records],
                "reward": dataclasses.asdict(job.reward_ref), "placement": placement,

@@ -94,7 +94,9 @@ class RLProcess:
         _write(base + ".ready", "ok")
         parallel = ParallelLayout.build(self.model, self.plan, self.layout, rank if rank < self.A else 0)
         self.actor_ranks = list(range(self.A))
-        self.gen_ranks = list(range(self.A, self.world)) if rollout else self.actor_ranks
+        # collocated: the actor ranks of the rollout's groups (default: every actor rank) generate
+        self.gen_ranks = list(range(self.A, self.world)) if rollout else \
+            [r.rank for r in self.layout.ranks if r.group in cfg["rollout_groups"]]
         self.comm.create_groups(list(parallel.group_sets) + [self.actor_ranks, list(range(self.world))],
                                 mesh_sets=parallel.mesh_sets)
         self.is_actor = rank < self.A
@@ -112,7 +114,7 @@ class RLProcess:
         self.steps = cfg["steps"]
         self.staleness = job["staleness"] if self.disaggregated else 0
         self.eval_results: dict[str, list] = {"before": [], "after": []}
-        self.whole = self.ref = None
+        self.whole = self.whole_params = self.ref = None
         if self.is_actor:
             self._build_actor()
         if self.generates:
@@ -234,7 +236,8 @@ class RLProcess:
                 self.sync_comm.wait_sends()
         elif self.cfg["eval_prompts"]:
             self._collocated_sync(self.steps)
-            self.eval_results["after"] = self._evaluate()
+            if self.generates:
+                self.eval_results["after"] = self._evaluate()
             self._free_whole()
         return rows
 
@@ -245,10 +248,11 @@ class RLProcess:
         return local_params(self.engine.module)
 
     def _collocated_sync(self, version: int) -> float:
+        """Every actor rank sends its pieces; the generating ones fill their temporary whole copy."""
         from hetero.rl.sync import whole_model
 
         t0 = time.perf_counter()
-        if self.whole is None:
+        if self.whole is None and self.generates:
             self.whole, self.whole_params = whole_model(self.model, self.device)
         params = self._params()
         self.sync.send(self.sync_comm, self.rank, params, version)
@@ -263,6 +267,8 @@ class RLProcess:
 
     def _collocated_rollout(self, t: int) -> None:
         sync_s = self._collocated_sync(t)
+        if not self.generates:
+            return
         if t == 0:
             self._keep_reference()
             if self.cfg["eval_prompts"]:
