@@ -13,7 +13,7 @@ def reconfiguration_table(reconfigurations: list[dict]):
         table.add_column(name, justify="left" if name == "reason" else "right", overflow="fold")
 
     for rc in reconfigurations:
-        table.add_row(str(rc["step"]), rc["reason"], f"{rc['world_size_before']} -> {rc['world_size_after']}",
+        table.add_row(str(rc["step"]), rc["reason"], _ranks_cell(rc),
                       f"+{rc.get('devices_added', 0)} / -{rc.get('devices_removed', 0)}", seconds_cell(rc.get("handoff_time_s")),
                       seconds_cell(rc.get("replan_time_s")), _restart_cell(rc), seconds_cell(rc.get("reshard_time_s")),
                       # in-process reshards: the measured transfer beside the predictor's
@@ -21,6 +21,14 @@ def reconfiguration_table(reconfigurations: list[dict]):
                       "-" if rc.get("bytes_moved") is None else f"{rc['bytes_moved'] / 1e6:,.1f}",
                       f"{rc['predicted_tokens_per_s']:,.0f}")
     return table
+
+
+def _ranks_cell(rc: dict) -> str:
+    """The world sizes, and the devices the replanner had when its plan uses fewer of them (the
+    'replanned on 3 device(s)' line beside ranks 4 -> 2)."""
+    cell = f"{rc['world_size_before']} -> {rc['world_size_after']}"
+    left = rc.get("devices_left")
+    return cell if left is None or left == rc["world_size_after"] else f"{cell} (of {left} devices left)"
 
 
 def _restart_cell(rc: dict) -> str:
