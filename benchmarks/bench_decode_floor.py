@@ -7,7 +7,8 @@ with 1) / (N - 1), median of ``--repeats`` runs, one thread. A least-squares fit
 ``step = per_step + per_layer[architecture] x layers + per_row x rows`` over all cases gives the floor
 the predictor uses (:data:`hetero.predictor.generation.CPU_DISPATCH`: a llama layer issues more kernels
 than a gpt one: RoPE, the gated MLP, the grouped keys and values); the first call (prefill and the
-first token) of the same calls gets its own figures the same way.
+first token) of the same calls gets its own figures the same way. Also the weight sync's checksum rate
+(a host copy and CRC32 of every piece, on both sides of every sync).
 
     python benchmarks/bench_decode_floor.py [--repeats 5] [--out benchmarks/results/decode_floor_cpu.json]
 """
@@ -58,13 +59,42 @@ def _fit(rows: list[dict], key: str) -> tuple[list[float], float]:
     return [float(c) for c in coef], err
 
 
+def checksum_rate(repeats: int) -> dict:
+    """Bytes per second of the weight sync's per-piece checksum (:func:`hetero.rl.sync.crc`: a host
+    copy and CRC32) on a 64 MiB fp32 tensor, the best of ``repeats`` (one core's rate)."""
+    import torch
+
+    from hetero.rl.sync import crc
+
+    t = torch.randn(16 * 2**20)
+    best = min(_time_once(lambda: crc(t)) for _ in range(repeats))
+    return {"bytes": t.numel() * 4, "best_s": best, "bytes_per_s": t.numel() * 4 / best}
+
+
+def _time_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new", type=int, default=16, help="new tokens of the long call")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "decode_floor_cpu.json"))
+    ap.add_argument("--checksum-only", action="store_true",
+                    help="measure the sync's checksum rate alone and update it in --out")
     args = ap.parse_args(argv)
+    if args.checksum_only:
+        with open(args.out) as f:
+            out = json.load(f)
+        out["sync_checksum"] = checksum_rate(args.repeats)
+        out["sync_checksum"]["load_avg_1min"] = os.getloadavg()[0]
+        print(f"checksum: {out['sync_checksum']['bytes_per_s'] / 1e9:.2f} GB/s")
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        return 0
     import torch
 
     from hetero.rl.generate import generate
@@ -103,7 +133,7 @@ def main(argv=None) -> int:
                                  "per_row": dec[3], "largest_residual": dec_err},
            "first_call_fit_s": {"per_step": pre[0], "per_layer": {"gpt": pre[1], "llama": pre[2]},
                                 "per_row": pre[3], "largest_residual": pre_err},
-           "cases": rows}
+           "cases": rows, "sync_checksum": checksum_rate(args.repeats)}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {args.out}")

@@ -310,10 +310,12 @@ def explain(report: PlacementReport, cluster) -> list[str]:
                      f"{(1 - p.step_s / nxt.prediction.step_s):.1%} shorter than the next best, {nxt.label()} "
                      f"({nxt.prediction.step_s:.4g} s)")
     if p.overlapped:
-        what = "rollout (with the weight sync)" if p.rollout_s + p.sync_s >= p.train_s else "training"
+        actor, rollout = p.sync_send_s + p.train_s, p.sync_s - p.sync_send_s + p.rollout_s
+        what = "rollout's" if rollout >= actor else "actor's"
         lines.append(f"staleness {report.sizes.staleness} lets the rollout of the next step run during training: the "
-                     f"step is the longer of them, here the {what} ({max(p.rollout_s + p.sync_s, p.train_s):.4g} s; "
-                     f"rollout {p.rollout_s:.4g} s + sync {p.sync_s:.4g} s, train {p.train_s:.4g} s)")
+                     f"step is the longer path, here the {what} ({max(actor, rollout):.4g} s; rollout: receiving "
+                     f"the weights {p.sync_s - p.sync_send_s:.4g} s + generating {p.rollout_s:.4g} s; actor: "
+                     f"sending {p.sync_send_s:.4g} s + training {p.train_s:.4g} s)")
     else:
         lines.append(f"its phases follow each other: sync {p.sync_s:.4g} s + rollout {p.rollout_s:.4g} s + "
                      f"train {p.train_s:.4g} s")

@@ -275,36 +275,77 @@ def total_params(model) -> float:
     return float(copy_weight_bytes(model) / O.DTYPE_BYTES[model.dtype])
 
 
-def weight_sync_time(cluster, model, senders: dict[str, int], receivers: dict[str, int], copies: int,
-                     collocated: bool = False) -> float:
-    """Seconds to send the actor's weights (fp32) to ``copies`` whole copies after an update.
+CHECKSUM_BYTES_PER_S = 0.42e9
+"""Bytes per second of the sync's checksum of a piece (a host copy and CRC32, one core): measured on
+this machine's CPU while other jobs ran (``bench_decode_floor.py --checksum-only``, the JSON's
+``sync_checksum``). Every piece is checksummed where it is sent from and where it lands."""
 
-    ``senders``: actor devices per group holding distinct shards (one replica's stages and tp ranks);
-    ``receivers``: rollout devices per group. Disaggregated: each sender sends its share to every
-    copy and each copy receives the whole model, over the cross-group link (host-staged when vendors
-    differ), so the slower of the busiest sender and one receiver sets the time. Collocated: every
-    actor device gathers the other shards into a temporary whole copy on the group's own links."""
+
+@dataclass(frozen=True)
+class SyncTime:
+    """One weight sync: the senders' share (checksums before the sends, on the actor's path), the
+    transfer, and the receivers' share (checksums of every landed piece, on the rollout's path)."""
+
+    send_s: float
+    transfer_s: float
+    receive_s: float
+
+    @property
+    def seconds(self) -> float:
+        """The whole sync when nothing overlaps it."""
+        return self.send_s + self.transfer_s + self.receive_s
+
+
+def _checksum_s(cluster, groups, nbytes: float) -> float:
+    """Checksumming ``nbytes`` on a device of the slowest of ``groups``: host copy (accelerators) + CRC32."""
+    worst = 0.0
+    for g in groups:
+        dev = cluster.device_type(g)
+        t = nbytes / CHECKSUM_BYTES_PER_S + (nbytes / comm.HOST_STAGING_BANDWIDTH if dev.family != "cpu" else 0.0)
+        worst = max(worst, t)
+    return worst
+
+
+def weight_sync_time(cluster, model, holders: dict[str, int], receivers: dict[str, int], copies: int,
+                     collocated: bool = False, own_fraction: float = 0.0) -> SyncTime:
+    """One sync of the actor's weights (fp32) to ``copies`` whole copies after an update.
+
+    ``holders``: actor devices per group (every one holds part of the weights: the sync spreads the
+    sends over all that hold a piece, hetero.runtime.reshard.transition); ``receivers``: rollout
+    devices per group. Disaggregated: the holders send ``copies`` whole models between them and each
+    copy receives one, over the cross-group link (host-staged when vendors differ; a split of one
+    node's devices: its own link), so the slower of the busiest holder and one receiver sets the
+    transfer. Collocated: every actor device gathers what it does not hold (``1 - own_fraction`` of
+    the model) into a temporary whole copy on the group's own links, and sends as much to the others.
+    Checksums (:data:`CHECKSUM_BYTES_PER_S`): a holder's of every piece it sends, a receiver's of every
+    piece that lands (collocated, its own pieces twice: as sent and as landed)."""
     nbytes = total_params(model) * SYNC_BYTES_PER_PARAM
-    shards = max(1, sum(senders.values()))
+    n = max(1, sum(holders.values()))
     if collocated:
-        g = next(iter(senders))
+        g = next(iter(holders))
         group = cluster.group(g)
-        link = group.intra_node if group.nodes == 1 and len(senders) == 1 else cluster.network.inter_node
-        if len(senders) > 1:
+        link = group.intra_node if group.nodes == 1 and len(holders) == 1 else cluster.network.inter_node
+        if len(holders) > 1:
             link = cluster.network.cross_group
-        staged = len({cluster.device_type(s).vendor for s in senders}) > 1 and \
-            all(cluster.device_type(s).family != "cpu" for s in senders)
-        moved = nbytes * (shards - 1) / shards
-        return comm.p2p(moved, link.bandwidth, link.latency * max(1.0, moved / SYNC_BUCKET_BYTES), staged)
+        staged = len({cluster.device_type(h).vendor for h in holders}) > 1 and \
+            all(cluster.device_type(h).family != "cpu" for h in holders)
+        own = nbytes * own_fraction
+        moved = nbytes - own if n > 1 else 0.0
+        transfer = comm.p2p(moved, link.bandwidth, link.latency * max(1.0, moved / SYNC_BUCKET_BYTES), staged) \
+            if moved > 0 else 0.0
+        return SyncTime(_checksum_s(cluster, holders, moved), transfer, _checksum_s(cluster, holders, nbytes + own))
     link = cluster.network.cross_group
-    if set(receivers) == set(senders) and len(senders) == 1 and cluster.group(next(iter(senders))).nodes == 1:
-        link = cluster.group(next(iter(senders))).intra_node   # a split of one node's devices
-    staged = any(cluster.device_type(s).vendor != cluster.device_type(r).vendor
-                 and cluster.device_type(s).family != "cpu" and cluster.device_type(r).family != "cpu"
-                 for s in senders for r in receivers)
-    busiest = max(nbytes / shards * copies, nbytes)
+    if set(receivers) == set(holders) and len(holders) == 1 and cluster.group(next(iter(holders))).nodes == 1:
+        link = cluster.group(next(iter(holders))).intra_node   # a split of one node's devices
+    staged = any(cluster.device_type(h).vendor != cluster.device_type(r).vendor
+                 and cluster.device_type(h).family != "cpu" and cluster.device_type(r).family != "cpu"
+                 for h in holders for r in receivers)
+    out = nbytes * copies / n
+    busiest = max(out, nbytes)
     buckets = max(1.0, busiest / SYNC_BUCKET_BYTES)
-    return comm.p2p(busiest, link.bandwidth, link.latency * buckets, staged)
+    return SyncTime(_checksum_s(cluster, holders, out),
+                    comm.p2p(busiest, link.bandwidth, link.latency * buckets, staged),
+                    _checksum_s(cluster, receivers, nbytes))
 
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = 16
@@ -329,4 +370,4 @@ def context_switch_time(cluster, group: str, model, params_on_device: float, nee
 
 __all__ = ["CPU_DISPATCH", "KERNEL_LAUNCH_S", "StepTime", "GenerationTime", "decode_layer_ops", "head_ops",
            "decode_step", "prefill", "generation_time", "copy_weight_bytes", "kv_bytes_per_token", "sequences_fit",
-           "weight_sync_time", "context_switch_time", "total_params"]
+           "weight_sync_time", "SyncTime", "context_switch_time", "total_params"]

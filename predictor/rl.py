@@ -8,14 +8,16 @@ The step as ``hetero rl`` runs it (hetero/rl/worker.py):
   decode steps, no early stop assumed). The slowest copy ends the rollout. Collocated, every actor
   device holds a temporary whole copy and generates; disaggregated, the rollout groups' devices do
   (``tp`` devices a copy).
-- **sync**: after each update the actor's fp32 weights go to every copy
-  (:func:`.generation.weight_sync_time`); collocated, each actor device gathers a whole copy, and
-  switches between training and generation (:func:`.generation.context_switch_time`).
+- **sync**: after each update the actor's fp32 weights go to every copy, each piece checksummed
+  on both sides (:func:`.generation.weight_sync_time`); collocated, each actor device gathers a
+  whole copy, and switches between training and generation (:func:`.generation.context_switch_time`).
 - **train**: the actor plan's predicted iteration (:func:`.api.predict`) on the step's
   ``prompts_per_step x group_size`` samples, each a row of the model's ``seq_length``.
 - **step**: with staleness 0 (and always collocated) the phases follow each other:
   ``sync + switch + rollout + train``. Disaggregated with staleness >= 1, the rollout of step t+1
-  (which first receives the weights) runs while step t trains: ``max(train, sync + rollout)``.
+  (which first receives the weights) runs while step t trains: the longer of the actor's path
+  (checksumming and posting its sends, then training) and the rollout's (the transfer, the
+  checksums of what landed, then generating).
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class RLStepPrediction:
     train_s: float
     sync_s: float
     samples_per_s: float
+    sync_send_s: float = 0.0
+    """Of ``sync_s``, the actor's share (its checksums before posting the sends)."""
     switch_s: float = 0.0
     """Collocated: the context switch between training and generation (0 when both fit)."""
     fits: bool = True
@@ -85,13 +89,10 @@ def rollout_time(cluster, model, sizes: RLSizes, copies: list[tuple[str, int]],
     return max(n * per_group[g] for n, (g, _) in zip(counts, copies)), per_group
 
 
-def _shard_senders(plan) -> dict[str, int]:
-    """Devices per group of one replica of each pipeline: the distinct shards of the weights."""
-    out: dict[str, int] = {}
-    for p in plan.pipelines[:1]:
-        for s in plan.physical_stages(p):
-            out[s.group] = out.get(s.group, 0) + s.tp
-    return out
+def own_fraction(plan, model) -> float:
+    """The smallest share of the model's layers one actor device holds (its stage's layers over its tp)."""
+    L = max(1, model.num_layers)
+    return min((s.layers[1] - s.layers[0]) / L / s.tp for p in plan.pipelines for s in plan.physical_stages(p))
 
 
 def rl_step(cluster, model, plan, sizes: RLSizes, mode: str, rollout: dict[str, int] | None = None,
@@ -113,7 +114,8 @@ def rl_step(cluster, model, plan, sizes: RLSizes, mode: str, rollout: dict[str, 
         for p in train.pipelines:
             for s in p.stages:
                 reserved[s.group] = max(reserved.get(s.group, 0.0), float(s.peak_memory_bytes))
-        sync = gen.weight_sync_time(cluster, model, _shard_senders(plan), dict(used), len(copies), collocated=True)
+        sync = gen.weight_sync_time(cluster, model, dict(used), dict(used), len(copies), collocated=True,
+                                    own_fraction=own_fraction(plan, model))
         # the actor's state stays on the device unless the copy and its cache do not fit beside it
         need = {g: gen.copy_weight_bytes(model) + sizes.group_size * gen.kv_bytes_per_token(model)
                 * (sizes.prompt_tokens + sizes.max_new_tokens) for g in used}
@@ -128,18 +130,21 @@ def rl_step(cluster, model, plan, sizes: RLSizes, mode: str, rollout: dict[str, 
         copies = [(g, rollout_tp) for g, n in rollout.items() for _ in range(n // rollout_tp)]
         if not copies:
             raise ValueError("disaggregated: the rollout has no device")
-        sync = gen.weight_sync_time(cluster, model, _shard_senders(plan), rollout, len(copies))
+        sync = gen.weight_sync_time(cluster, model, dict(used), rollout, len(copies))
         rollout_kw = {}
     try:
         roll, per_group = rollout_time(cluster, model, sizes, copies, **rollout_kw)
     except ValueError:
         roll, per_group, fits = float("inf"), {}, False
     overlapped = mode == "disaggregated" and sizes.staleness >= 1
-    step = max(train_s, sync + roll) if overlapped else sync + switch + roll + train_s
+    if overlapped:
+        step = max(sync.send_s + train_s, sync.transfer_s + sync.receive_s + roll)
+    else:
+        step = sync.seconds + switch + roll + train_s
     counted: dict[str, int] = {}
     for g, _ in copies:
         counted[g] = counted.get(g, 0) + 1
-    return RLStepPrediction(step_s=step, rollout_s=roll, train_s=train_s, sync_s=sync + switch,
+    return RLStepPrediction(step_s=step, rollout_s=roll, train_s=train_s, sync_s=sync.seconds + switch, sync_send_s=sync.send_s,
                             samples_per_s=sizes.samples / step if step > 0 else 0.0, switch_s=switch, fits=fits,
                             copies=counted, rollout_by_group=per_group, overlapped=overlapped)
 
