@@ -71,6 +71,21 @@ def checksum_rate(repeats: int) -> dict:
     return {"bytes": t.numel() * 4, "best_s": best, "bytes_per_s": t.numel() * 4 / best}
 
 
+def whole_copy_rate(repeats: int) -> dict:
+    """Seconds per parameter tensor of building a temporary whole copy (:func:`hetero.rl.sync.whole_model`,
+    what a collocated rank makes each step) of the 4-layer tiny GPT, the best of ``repeats``."""
+    import torch
+
+    import hetero
+    from hetero.rl.sync import whole_model
+
+    spec = hetero.load_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                          "models", "tiny.yaml"))
+    tensors = len(whole_model(spec, torch.device("cpu"))[1])
+    best = min(_time_once(lambda: whole_model(spec, torch.device("cpu"))) for _ in range(repeats))
+    return {"model": "tiny", "tensors": tensors, "best_s": best, "per_tensor_s": best / tensors}
+
+
 def _time_once(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -91,7 +106,9 @@ def main(argv=None) -> int:
             out = json.load(f)
         out["sync_checksum"] = checksum_rate(args.repeats)
         out["sync_checksum"]["load_avg_1min"] = os.getloadavg()[0]
-        print(f"checksum: {out['sync_checksum']['bytes_per_s'] / 1e9:.2f} GB/s")
+        out["whole_copy"] = whole_copy_rate(4 * args.repeats)
+        print(f"checksum: {out['sync_checksum']['bytes_per_s'] / 1e9:.2f} GB/s; whole copy: "
+              f"{out['whole_copy']['per_tensor_s'] * 1e6:.1f} us per tensor")
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
         return 0
@@ -133,7 +150,7 @@ def main(argv=None) -> int:
                                  "per_row": dec[3], "largest_residual": dec_err},
            "first_call_fit_s": {"per_step": pre[0], "per_layer": {"gpt": pre[1], "llama": pre[2]},
                                 "per_row": pre[3], "largest_residual": pre_err},
-           "cases": rows, "sync_checksum": checksum_rate(args.repeats)}
+           "cases": rows, "sync_checksum": checksum_rate(args.repeats), "whole_copy": whole_copy_rate(4 * args.repeats)}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {args.out}")

@@ -275,10 +275,24 @@ def total_params(model) -> float:
     return float(copy_weight_bytes(model) / O.DTYPE_BYTES[model.dtype])
 
 
-CHECKSUM_BYTES_PER_S = 0.42e9
+CHECKSUM_BYTES_PER_S = 0.38e9
 """Bytes per second of the sync's checksum of a piece (a host copy and CRC32, one core): measured on
 this machine's CPU while other jobs ran (``bench_decode_floor.py --checksum-only``, the JSON's
 ``sync_checksum``). Every piece is checksummed where it is sent from and where it lands."""
+
+
+WHOLE_COPY_PER_TENSOR_S = 19.5e-6
+"""Host seconds per parameter tensor to build a temporary whole copy (a collocated rank builds one
+for each step's rollout and frees it before training): measured on this CPU with the tiny GPT's 68
+tensors (``bench_decode_floor.py --checksum-only``, the JSON's ``whole_copy``)."""
+
+
+def parameter_tensors(model) -> int:
+    """Parameter tensors of the runtime's whole model: per block 16 (gpt: weights and biases) or 9
+    (llama), and the embeddings, final norm and head."""
+    per, edges = (16, 4) if model.architecture == "gpt" else (9, 3)
+    return model.num_layers * per + edges - (0 if model.architecture == "gpt" or not model.tie_embeddings else 1) \
+        + (1 if model.architecture == "gpt" and not model.tie_embeddings else 0)
 
 
 @dataclass(frozen=True)
@@ -333,7 +347,9 @@ def weight_sync_time(cluster, model, holders: dict[str, int], receivers: dict[st
         moved = nbytes - own if n > 1 else 0.0
         transfer = comm.p2p(moved, link.bandwidth, link.latency * max(1.0, moved / SYNC_BUCKET_BYTES), staged) \
             if moved > 0 else 0.0
-        return SyncTime(_checksum_s(cluster, holders, moved), transfer, _checksum_s(cluster, holders, nbytes + own))
+        build = parameter_tensors(model) * WHOLE_COPY_PER_TENSOR_S
+        return SyncTime(_checksum_s(cluster, holders, moved), transfer,
+                        build + _checksum_s(cluster, holders, nbytes + own))
     link = cluster.network.cross_group
     if set(receivers) == set(holders) and len(holders) == 1 and cluster.group(next(iter(holders))).nodes == 1:
         link = cluster.group(next(iter(holders))).intra_node   # a split of one node's devices
