@@ -433,6 +433,40 @@ class Communicator:
 
         return self._launch("reduce_scatter", g, run, async_op, timeout, hierarchical=True)
 
+    def all_to_all_single(self, output, input, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                          group: Group | None = None, async_op: bool = False, timeout: float | None = None):
+        """Rows of ``input`` to every rank of the group and back: ``input_split_sizes[i]`` rows (along dim 0,
+        in group order) go to the group's i-th rank, ``output`` gets ``output_split_sizes[j]`` rows from its
+        j-th (torch's ``all_to_all_single``; Gloo has no list form). Within one vendor: the vendor library's
+        all-to-all; across vendors: that inside each vendor part, and host-staged transfers over the
+        bridge between ranks of different vendors (:func:`hierarchical.all_to_all`). Bytes are recorded
+        per path as this rank sends them (its rows to other ranks; its own rows move nowhere)."""
+
+        g = self._group(group)
+        ins, outs = [int(s) for s in input_split_sizes], [int(s) for s in output_split_sizes]
+        if len(ins) != g.size or sum(ins) != input.shape[0] or len(outs) != g.size or sum(outs) != output.shape[0]:
+            raise ValueError(f"all_to_all_single: split sizes {ins} (input dim 0 {input.shape[0]}) and {outs} "
+                             f"(output dim 0 {output.shape[0]}) must have {g.size} entries summing to dim 0")
+        if not g.hierarchical:
+            pg = g.vendor_pg
+            row = input[0].numel() * input.element_size() if input.shape[0] else 0
+
+            def issue(deadline):
+                if pg is None:
+                    output.copy_(input)
+                    return [], (lambda: output)
+                self._rec("all_to_all", "vendor", g, row * (sum(ins) - ins[g.rank]))
+                w = dist.all_to_all_single(output, input.contiguous(), outs, ins, group=pg, async_op=True)
+                return [w], (lambda: output)
+
+            return self._launch("all_to_all", g, issue, async_op, timeout, hierarchical=False)
+
+        def run(deadline):
+            hierarchical.all_to_all(self, output, input, outs, ins, g, deadline)
+            return [], (lambda: output)
+
+        return self._launch("all_to_all", g, run, async_op, timeout, hierarchical=True)
+
     def barrier(self, group: Group | None = None, async_op: bool = False, timeout: float | None = None):
         """Wait until every rank of the group has arrived (hierarchically across vendors)."""
 

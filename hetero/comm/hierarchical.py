@@ -113,3 +113,44 @@ def _sync(t) -> None:
         torch.cuda.current_stream(t.device).synchronize()
     elif t.device.type != "cpu" and hasattr(torch, "accelerator"):
         torch.accelerator.synchronize()
+
+
+#: the bridge tag of an all-to-all's cross-vendor transfers (apart from the runtime's point-to-point tags)
+ALL_TO_ALL_TAG = 0x7A2A
+
+
+def all_to_all(comm, output, inp, out_splits: list[int], in_splits: list[int], g: Group, deadline: float) -> None:
+    """All-to-all of rows (``in_splits[i]`` rows of ``inp`` to the group's i-th rank, ``out_splits[j]`` rows
+    of ``output`` from its j-th): one ``all_to_all_single`` over this rank's vendor part of the group
+    on the vendor library, and one host-staged transfer over the bridge to and from each rank of another
+    vendor (pairwise, empty ones skipped: both sides know the sizes)."""
+    ins, outs = inp.split(in_splits), output.split(out_splits)
+    row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+    mine = [g.index(r) for r in g.my_vendor_ranks]
+    if g.vendor_pg is not None:
+        send = torch.cat([ins[i] for i in mine])
+        recv = torch.empty((sum(out_splits[i] for i in mine),) + tuple(output.shape[1:]),
+                           dtype=output.dtype, device=output.device)
+        comm._rec("all_to_all", "vendor", g, row * sum(in_splits[i] for i in mine if i != g.rank))
+        wait_work(dist.all_to_all_single(recv, send, [out_splits[i] for i in mine], [in_splits[i] for i in mine],
+                                         group=g.vendor_pg, async_op=True), deadline)
+        for i, part in zip(mine, recv.split([out_splits[i] for i in mine])):
+            outs[i].copy_(part)
+    else:
+        outs[g.rank].copy_(ins[g.rank])
+    sends, recvs = [], []
+    for i, r in enumerate(g.ranks):
+        if comm.vendor_of_rank[r] == comm.vendor:
+            continue
+        if out_splits[i]:
+            host = torch.empty(outs[i].shape, dtype=output.dtype)
+            recvs.append((comm.bridge.irecv(host, r, ALL_TO_ALL_TAG), host, outs[i]))
+        if in_splits[i]:
+            host = ins[i].detach().to("cpu").contiguous()
+            comm.stats.record("all_to_all", "bridge", None, sorted((comm.rank, r)), host.numel() * host.element_size())
+            sends.append((comm.bridge.isend(host, r, ALL_TO_ALL_TAG), host))
+    for work, _host in sends:
+        wait_work(work, deadline)
+    for work, host, out in recvs:
+        wait_work(work, deadline)
+        out.copy_(host)

@@ -242,6 +242,25 @@ class Collectives:
         self.all_gather_into_async(flat, part, ranks).wait()
         return flat
 
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, output_splits: list[int],
+                          input_splits: list[int], ranks: Iterable[int]) -> torch.Tensor:
+        """Rows of ``tensor`` to each of ``ranks`` (ascending order): ``input_splits[i]`` rows to the i-th,
+        ``output`` gets ``output_splits[j]`` rows from the j-th (across vendors through the bridge with
+        the unified communicator); returns ``output``."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            return output.copy_(tensor)
+        out, inp = self._there(output), self._there(tensor)
+        if self.hc is not None:
+            self._run(lambda: self.hc.all_to_all_single(out, inp, output_splits, input_splits,
+                                                        group=self._hgroups[ranks]), "all_to_all", ranks)
+        else:
+            self._run(lambda: dist.all_to_all_single(out, inp.contiguous(), output_splits, input_splits,
+                                                     group=self.group(ranks)), "all_to_all", ranks)
+        if out is not output:
+            output.copy_(out)
+        return output
+
     def all_gather_object(self, obj, ranks: Iterable[int] | None = None) -> list:
         ranks = tuple(sorted(ranks)) if ranks is not None else tuple(range(self.world_size))
         out = [None] * len(ranks)

@@ -70,6 +70,9 @@ class MoEMLP(nn.Module):
         if moe.balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
         self.expert_compute: str | None = None
+        self.expert_group = None
+        """Expert parallelism: the :class:`hetero.runtime.expert_parallel.ExpertGroup` that runs the experts
+        (this rank holds only its own); None: every expert here."""
         """``grouped`` or ``loop``; None: the device's backend decides (:func:`uses_grouped_gemm`)."""
         self.aux_scale = 0.0
         """The aux loss's gradient weight per forward: ``aux_loss_coef`` x (the loss scale, the
@@ -122,7 +125,8 @@ class MoEMLP(nn.Module):
         if keep is not None:
             order = order[keep[order]]
         kept = counts if keep is None else torch.bincount(flat[keep], minlength=self.num_experts)
-        y = self._experts(xf[order // k], kept)
+        xs = xf[order // k]
+        y = self._experts(xs, kept) if self.expert_group is None else self.expert_group(self, xs, kept)
         placed = torch.zeros(n * k, shape[-1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
         out = (placed.view(n, k, -1) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
         if hasattr(self, "shared_expert"):
@@ -191,18 +195,33 @@ def set_aux_scale(module: nn.Module, scale: float) -> None:
         m.aux_scale = scale * m.moe.aux_loss_coef
 
 
-def step_stats(module: nn.Module, reset: bool = True) -> dict:
-    """What the MoE layers of ``module`` recorded since the last reset: ``aux_loss`` (the sum over
-    layers of each layer's mean aux loss over its forwards, unweighted), ``load`` (assignments per
-    expert, by layer name) and ``dropped`` (assignments over capacity, all layers)."""
+def finish_step(module: nn.Module, model: ModelSpec, comm=None, share: float = 1.0) -> tuple[float, int]:
+    """After a step's schedule on one rank: returns (this rank's part of the step's aux loss term, the
+    token assignments its MoE layers dropped over capacity), and clears what the forwards recorded.
+    The aux term: ``aux_loss_coef x`` each MoE layer's aux loss of each micro-batch, weighted by
+    ``share`` (micro-batch size / global batch size, as the gradient weighs it); summed over every rank,
+    the mean over the step's micro-batches of the whole model's aux term. With ``balance: bias`` the
+    expert loads are summed over every rank first (one all-reduce of layers x experts counts through
+    ``comm``, which every rank of the run calls; None: one process) and move the expert biases."""
     layers = moe_layers_of(module)
-    out = {"aux_loss": sum(sum(m.aux_losses) / len(m.aux_losses) for m in layers.values() if m.aux_losses),
-           "load": {name: m.load.cpu() for name, m in layers.items() if m.load is not None},
-           "dropped": sum(m.dropped for m in layers.values())}
-    if reset:
-        for m in layers.values():
-            m.reset_stats()
-    return out
+    aux = share * sum(m.moe.aux_loss_coef * sum(m.aux_losses) for m in layers.values())
+    dropped = sum(m.dropped for m in layers.values())
+    if model.moe is not None and model.moe.balance == "bias":
+        loads = torch.zeros(model.num_layers, model.moe.num_experts, dtype=torch.float64)
+        for name, m in layers.items():
+            if m.load is not None:
+                loads[_layer_of(name)] += m.load.cpu()
+        if comm is not None:
+            loads = comm.all_reduce(loads)
+        update_expert_biases(module, {name: loads[_layer_of(name)] for name in layers})
+    for m in layers.values():
+        m.reset_stats()
+    return aux, dropped
+
+
+def _layer_of(name: str) -> int:
+    """The model layer of an MoE module name ``layers.<l>.mlp``."""
+    return int(name.split(".")[1])
 
 
 @torch.no_grad()
