@@ -29,10 +29,10 @@ def run_rl(job, cluster, options=None) -> dict:
     from hetero.specs.io import write_text_atomic
 
     opt = lambda name, default=None: getattr(options, name, default) if options is not None else default  # noqa: E731
+    rollout_devices = None
+    if job.placement.mode == "auto":
+        job, rollout_devices = choose_placement(job, cluster, opt("print_fn", print), bool(opt("quiet", False)))
     mode = job.placement.mode
-    if mode == "auto":
-        raise HeteroError(f"{job.source}: placement.mode auto: choosing a placement is not available yet "
-                          f"(fix: write mode: collocated or mode: disaggregated)")
     plan = job.actor_plan if job.actor_plan is not None else plan_actor(job, cluster)
     if job.rollout_tp != 1:
         raise HeteroError(f"{job.source}: placement.rollout.tp {job.rollout_tp}: rollout ranks hold a whole copy "
@@ -48,7 +48,7 @@ def run_rl(job, cluster, options=None) -> dict:
     try:
         rollout = []
         if mode == "disaggregated":
-            rollout = add_rollout_slots(launch, cluster, job.model_spec, job.rollout_groups)
+            rollout = add_rollout_slots(launch, cluster, job.model_spec, job.rollout_groups, rollout_devices)
             if not rollout:
                 raise HeteroError(f"{job.source}: placement.rollout.groups {job.rollout_groups}: the actor plan uses "
                                   f"every device of them (fix: rollout groups with devices the actor leaves free, or "
@@ -70,11 +70,43 @@ def run_rl(job, cluster, options=None) -> dict:
         run(launch, print_fn=opt("print_fn", print))
         with open(cfg["summary_path"]) as f:
             summary = json.load(f)
+        summary["predicted"] = predicted(job, cluster, summary["placement"])
         if opt("summary"):
             write_text_atomic(opt("summary"), json.dumps(summary, indent=2), "--summary")
         return summary
     finally:
         launch.remove_run_dir()
+
+
+def choose_placement(job, cluster, print_fn, quiet: bool):
+    """``placement.mode: auto``: the job in the placement the predictor chose
+    (:func:`hetero.planner.rl_placement.predict_placements`), and its rollout devices per group."""
+    from hetero.planner.rl_placement import predict_placements
+    from hetero.rl.job import ActorPlacement, Placement, RolloutPlacement
+
+    report = predict_placements(job, cluster)
+    chosen = report.placements[report.chosen]
+    if chosen.prediction is None or chosen.plan is None:
+        raise HeteroError(f"{job.source}: placement.mode auto: no placement can run ({chosen.problem}) (fix: a "
+                          f"cluster with more devices, or a smaller model or batch)")
+    if not quiet:
+        print_fn(f"placement (auto): {chosen.label()}, predicted step {chosen.prediction.step_s:.3g} s")
+    placement = Placement(actor=ActorPlacement(groups=list(chosen.actor)), mode=chosen.mode,
+                          rollout=RolloutPlacement(groups=list(chosen.rollout), tp=chosen.rollout_tp))
+    picked = job.replace(placement=placement)
+    object.__setattr__(picked, "actor_plan", chosen.plan)
+    return picked, (dict(chosen.rollout) if chosen.mode == "disaggregated" else None)
+
+
+def predicted(job, cluster, placement: dict) -> dict | None:
+    """The predictor's step, rollout, train and sync seconds of the placement that ran, or None where
+    the predictor is not installed or cannot say (a run is never failed by it)."""
+    try:
+        from hetero.planner.rl_placement import predict_rl_step
+
+        return predict_rl_step(job, cluster, placement)
+    except Exception:  # noqa: BLE001 - a missing or failing predictor must not fail the run
+        return None
 
 
 def plan_actor(job, cluster):
@@ -97,11 +129,11 @@ def _record(r) -> list:
     return [r.prompt, r.fields, r.line, r.source]
 
 
-def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
+def add_rollout_slots(launch, cluster, model, groups: list[str], devices: dict[str, int] | None = None) -> list[dict]:
     """Add a node slot for every node of ``groups`` with devices the actor leaves free to ``launch``
     (ranks after the actor's, one whole model copy per device; on a node the actor shares, the devices
     after its own) and to its run file; returns the rollout ranks (``{"rank", "group", "vendor",
-    "node"}`` each)."""
+    "node"}`` each). ``devices``: at most this many per group (default: every free one)."""
     from hetero.backends import registry
     from hetero.layout import NodeSlot, RankInfo, RankLayout
     from hetero.runtime.launcher import NodeCommand
@@ -113,14 +145,17 @@ def add_rollout_slots(launch, cluster, model, groups: list[str]) -> list[dict]:
     for name in groups:
         g = cluster.group(name)
         vendor = cluster.vendor(name)
+        left = (devices or {}).get(name, g.nodes * g.devices_per_node)
         for node in range(g.nodes):
             taken = sum(n.num_ranks for n in launch.layout.nodes if (n.group, n.node) == (name, node))
-            if taken >= g.devices_per_node:
+            count = min(g.devices_per_node - taken, left)
+            if count <= 0:
                 continue
+            left -= count
             slots.append(NodeSlot(group=name, node=node, host=g.hosts[node] if g.hosts else None,
-                                  first_rank=first, num_ranks=g.devices_per_node - taken))
+                                  first_rank=first, num_ranks=count))
             offsets.append(taken)
-            for local in range(g.devices_per_node - taken):
+            for local in range(count):
                 ranks.append({"rank": first, "group": name, "vendor": vendor, "node": node})
                 infos.append(RankInfo(rank=first, group=name, vendor=vendor, node=node, local_rank=local,
                                       pipeline=0, replica=len(infos), stage=0, tp_rank=0, tp_size=1,
