@@ -43,7 +43,7 @@ open(out, "w").write(json.dumps(summary))
 """.format(cluster=CLUSTER)
 
 
-def _job(tmp_path: Path, plan: dict, mode: str, staleness: int = 0) -> str:
+def _job(tmp_path: Path, plan: dict, mode: str, staleness: int = 0, kl_coef: float = 0.0) -> str:
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                                                     for a, b in ((1, 2), (3, 4), (5, 6), (7, 8))))
     (tmp_path / "rewards.py").write_text(REWARD)
@@ -54,12 +54,12 @@ def _job(tmp_path: Path, plan: dict, mode: str, staleness: int = 0) -> str:
         "model": write_yaml(tmp_path, "model.yaml", MODEL), "prompts": "prompts.jsonl",
         "eval_prompts": "prompts.jsonl", "reward": "rewards.py:parity", "steps": 2, "prompts_per_step": 2,
         "group_size": 4, "max_new_tokens": 4, "stop": "\n", "temperature": 1.0, "lr": 0.05, "seed": 3,
-        "staleness": staleness, "placement": placement})
+        "staleness": staleness, "kl_coef": kl_coef, "placement": placement})
 
 
-def run_job(tmp_path: Path, plan: dict, mode: str, staleness: int = 0) -> dict:
+def run_job(tmp_path: Path, plan: dict, mode: str, staleness: int = 0, kl_coef: float = 0.0) -> dict:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    job, run_dir, out = _job(tmp_path, plan, mode, staleness), tmp_path / "run", tmp_path / "summary.json"
+    job, run_dir, out = _job(tmp_path, plan, mode, staleness, kl_coef), tmp_path / "run", tmp_path / "summary.json"
     proc = run_launcher([sys.executable, "-c", DRIVER, job, str(run_dir), str(out)], 240, marker=str(run_dir),
                         cwd=ROOT)
     assert_no_leftover(run_dir)
@@ -77,18 +77,20 @@ def _synced(summary: dict, steps: int = 2) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_collocated_and_disaggregated_give_the_same_steps(tmp_path):
-    co = run_job(tmp_path / "co", PP2, "collocated")
-    dis = run_job(tmp_path / "dis", PP2, "disaggregated")
+    # with a KL penalty: the reference log-probs come from the ranks that generate, placed differently
+    co = run_job(tmp_path / "co", PP2, "collocated", kl_coef=0.1)
+    dis = run_job(tmp_path / "dis", PP2, "disaggregated", kl_coef=0.1)
     for s in (co, dis):
         _synced(s)
         assert [r["policy_version"] for r in s["rl_steps"]] == [0, 1]
         assert [r["max_staleness"] for r in s["rl_steps"]] == [0, 0]
-    fields = ("reward_mean", "loss", "completion_tokens")
+    fields = ("reward_mean", "loss", "kl", "completion_tokens")
     assert [[r[f] for f in fields] for r in co["rl_steps"]] == [[r[f] for f in fields] for r in dis["rl_steps"]]
     assert co["eval"] == dis["eval"]
     # the reward varies within the groups, so the advantages and the update are not zero (the loss value
     # itself is about 0 on-policy: the ratio is 1 and a group's advantages sum to 0)
     assert all(0 < r["reward_mean"] < 1 for r in co["rl_steps"])
+    assert co["rl_steps"][0]["kl"] < 1e-6 < co["rl_steps"][1]["kl"]   # the first update moved off the reference
 
 
 @pytest.mark.slow
