@@ -229,6 +229,7 @@ class RLProcess:
                 print(f"step {t + 1}/{self.steps}  reward {row['reward_mean']:.4f}  loss {row['loss']:.5f}  "
                       f"rollout {row['rollout_s']:.3f} s  train {row['train_s']:.3f} s  sync {row['sync_s']:.3f} s",
                       flush=True)
+        self.channel.wait_sent(self.steps)   # collocated: the groups this rank sent its peers
         if self.disaggregated:
             self.sync_comm.wait_sends()
             if self.cfg["eval_prompts"]:   # the final weights, for the evaluation after the last step
