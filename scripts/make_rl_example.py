@@ -80,7 +80,7 @@ def _accuracy(model, rows: list[dict]) -> float:
     return sum(g.strip() == r["answer"] for g, r in zip(got, rows)) / len(rows)
 
 
-def sanity(sft_steps: int, rl_steps: int, seed: int, rl_lr: float) -> None:
+def sanity(sft_steps: int, rl_steps: int, seed: int, rl_lr: float, per_step: int = 8) -> None:
     import torch
 
     from hetero.rl.grpo import StepStats, group_advantages, grpo_token_loss, token_logprobs
@@ -115,7 +115,7 @@ def sanity(sft_steps: int, rl_steps: int, seed: int, rl_lr: float) -> None:
     print(f"SFT: {sft_steps} steps of 32 in {sft_s:.1f} s; held-out greedy accuracy {before:.3f}")
     opt = torch.optim.AdamW(model.parameters(), lr=rl_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    per_step, group = 8, 8
+    group = 8
     t0 = time.perf_counter()
     for step in range(rl_steps):
         chosen = rng.sample(prompts, per_step)
@@ -152,10 +152,12 @@ def main() -> None:
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--prompts-per-step", type=int, default=8,
+                        help="the job's prompts_per_step (8 in configs/rl)")
     args = parser.parse_args()
     make()
     if args.sanity:
-        sanity(args.sft_steps, args.rl_steps, args.seed, args.rl_lr)
+        sanity(args.sft_steps, args.rl_steps, args.seed, args.rl_lr, args.prompts_per_step)
 
 
 if __name__ == "__main__":
