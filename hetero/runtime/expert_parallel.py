@@ -48,9 +48,9 @@ def split_experts(num_experts: int, degree: int, experts: Sequence[int] | None =
     if experts is None:
         base, extra = divmod(num_experts, degree)
         experts = [base + (i < extra) for i in range(degree)]
-    if len(experts) != degree or sum(experts) != num_experts or min(experts) < 1:
-        raise HeteroError(f"expert_parallel: experts {list(experts)} must give each of the {degree} ranks of a "
-                          f"group at least one expert, {num_experts} in all")
+    if len(experts) != degree or sum(experts) != num_experts or min(experts) < 0:
+        raise HeteroError(f"plan: expert_parallel.experts {list(experts)} must give each of the {degree} ranks of a "
+                          f"group a count >= 0, {num_experts} in all (fix: counts that add up to moe.num_experts)")
     out, start = [], 0
     for n in experts:
         out.append((start, start + n))
@@ -81,9 +81,16 @@ class ExpertPlacement:
     """The expert range ``[start, stop)`` of each place in a group."""
 
     @classmethod
-    def build(cls, model, plan, layout, degree: int, experts: Sequence[int] | None = None) -> ExpertPlacement:
-        ranges = tuple(split_experts(model.moe.num_experts, degree, experts))
-        return cls({layer: layer_groups(plan, layout, layer, degree) for layer in model.moe_layers()}, ranges)
+    def build(cls, model, plan, layout, engine: str = "native") -> ExpertPlacement | None:
+        """The placement of the plan's ``expert_parallel`` (None: absent, degree 1, or a dense model),
+        refusing what it does not run with (:func:`check_supported`)."""
+        ep = getattr(plan, "expert_parallel", None)
+        if ep is None or ep.degree <= 1 or model.moe is None:
+            return None
+        ranges = tuple(split_experts(model.moe.num_experts, ep.degree, ep.counts(model.moe.num_experts)))
+        placement = cls({layer: layer_groups(plan, layout, layer, ep.degree) for layer in model.moe_layers()}, ranges)
+        check_supported(plan, layout, placement, engine)
+        return placement
 
     def group_of(self, layer: int, rank: int) -> tuple[int, ...]:
         """The expert group of ``rank`` for ``layer``."""
@@ -97,6 +104,10 @@ class ExpertPlacement:
         """MoE layer -> the number of routed experts ``rank`` holds (layers it runs only)."""
         return {layer: (lambda r: r[1] - r[0])(self.experts_of(layer, rank))
                 for layer, gs in self.groups.items() if any(rank in g for g in gs)}
+
+    def rank_sets(self) -> list[tuple[int, ...]]:
+        """Every expert group (the process groups the exchanges need)."""
+        return sorted({tuple(sorted(g)) for gs in self.groups.values() for g in gs})
 
     def holders(self, layer: int, expert: int) -> tuple[int, ...]:
         """Every rank holding ``expert`` of ``layer``: its place in each group."""
@@ -116,11 +127,29 @@ def expert_holders(holders: dict[str, tuple[int, ...]], placement: ExpertPlaceme
     return out
 
 
-def check_supported(plan) -> None:
-    """Refuse what expert parallelism does not run with (one clear line)."""
-    if getattr(plan, "zero_stage", 0):
-        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported; "
-                          f"use zero_stage: 0 with expert parallelism")
+def check_supported(plan, layout, placement: ExpertPlacement, engine: str = "native") -> None:
+    """Refuse what expert parallelism does not run with, in one line naming the field and the fix: ZeRO,
+    the DeepSpeed engine, and a group whose ranks run different schedules (each exchange is a collective
+    of the group, so its ranks must run the layer's forwards and backwards in the same order: the same
+    layers, micro-batch count and size)."""
+    if engine != "native":
+        raise HeteroError(f"plan: expert_parallel runs on the native engine only (fix: drop --engine {engine})")
+    if plan.zero_stage:
+        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
+                          f"(fix: zero_stage: 0, or drop expert_parallel)")
+    info = {r.rank: r for r in layout.ranks}
+
+    def schedule(rank: int):
+        r = info[rank]
+        p = plan.pipelines[r.pipeline]
+        return r.chunk_layers(plan), p.micro_batches, plan.mbs(p), r.virtual_stages
+
+    for layer, groups in placement.groups.items():
+        for g in groups:
+            if len({schedule(r) for r in g}) > 1:
+                raise HeteroError(f"plan: expert_parallel groups ranks {list(g)} for layer {layer}, whose pipelines "
+                                  f"run different stages or micro-batches (fix: a degree that groups replicas "
+                                  f"of the same pipeline shape, or pipelines split alike)")
 
 
 class ExpertSubset(nn.ModuleDict):
@@ -181,6 +210,36 @@ class ExpertGroup:
         y = moe._experts(got[order], recv_counts.sum(0).to(xs.device))
         back = torch.empty_like(y).index_copy(0, order, y)
         return _AllToAll.apply(back, self.exchange, in_splits, out_splits)
+
+
+def apply_expert_parallel(module: nn.Module, placement: ExpertPlacement, rank: int, comm) -> None:
+    """Keep only ``rank``'s experts in every MoE layer of the stage ``module``, their exchanges over
+    ``comm`` (the run's :class:`~hetero.runtime.collectives.Collectives`, with a group for every
+    expert group: :meth:`ExpertPlacement.rank_sets`)."""
+    from hetero.runtime.moe import moe_layers_of
+
+    for name, moe in moe_layers_of(module).items():
+        layer = int(name.split(".")[1])
+        g = placement.group_of(layer, rank)
+        shard_moe(moe, ExpertGroup(in_rank_order(comm, g), placement.ranges, g.index(rank)))
+
+
+def in_rank_order(comm, group: Sequence[int]) -> AllToAll:
+    """An all-to-all over ``group`` whose splits and blocks are in the group's order (its places), on a
+    communicator whose all-to-all takes them in ascending rank order."""
+    order = sorted(range(len(group)), key=lambda i: group[i])
+    if order == list(range(len(group))):
+        return lambda out, inp, out_splits, in_splits: comm.all_to_all_single(out, inp, out_splits, in_splits, group)
+
+    def exchange(out, inp, out_splits, in_splits):
+        blocks = inp.split(in_splits)
+        got = out.new_empty(out.shape)
+        comm.all_to_all_single(got, torch.cat([blocks[i] for i in order]), [out_splits[i] for i in order],
+                               [in_splits[i] for i in order], group)
+        parts = dict(zip(order, got.split([out_splits[i] for i in order])))
+        return out.copy_(torch.cat([parts[i] for i in range(len(group))]))
+
+    return exchange
 
 
 def shard_moe(moe, group: ExpertGroup) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetero.runtime.expert_parallel import ExpertPlacement, expert_holders
 from hetero.runtime.grads import all_holder_sets, all_peer_sets, param_holders
 
 
@@ -43,17 +44,25 @@ class ParallelLayout:
     """Every process group any rank needs: tp sets, holder sets, their peer and chunk sets."""
     mesh_sets: tuple[tuple[int, ...], ...]
     """The rank sets of DTensor meshes (tensor-parallel stages)."""
+    experts: object = None
+    """MoE models with ``expert_parallel``: the :class:`~hetero.runtime.expert_parallel.ExpertPlacement`
+    (which rank holds which routed experts; their holder sets follow it); None: every rank holds all."""
 
     @classmethod
     def build(cls, model, plan, layout, rank: int, engine: str = "native") -> ParallelLayout:
         """The layout of a run of ``plan`` with ``engine``, seen from ``rank``."""
         tp = tuple(tuple(s) for s in tp_sets(layout))
         if engine != "native":   # DeepSpeed: pure data parallelism, groups of its own (ds_engine.PlanMPU)
+            ExpertPlacement.build(model, plan, layout, engine)   # refuses expert parallelism
             return cls(rank, layout, {}, tp, (), ())
+        placement = ExpertPlacement.build(model, plan, layout, engine)
         holders = param_holders(model, plan, layout)
+        if placement is not None:   # an expert's gradient sums over the ranks holding it only
+            holders = expert_holders(holders, placement)
         groups = (list(tp) + all_holder_sets(holders)
-                  + all_peer_sets(holders, layout, chunks=plan.zero_stage == 0))
-        return cls(rank, layout, holders, tp, tuple(tuple(g) for g in groups), tp)
+                  + all_peer_sets(holders, layout, chunks=plan.zero_stage == 0)
+                  + (placement.rank_sets() if placement is not None else []))
+        return cls(rank, layout, holders, tp, tuple(tuple(g) for g in groups), tp, placement)
 
     @property
     def me(self):
