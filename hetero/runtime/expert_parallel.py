@@ -115,6 +115,24 @@ class ExpertPlacement:
         return tuple(sorted(g[place] for g in self.groups[layer]))
 
 
+def rank_experts(model, plan, info) -> tuple[int, int] | None:
+    """The routed experts ``[start, stop)`` that rank ``info`` (a :class:`hetero.layout.RankInfo` of ``plan``)
+    holds of each of its MoE layers; None: every expert (no expert parallelism). Its place in a group
+    is its data-parallel index (pipelines, then replicas) modulo the degree, as :func:`layer_groups`
+    orders a layer's holders."""
+    ep = getattr(plan, "expert_parallel", None)
+    if ep is None or ep.degree <= 1 or model.moe is None:
+        return None
+    n = model.moe.num_experts
+    return split_experts(n, ep.degree, ep.counts(n))[ep.slot(plan, info.pipeline, info.replica)]
+
+
+def holds_tensor(name: str, experts: tuple[int, int] | None) -> bool:
+    """Whether a rank holding routed experts ``experts`` (None: all) holds the tensor ``name``."""
+    m = _EXPERT.match(name)
+    return experts is None or m is None or experts[0] <= int(m.group(2)) < experts[1]
+
+
 def expert_holders(holders: dict[str, tuple[int, ...]], placement: ExpertPlacement) -> dict[str, tuple[int, ...]]:
     """The holder sets of a run (global parameter name -> ranks; :func:`hetero.runtime.grads.param_holders`)
     with each routed expert's tensors held by the ranks holding that expert only, so their gradients

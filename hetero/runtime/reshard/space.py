@@ -131,8 +131,12 @@ class ParameterSpace:
 
     def rank_regions(self, plan, info) -> dict[str, Box]:
         """What rank ``info`` (a :class:`hetero.layout.RankInfo` of ``plan``) holds: name -> box."""
+        from hetero.runtime.expert_parallel import holds_tensor, rank_experts
+
         names = self._stage(info.chunk_layers(plan), *info.holds_ends(plan))
-        return {n: tp_box(self.shapes[n], self.split_dim[n], info.tp_size, info.tp_rank) for n in names}
+        experts = rank_experts(self.model, plan, info)   # expert parallelism: its own routed experts only
+        return {n: tp_box(self.shapes[n], self.split_dim[n], info.tp_size, info.tp_rank) for n in names
+                if holds_tensor(n, experts)}
 
     def layout_regions(self, plan, layout) -> dict[int, dict[str, Box]]:
         """Every rank of ``layout`` (``plan``'s) -> its regions."""
