@@ -85,7 +85,13 @@ def explain(cluster, model, B, results, fitting, candidates, scorer, cost_model,
         reasons.append(f"{s.group} stages (tp{s.tp}, micro-batch {mbs}) are launch-bound: the host issues a "
                        f"layer's kernels in {s.layer_dispatch_s * 1e3:.2f} ms, the device runs them in "
                        f"{s.layer_device_s * 1e3:.2f} ms")
-    # 6. the upper bound, and each group's best plan alone
+    # 6. an MoE model: its experts spread over data-parallel ranks, or not
+    from .experts import expert_reason
+
+    experts = expert_reason(best, scorer) if model.moe is not None else None
+    if experts:
+        reasons.append(experts)
+    # 7. the upper bound, and each group's best plan alone
     reasons.extend(_bound_reasons(best, results))
     return reasons
 

@@ -128,6 +128,21 @@ def _dedupe(scored):
     return out
 
 
+def _with_expert_twins(scored: list, scorer: Scorer, opts: Options) -> list:
+    """An MoE model's best plans and their expert-parallel twins (:mod:`.experts`), all predicted,
+    best first; a dense model's ``scored`` as it is."""
+    cm = scorer.extra.get("cost_model")
+    if cm is None or cm.model.moe is None:
+        return scored
+    from .experts import expert_twins
+
+    twins = [(t, c) for _s, plan, _p, c in scored[: max(1, opts.refine_top)] for t in expert_twins(cm, plan)]
+    preds = scorer.predict_many([t for t, _ in twins])
+    out = scored + [(plan_score(p), t, p, c) for (t, c), p in zip(twins, preds) if p is not None]
+    out.sort(key=lambda x: -x[0])
+    return out
+
+
 def _upper_bound(cluster, model, B: int, opts: Options, cost_model, scorer: Scorer, calibration):
     """:func:`hetero.planner.bound.upper_bound` on the costs the search's predictions use (the
     scorer's cost model; a replaced predictor's plans are bounded by the real predictor's costs)."""
@@ -195,7 +210,7 @@ def search(cluster: Cluster, model: ModelSpec, global_batch_size: int, top_k: in
         scorer = Scorer(cluster, model, calibration, predict_fn, cost_model if allocator else None,
                          workers_for(opts, cluster))
         scored, candidates, stats = _search_core(cluster, model, B, opts, cost_model, scorer, report, calibration)
-        scored = _dedupe(scored)
+        scored = _dedupe(_with_expert_twins(scored, scorer, opts))
         ub, ub_by_group, best_alone, alone, alone_by_group = None, {}, {}, None, {}
         if upper_bound:
             ub, ub_by_group = _upper_bound(cluster, model, B, opts, cost_model, scorer, calibration)
@@ -316,6 +331,9 @@ def describe(plan: Plan, cluster=None) -> str:
         tail.append(f"recompute={plan.recompute}")
     if plan.zero_stage:
         tail.append(f"zero{plan.zero_stage}")
+    ep = plan.expert_parallel
+    if ep is not None:
+        tail.append(f"experts over {ep.degree} ranks" + (f": {'/'.join(map(str, ep.experts))}" if ep.experts else ""))
     return " + ".join(parts) + (f" ({', '.join(tail)})" if tail else "")
 
 

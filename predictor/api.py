@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from hetero.specs.plan import check_plan
 from hetero.specs.units import plural
 
+from . import moe as _moe
 from .allocator import reserved_bytes, simulated_caching_bytes
 from .costs import StageCostModel
 from .memory import forwards_precede_backwards, held_bytes_per_microbatch, held_peak, in_flight_microbatches
@@ -243,6 +244,32 @@ def _reserved(allocator, br, replay: bool, model, plan, pipeline: int, stage: in
     return int(reserved_bytes(allocator, br))
 
 
+def _moe_layers(model, layers) -> int:
+    """MoE layers in ``[start, end)`` (0 for a dense model)."""
+    if model.moe is None:
+        return 0
+    return sum(1 for layer in range(*layers) if model.is_moe_layer(layer))
+
+
+def _with_experts(model, plan, pipeline: int, tp: int, mbs: int, in_flight: float, n_moe: int, br):
+    """``(br, routed experts held)``: ``br`` with ``n_moe`` MoE layers' experts (this rank's share under expert parallelism), router and
+    shared expert in place of their dense MLPs, and their activations at the worst routing skew
+    (:mod:`.moe`)."""
+    import dataclasses
+
+    ep = plan.expert_parallel
+    degree, experts = 1, model.moe.num_experts
+    if ep is not None and ep.degree > 1:   # the most experts any replica of this pipeline holds
+        degree = ep.degree
+        counts = ep.counts(model.moe.num_experts)
+        experts = max(counts[ep.slot(plan, pipeline, r)] for r in range(plan.pipelines[pipeline].replicas))
+    states = n_moe * _moe.expert_state_bytes(model, experts, tp)
+    acts = n_moe * in_flight * _moe.expert_activation_bytes(model, mbs * model.seq_length, degree, experts, tp)
+    return dataclasses.replace(br, weights=br.weights + states / 4, gradients=br.gradients + states / 4,
+                               optimizer=br.optimizer + states / 2,
+                               activations=max(0.0, br.activations + acts)), experts
+
+
 def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostModel | None = None,
             timeline: bool = False, check: bool = True, placement: str = "packed",
             allocator: str | None = None, overlap: bool = True, replay: bool = True) -> Prediction:
@@ -279,6 +306,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     pipes: list[PipelinePrediction] = []
     slowest, slowest_t = 0, -1.0
     opt_max = 0.0
+    moe_sync = 0.0   # an MoE model's expert gradients summed after the schedule (:func:`.moe.expert_sync_time`)
     for pi, p in enumerate(plan.pipelines):
         mbs = plan.mbs(p)
         v = plan.virtual_chunks(p)
@@ -288,6 +316,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         fwd, bwd, p2p = [], [], []
         for k, s in enumerate(stages):
             f, b = cm.stage_times(s.group, s.tp, mbs, s.layers, recompute, k == 0, k == V - 1)
+            n_moe = _moe_layers(model, s.layers)
+            if n_moe:   # each MoE layer: its router, experts and all-to-alls in place of the dense MLP
+                df, db = _moe.layer_delta(cm, plan, pi, s, mbs)
+                f, b = f + n_moe * df, b + n_moe * db
             fwd.append(f)
             bwd.append(b)
             if k < V - 1:
@@ -333,6 +365,11 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
             br, peak_bytes, capacity, opt, (dispatch, device) = cm.stage_summary(
                 s.group, s.tp, mbs, dev_layers[i], recompute, zs, dp, inflight, first, last, grads_while_held,
                 replicas, no_tp, placement)
+            n_moe = sum(_moe_layers(model, c.layers) for c in stages[i::phys])
+            if n_moe:
+                br, held = _with_experts(model, plan, pi, s.tp, mbs, inflight, n_moe, br)
+                peak_bytes = int(br.total)
+                moe_sync = max(moe_sync, _moe.expert_sync_time(cm, plan, n_moe, s.tp, held))
             if opt > opt_max:
                 opt_max = opt
             stage_preds.append(StagePrediction(
@@ -356,7 +393,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         sp.dp_sync_exposed_s = ends[i] - ready[i] + gather_exposed[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
-    it = synced + opt_max + overhead
+    it = synced + moe_sync + opt_max + overhead
     samples = plan.global_batch_size
     tokens = samples * model.seq_length
     peak = 0.0
@@ -371,7 +408,7 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
     pred = Prediction(iteration_time_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
                       samples_per_s=samples / it if it > 0 else 0.0, mfu=mfu,
                       fits_memory=all(s.fits for p in pipes for s in p.stages), pipelines=pipes,
-                      dp_sync_time_s=synced - slowest_t, optimizer_time_s=opt_max, overhead_time_s=overhead,
+                      dp_sync_time_s=synced - slowest_t + moe_sync, optimizer_time_s=opt_max, overhead_time_s=overhead,
                       bottleneck=bott, provenance=cm.provenance())
     if timeline:
         pred.events = _trace(plan, pipes, synced, opt_max, overhead)

@@ -198,6 +198,24 @@ class StageCostModel:
             costs = [c for c, _ in costs]
         return stream_split(costs, factors.compute, factors.op_floor_s)
 
+    def memoised(self, key: tuple, compute):
+        """``compute()``, kept under ``key`` (a tuple starting with its kind) for this cost model's life."""
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = compute()
+        return hit
+
+    def kernels_time(self, group: str, ops) -> float:
+        """Seconds of the kernels ``ops`` (:class:`~hetero.predictor.ops.Op`) in order on one device
+        stream of ``group``, costed as :meth:`_ops_split` costs a builder's (MoE experts, routers)."""
+        factors, opm, dev = self._factors[group], self._opm[group], self._dev[group]
+        costs = []
+        for o in ops:
+            c = op_cost(opm, o.op, o.dims_dict(), o.dtype or self.dtype, dev)
+            costs.append((c[1] + (c[0] - c[1]) * factors.matrix, c[1]) if o.op in O.GEMM_OPS and factors.matrix != 1.0
+                         else c)
+        return max(stream_split(costs, factors.compute, factors.op_floor_s))
+
     def _ops_time(self, group: str, kind: str, mbs: int, tp: int) -> float:
         """Seconds of one builder's kernels in order on one device stream: host dispatch overlaps
         the device, the slower sets the pace (:func:`~hetero.predictor.optime.stream_time`)."""

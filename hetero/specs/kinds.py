@@ -23,7 +23,7 @@ FIELDS = {
               "seq_length", "num_kv_heads", "ffn_hidden_size", "activation", "dtype", "tie_embeddings",
               "dropout", "attention", "norm_eps", "rope_theta", "qkv_bias", "moe"),
     "plan": ("global_batch_size", "micro_batch_size", "pipelines", "schedule", "recompute", "zero_stage",
-             "interleave"),
+             "interleave", "expert_parallel"),
 }
 """The top-level fields of each kind of spec file (tests keep them equal to the dataclasses')."""
 

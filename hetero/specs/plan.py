@@ -105,6 +105,39 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism (MoE models): the routed experts of every MoE layer spread over groups of
+    ``degree`` data-parallel ranks that hold that layer, taken in order (pipelines, then replicas);
+    each rank of a group holds ``experts[i]`` of them (uneven by device speed; default even)."""
+
+    degree: int
+    """Data-parallel ranks that share one copy of the experts (1: every rank holds every expert)."""
+    experts: list[int] | None = None
+    """Routed experts per rank of a group, in group order, summing to ``moe.num_experts``; absent: even."""
+
+    def _check(self, path: str, problems: Problems) -> None:
+        if self.degree < 1:
+            problems.add(join_path(path, "degree"), f"must be >= 1, got {self.degree}",
+                         "data-parallel ranks that share the experts, e.g. 2")
+        elif self.experts is not None:
+            if len(self.experts) != self.degree:
+                problems.add(join_path(path, "experts"), f"lists {len(self.experts)} count(s) for degree {self.degree}",
+                             f"give one expert count per rank of a group ({self.degree}), or drop 'experts' for an even split")
+            bad = [n for n in self.experts if n < 0]
+            if bad:
+                problems.add(join_path(path, "experts"), f"counts must be >= 0, got {bad}",
+                             "give each rank the number of routed experts it holds")
+
+    def counts(self, num_experts: int) -> tuple[int, ...]:
+        """Each rank of a group's routed experts (the even split where ``experts`` is absent)."""
+        return tuple(self.experts) if self.experts is not None else (num_experts // self.degree,) * self.degree
+
+    def slot(self, plan: Plan, pipeline: int, replica: int) -> int:
+        """The place in its group of data-parallel rank ``(pipeline, replica)`` (pipelines, then replicas)."""
+        return (sum(p.replicas for p in plan.pipelines[:pipeline]) + replica) % self.degree
+
+
+@dataclass(frozen=True)
 class Plan:
     """How the model is split: pipelines x replicas x stages, batch sizes, schedule, memory options."""
 
@@ -131,6 +164,8 @@ class Plan:
     interleave: int = 2
     """Interleaved schedule only: model chunks per device. Stages are listed as virtual stages in
     order; stage i runs on the same devices as stage i + len(stages)/interleave."""
+    expert_parallel: ExpertParallel | None = None
+    """MoE models only: how the routed experts spread over data-parallel ranks (absent: every rank holds all)."""
 
     def _check(self, path: str, problems: Problems) -> None:
         bad_batch = global_batch_problem(self.global_batch_size)
@@ -289,8 +324,42 @@ def check_plan_model(plan: Plan, model: ModelSpec, source: str = "<plan>") -> No
     problems.raise_if_any()
 
 
+def _expert_rules(plan: Plan, model: ModelSpec, problems: Problems) -> None:
+    """``expert_parallel`` against the model's ``moe`` block and the plan's data-parallel ranks."""
+    ep = plan.expert_parallel
+    if ep is None or ep.degree < 1:
+        return
+    if model.moe is None:
+        problems.add("expert_parallel", f"model '{model.name}' has no moe block, so it has no experts to spread",
+                     "drop expert_parallel, or use a model file with a moe block")
+        return
+    n = model.moe.num_experts
+    if ep.experts is None and n % ep.degree:
+        problems.add("expert_parallel.degree", f"{n} experts do not split evenly over degree {ep.degree}",
+                     f"give 'experts' (one count per rank, summing to {n}) or a degree that divides {n}")
+    elif ep.experts is not None and len(ep.experts) == ep.degree and sum(ep.experts) != n:
+        problems.add("expert_parallel.experts", f"counts sum to {sum(ep.experts)}, not moe.num_experts={n}",
+                     f"give counts that add up to {n}")
+    ranks = [(pi, p.micro_batches, plan.mbs(p)) for pi, p in enumerate(plan.pipelines) for _ in range(p.replicas)]
+    if len(ranks) % ep.degree:
+        problems.add("expert_parallel.degree", f"the plan's {len(ranks)} data-parallel rank(s) (replicas over every "
+                     f"pipeline) do not form groups of {ep.degree}", f"use a degree that divides {len(ranks)}")
+        return
+    for start in range(0, len(ranks), ep.degree):   # the all-to-all pairs the members' micro-batches
+        group = ranks[start:start + ep.degree]
+        if len({(m, b) for _, m, b in group}) > 1:
+            pis = sorted({pi for pi, _, _ in group})
+            problems.add("expert_parallel", f"pipelines {pis} share experts but run different micro-batches "
+                         f"({', '.join(f'{m} of {b}' for _, m, b in group)}): each MoE layer's all-to-all needs "
+                         "every rank of a group at every micro-batch",
+                         "give the pipelines of a group the same micro_batches and micro_batch_size, or a degree "
+                         "whose groups stay inside pipelines that do")
+            break
+
+
 def _model_rules(plan: Plan, model: ModelSpec, problems: Problems, skip=lambda s: False) -> None:
     """The rules between a plan and a model (``skip``: stages judged otherwise, e.g. of an unknown group)."""
+    _expert_rules(plan, model, problems)
     heads, kv = model.num_attention_heads, model.num_kv_heads
     for pi, p in enumerate(plan.pipelines):
         _check_coverage(p.stages, model.num_layers, join_path(join_path("pipelines", pi), "stages"), problems)

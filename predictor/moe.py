@@ -1,0 +1,225 @@
+"""Mixture-of-experts costs: expert compute from token counts, the all-to-all's bytes per link, the
+experts' memory under the worst routing skew.
+
+An MoE layer is a dense block whose MLP is replaced by a router (one ``h x E`` linear), the routed
+experts and an optional shared expert. With expert parallelism (the plan's ``expert_parallel``)
+the routed experts of each MoE layer are spread over groups of ``degree`` data-parallel ranks;
+every micro-batch, each rank sends each token's ``top_k`` assignments to the ranks holding those
+experts and gets the outputs back (two all-to-alls forward, two backward).
+
+Token counts: a rank's micro-batch has ``T = mbs x seq`` tokens, so ``T x top_k`` assignments. With
+balanced routing every expert takes the same share, so rank ``j`` of a group receives
+``degree x T x top_k x experts_j / E`` assignments per micro-batch and layer; a stated
+``imbalance`` (max / mean expert load, >= 1) multiplies what the busiest rank receives (capped at
+``min(top_k, experts_j)`` assignments per token of the group, all a rank's experts can take, and at
+the capacity factor's ``experts_j x capacity`` where one is set). Each expert is one MLP over its
+assignments (its kernels from the device's op model, one expert after another: the loop a CPU,
+A100 or MI250X runs); its backward as a dense MLP's.
+
+The members of a group meet at every MoE layer in the all-to-all, so each waits for the slowest:
+a stage's MoE layer costs the slowest member's expert compute plus the exchange
+(:func:`layer_delta`: what an MoE layer adds to a dense block's forward and backward).
+
+The all-to-all's bytes (:func:`all_to_all_bytes`): rank ``i`` sends rank ``j`` its assignments for
+``j``'s experts, ``T x top_k x experts_j / E`` rows of ``h`` elements (dispatch), and ``j`` sends as
+many back (combine); the transfer time is the busiest rank's sent bytes over its link (the
+cross-group link where the peer is in another group).
+
+Memory (:func:`expert_state_bytes`, :func:`expert_activation_bytes`): a rank holds its experts'
+parameters, gradients and AdamW moments (and the router and shared expert); the activations it keeps
+for backward are those of the assignments it receives, at the worst skew (every token of the group
+routing to it as far as its experts allow) unless a capacity factor caps them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.specs.model import ModelSpec
+
+from .ops import DTYPE_BYTES, Op, backward_of, gemm, vec
+
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and two AdamW moments, as the runtime keeps every parameter."""
+
+
+def mlp_forward_ops(model: ModelSpec, rows: int, width: int, t: int = 1) -> list[Op]:
+    """Forward kernels of one MLP of ``width`` over ``rows`` tokens on one of ``t`` tp ranks (the
+    dense block's own kernels: SwiGLU for llama, gelu / relu for gpt)."""
+    e = DTYPE_BYTES[model.dtype]
+    h, ft = model.hidden_size, max(1, width // t)
+    if model.gated_mlp:
+        return [gemm("mlp.gate", "linear", 1, rows, ft, h, e), gemm("mlp.up", "linear", 1, rows, ft, h, e),
+                vec("mlp.silu", "gelu", rows, ft, e), vec("mlp.gate_mul", "mul", rows, ft, e),
+                gemm("mlp.down", "linear", 1, rows, h, ft, e)]
+    act = "relu" if model.activation == "relu" else "gelu"
+    return [gemm("mlp.fc1", "linear", 1, rows, ft, h, e), vec("mlp.act", act, rows, ft, e),
+            gemm("mlp.fc2", "linear", 1, rows, h, ft, e)]
+
+
+def _with_backward(model: ModelSpec, fwd: list[Op]) -> tuple[list[Op], list[Op]]:
+    e = DTYPE_BYTES[model.dtype]
+    bwd: list[Op] = []
+    for o in reversed(fwd):
+        bwd += backward_of(o, e)
+    return fwd, bwd
+
+
+def received_assignments(model: ModelSpec, tokens: int, degree: int, experts: int, imbalance: float = 1.0) -> float:
+    """Token assignments one rank holding ``experts`` routed experts receives per micro-batch and MoE
+    layer, when each of the ``degree`` ranks of its group routes ``tokens`` tokens (module docstring)."""
+    moe = model.moe
+    if experts <= 0:
+        return 0.0
+    balanced = degree * tokens * moe.top_k * experts / moe.num_experts
+    cap = degree * tokens * min(moe.top_k, experts)
+    got = min(balanced * max(1.0, imbalance), cap)
+    per_expert = moe.capacity(degree * tokens)   # capacity per expert of the group's tokens (None: dropless)
+    return min(got, experts * per_expert) if per_expert is not None else got
+
+
+def expert_times(cm, group: str, tp: int, assignments: float, experts: int) -> tuple[float, float]:
+    """(forward, backward) seconds of ``experts`` routed experts on one device of ``group`` taking
+    ``assignments`` token assignments between them (an even share each, one after another)."""
+    if experts <= 0 or assignments <= 0:
+        return 0.0, 0.0
+    rows = max(1, round(assignments / experts))
+    fwd, bwd = _with_backward(cm.model, mlp_forward_ops(cm.model, rows, cm.model.moe.expert_ffn_hidden_size, tp))
+    return experts * cm.kernels_time(group, fwd), experts * cm.kernels_time(group, bwd)
+
+
+def all_to_all_bytes(model: ModelSpec, tokens: list[int], counts: list[int]) -> list[list[float]]:
+    """Bytes rank ``i`` of an expert-parallel group sends rank ``j`` in one all-to-all (dispatch; the
+    combine is the transpose) of one MoE layer and micro-batch: its ``tokens[i] x top_k``
+    assignments for ``j``'s ``counts[j]`` experts, ``h`` elements each (balanced routing)."""
+    moe, e = model.moe, DTYPE_BYTES[model.dtype]
+    row = model.hidden_size * e
+    return [[0.0 if i == j else tokens[i] * moe.top_k * counts[j] / moe.num_experts * row
+             for j in range(len(counts))] for i in range(len(counts))]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank of an expert-parallel group: where it runs and how many routed experts it holds."""
+
+    group: str
+    tp: int
+    experts: int
+
+
+def _members_for(plan, model: ModelSpec, pipeline: int, stage) -> list[Member]:
+    """The expert-parallel group of ``pipeline``'s first replica, its members at ``stage``'s layers."""
+    ep = plan.expert_parallel
+    counts = ep.counts(model.moe.num_experts)
+    first = sum(p.replicas for p in plan.pipelines[:pipeline])
+    start = first - first % ep.degree
+    members, k = [], 0
+    for pi, p in enumerate(plan.pipelines):
+        for _ in range(p.replicas):
+            if start <= k < start + ep.degree:
+                at = next((s for s in p.stages if s.layers[0] <= stage.layers[0] < s.layers[1]), p.stages[0])
+                members.append(Member(at.group, at.tp, counts[k - start]))
+            k += 1
+    return members
+
+
+def layer_delta(cm, plan, pipeline: int, stage, mbs: int, imbalance: float = 1.0) -> tuple[float, float]:
+    """What one MoE layer of ``stage`` (of ``pipeline``) adds to a dense block's (forward, backward)
+    per micro-batch: the router, the shared expert, the slowest group member's routed experts and the
+    all-to-all, less the dense MLP it replaces. Without expert parallelism a rank runs all ``E``
+    experts on its own assignments and exchanges nothing."""
+    ep = plan.expert_parallel
+    members = tuple(_members_for(plan, cm.model, pipeline, stage)) if ep is not None and ep.degree > 1 else ()
+    return cm.memoised(("moe", stage.group, stage.tp, mbs, imbalance, members),
+                       lambda: _layer_delta(cm, stage, mbs, imbalance, list(members)))
+
+
+def _layer_delta(cm, stage, mbs: int, imbalance: float, members: list[Member]) -> tuple[float, float]:
+    model = cm.model
+    moe, tp, T = model.moe, stage.tp, mbs * model.seq_length
+    e = DTYPE_BYTES[model.dtype]
+    f_dense, b_dense = (cm.kernels_time(stage.group, o) for o in
+                        _with_backward(model, mlp_forward_ops(model, T, model.ffn_hidden_size, tp)))
+    router_f, router_b = (cm.kernels_time(stage.group, o) for o in _with_backward(
+        model, [gemm("router", "linear", 1, T, moe.num_experts, model.hidden_size, e),
+                vec("router.softmax", "softmax", T, moe.num_experts, e)]))
+    shared_f = shared_b = 0.0
+    if moe.shared_expert_ffn_hidden_size:
+        shared_f, shared_b = (cm.kernels_time(stage.group, o) for o in
+                              _with_backward(model, mlp_forward_ops(model, T, moe.shared_expert_ffn_hidden_size, tp)))
+    if not members:
+        ef, eb = expert_times(cm, stage.group, tp, received_assignments(model, T, 1, moe.num_experts, imbalance),
+                              moe.num_experts)
+        comm_s = 0.0
+    else:
+        times = [expert_times(cm, m.group, m.tp, received_assignments(model, T, len(members), m.experts, imbalance),
+                              m.experts) for m in members]
+        ef, eb = max(t[0] for t in times), max(t[1] for t in times)
+        comm_s = all_to_all_time(cm, model, members, T)
+    return (router_f + shared_f + ef + 2 * comm_s - f_dense, router_b + shared_b + eb + 2 * comm_s - b_dense)
+
+
+def all_to_all_time(cm, model: ModelSpec, members: list[Member], tokens: int) -> float:
+    """One all-to-all of a group: the busiest member's sent bytes, each peer over the link between
+    their groups (same group: its intra-node link), the links' latency once per peer."""
+    sent = all_to_all_bytes(model, [tokens] * len(members), [m.experts for m in members])
+    worst = 0.0
+    for i, a in enumerate(members):
+        t = 0.0
+        for j, b in enumerate(members):
+            if i != j and sent[i][j] > 0:
+                link = cm.cluster.link_between(a.group, b.group)
+                t += link.transfer_time(sent[i][j])
+        worst = max(worst, t)
+    return worst * max(cm.factors(m.group).communication for m in members)
+
+
+def expert_sync_time(cm, plan, n_moe: int, tp: int, experts: int) -> float:
+    """Seconds to sum one rank's gradients of ``n_moe`` MoE layers' experts, router and shared expert
+    (beyond the dense MLP the dense sync already counts) over the ranks that hold the same experts:
+    every data-parallel rank without expert parallelism, one rank per expert-parallel group with it
+    (none where one group holds them all). A ring all-reduce of fp32 gradients over the slowest link
+    among the holders' groups (the cross-group link where they span groups), after the schedule."""
+    from . import comm
+
+    ep = plan.expert_parallel
+    ranks = sum(p.replicas for p in plan.pipelines)
+    holders = ranks if ep is None or ep.degree <= 1 else ranks // ep.degree
+    if holders <= 1 or n_moe == 0:
+        return 0.0
+    nbytes = n_moe * expert_state_bytes(cm.model, experts, tp) / STATE_BYTES_PER_PARAM * 4
+    if nbytes <= 0:
+        return 0.0
+    groups = {p.stages[0].group for p in plan.pipelines}
+    if len(groups) > 1:
+        link = cm.cluster.network.cross_group
+    else:
+        g = cm.cluster.group(next(iter(groups)))
+        link = g.intra_node if ranks * tp <= g.devices_per_node else cm.cluster.network.inter_node
+    f = max(cm.factors(g).communication for g in groups)
+    return comm.allreduce(nbytes, holders, link.bandwidth, link.latency) * f
+
+
+def expert_state_bytes(model: ModelSpec, experts: int, tp: int = 1) -> float:
+    """Model states (fp32 parameter, gradient, AdamW moments) one rank holds for one MoE layer beyond a
+    dense block's: its routed experts, the router and the shared expert, less the dense MLP."""
+    moe, h = model.moe, model.hidden_size
+    shared = model.expert_params(moe.shared_expert_ffn_hidden_size) + h if moe.shared_expert_ffn_hidden_size else 0
+    extra = experts * model.expert_params() + h * moe.num_experts + shared - model.expert_params(model.ffn_hidden_size)
+    return extra / tp * STATE_BYTES_PER_PARAM
+
+
+def expert_activation_bytes(model: ModelSpec, tokens: int, degree: int, experts: int, tp: int = 1) -> float:
+    """Bytes one MoE layer keeps for backward per micro-batch on a rank holding ``experts`` routed
+    experts beyond the dense MLP's, at the worst routing skew (:func:`received_assignments` at the
+    largest imbalance the experts and the capacity allow): each assignment keeps its input row, the
+    expert's hidden activations (two of the width for a gated MLP) and its output."""
+    e = DTYPE_BYTES[model.dtype]
+    f = model.moe.expert_ffn_hidden_size // tp
+    worst = received_assignments(model, tokens, degree, experts, imbalance=float("inf"))
+    per_row = (2 * model.hidden_size + (3 if model.gated_mlp else 2) * f) * e
+    dense = tokens * (2 * model.hidden_size + (3 if model.gated_mlp else 2) * (model.ffn_hidden_size // tp)) * e
+    return worst * per_row - dense
+
+
+__all__ = ["mlp_forward_ops", "received_assignments", "expert_times", "all_to_all_bytes", "all_to_all_time",
+           "layer_delta", "expert_state_bytes", "expert_activation_bytes", "expert_sync_time", "Member"]
