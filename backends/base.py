@@ -71,9 +71,10 @@ class Backend(abc.ABC):
     def set_device(self, local_index: int = 0) -> None:
         """Make ``local_index`` the current device of this process (no-op on CPU)."""
 
-    def has_grouped_gemm(self, device) -> bool:
+    def has_grouped_gemm(self, device, dtype) -> bool:
         """Whether ``torch._grouped_mm`` (one kernel for many matrix products of different row counts:
-        a mixture of experts' expert compute) runs well on ``device``; False: a loop over the products."""
+        a mixture of experts' expert compute) runs well on ``device`` in ``dtype``; False: a loop over
+        the products."""
         return False
 
     def memory_info(self, local_index: int = 0) -> MemoryInfo | None:

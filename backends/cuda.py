@@ -36,11 +36,11 @@ class CudaBackend(Backend):
 
         torch.cuda.set_device(local_index)
 
-    def has_grouped_gemm(self, device) -> bool:
-        """Hopper (compute capability 9.0) and newer: torch's CUTLASS grouped GEMM."""
+    def has_grouped_gemm(self, device, dtype) -> bool:
+        """Hopper (compute capability 9.0) and newer, in bf16: torch's CUTLASS grouped GEMM."""
         import torch
 
-        return (hasattr(torch, "_grouped_mm") and device.type == "cuda"
+        return (hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16
                 and torch.cuda.get_device_capability(device) >= (9, 0))
 
     def memory_info(self, local_index: int = 0) -> MemoryInfo | None:

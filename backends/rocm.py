@@ -20,6 +20,6 @@ class RocmBackend(CudaBackend):
             return False, f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None)"
         return True, f"HIP {hip}"
 
-    def has_grouped_gemm(self, device) -> bool:
+    def has_grouped_gemm(self, device, dtype) -> bool:
         """torch's grouped GEMM kernel is CUDA's (CUTLASS): a loop over the experts on AMD GPUs."""
         return False

@@ -16,6 +16,7 @@ from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coe
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.lr_schedule import set_lr
 from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_sum
+from hetero.runtime.moe import finish_step, set_aux_scale
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,6 +105,9 @@ class NativeEngine:
         """The loss scale the last step ran with (fp16), else None."""
         self.step_skipped = False
         """Whether the last step's update was skipped (fp16 gradient overflow on some rank)."""
+        self.step_moe: tuple[float, int] = (0.0, 0)
+        """MoE models: this rank's part of the last step's aux loss term and its dropped token assignments
+        (:func:`hetero.runtime.moe.finish_step`; summed over the ranks by the trainer)."""
 
     def train_step(self, step: int, timings: Timings) -> tuple[float, float]:
         """One iteration (0-based ``step``): :meth:`forward_backward`, :meth:`reduce_gradients`,
@@ -120,6 +124,10 @@ class NativeEngine:
         with timings.span("sync_s", event="S"):
             mark_phase(1)   # the planned allocator resynchronises at the gradient sync
             norm, finite = self.reduce_gradients(timings)
+            if self.ctx.model.moe is not None:
+                # every rank, with no reduction in flight (balance: bias sums the expert loads over the world)
+                self.step_moe = finish_step(self.module, self.ctx.model, self.comm,
+                                            self.mbs / self.ctx.plan.global_batch_size)
         if finite:
             self.optimizer_step(norm, timings=timings, loss_scale=S)
         else:
@@ -143,6 +151,9 @@ class NativeEngine:
                 tokens, targets = self.source.batch(*self.slice.sample_range(step, B, mb))
                 cache[mb] = tokens.to(self.device), targets.to(self.device)
             return cache[mb]
+
+        if self.ctx.model.moe is not None:   # each micro-batch's aux term, weighted as its share of the batch
+            set_aux_scale(self.module, loss_scale * self.mbs / B)
 
         def bind() -> None:
             if self.sharded:

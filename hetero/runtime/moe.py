@@ -23,8 +23,9 @@ Capacity: dropless by default; with ``capacity_factor`` each expert keeps the fi
 rest, counted in :attr:`MoEMLP.dropped`.
 
 Expert compute: ``torch._grouped_mm`` over the tokens sorted by expert where the device's backend
-has a grouped GEMM (:meth:`hetero.backends.base.Backend.has_grouped_gemm`: Hopper CUDA), a loop
-over the experts elsewhere. The outputs are placed back per (token, k) and summed over k, so the
+has a grouped GEMM for the compute dtype (:meth:`hetero.backends.base.Backend.has_grouped_gemm`:
+Hopper CUDA in bf16, i.e. bf16 models), a loop over the experts elsewhere (CPU, A100, ROCm, fp32).
+The MoE MLP runs eagerly inside a compiled block (its shapes depend on the routing). The outputs are placed back per (token, k) and summed over k, so the
 result does not depend on atomic adds' order.
 """
 from __future__ import annotations
@@ -108,6 +109,7 @@ class MoEMLP(nn.Module):
         f = torch.bincount(index.reshape(-1), minlength=self.num_experts).to(probs.dtype) / n
         return self.num_experts * (f * probs.mean(0)).sum()
 
+    @torch.compiler.disable   # data-dependent shapes and host-side counts: eager inside a compiled block
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -148,23 +150,29 @@ class MoEMLP(nn.Module):
 
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of the rows ``xs`` sorted by expert, ``counts[e]`` rows for expert e."""
-        grouped = self.expert_compute == "grouped" if self.expert_compute else uses_grouped_gemm(xs.device)
+        dtype = torch.get_autocast_dtype(xs.device.type) if torch.is_autocast_enabled(xs.device.type) else xs.dtype
+        if self.expert_compute:
+            grouped = self.expert_compute == "grouped"
+        else:   # the kernel needs 16-byte aligned rows: widths a multiple of 8 bf16 elements
+            widths = (xs.shape[-1], self.moe.expert_ffn_hidden_size)
+            grouped = uses_grouped_gemm(xs.device, dtype) and all(w % 8 == 0 for w in widths)
         if grouped:
-            return self._grouped(xs, counts)
+            return self._grouped(xs, counts, dtype)
         sizes = counts.tolist()
         parts = [self.experts[e](chunk) for e, chunk in enumerate(xs.split(sizes)) if sizes[e]]
         return torch.cat(parts) if parts else xs.new_zeros(0, xs.shape[-1])
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMM per projection over every expert's rows (weights stacked per call)."""
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One grouped GEMM per projection over every expert's rows (weights stacked per call), in
+        ``dtype`` (the autocast dtype where autocast is on, as the loop's linear layers compute)."""
         offs = counts.cumsum(0).to(torch.int32)
         first = self.experts[0]
 
         def project(name: str, rows: torch.Tensor) -> torch.Tensor:
-            w = torch.stack([getattr(e, name).weight for e in self.experts]).transpose(1, 2)
-            out = torch._grouped_mm(rows.to(w.dtype), w, offs=offs)
+            w = torch.stack([getattr(e, name).weight for e in self.experts]).to(dtype).transpose(1, 2)
+            out = torch._grouped_mm(rows.to(dtype), w, offs=offs)
             if getattr(first, name).bias is not None:
-                bias = torch.stack([getattr(e, name).bias for e in self.experts])
+                bias = torch.stack([getattr(e, name).bias for e in self.experts]).to(dtype)
                 out = out + bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
             return out
 
@@ -176,11 +184,35 @@ class MoEMLP(nn.Module):
         return project("w2", a)
 
 
-def uses_grouped_gemm(device: torch.device) -> bool:
-    """Whether expert compute on ``device`` takes the grouped GEMM (its backend's capability)."""
+def check_moe_run(plan, model: ModelSpec, engine: str) -> None:
+    """Refuse, before any process starts, what this runtime does not run for an MoE model: tensor
+    parallelism of a stage holding MoE layers, expert parallelism with ZeRO, and the DeepSpeed engine
+    (whose loss has no aux term)."""
+    from hetero.errors import HeteroError
+
+    ep = getattr(plan, "expert_parallel", None)
+    if ep is not None and ep.degree > 1 and plan.zero_stage:   # the rest: hetero.runtime.expert_parallel
+        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
+                          f"(fix: zero_stage: 0, or drop expert_parallel)")
+    if model.moe is None:
+        return
+    if engine == "deepspeed":
+        raise HeteroError(f"--engine deepspeed: model {model.name} is a mixture of experts, whose aux loss and "
+                          f"expert biases the native engine trains (fix: --engine native)")
+    for i, pipeline in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipeline.stages):
+            moe = [layer for layer in range(*stage.layers) if model.is_moe_layer(layer)]
+            if stage.tp > 1 and moe:
+                raise HeteroError(f"pipelines[{i}].stages[{j}]: tp {stage.tp} with MoE layers {moe}: tensor "
+                                  f"parallelism of mixture-of-experts layers is not supported (fix: tp 1 on the "
+                                  f"stages holding MoE layers)")
+
+
+def uses_grouped_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether expert compute on ``device`` in ``dtype`` takes the grouped GEMM (its backend's capability)."""
     from hetero.backends import backend_of
 
-    return backend_of(device).has_grouped_gemm(device)
+    return backend_of(device).has_grouped_gemm(device, dtype)
 
 
 def moe_layers_of(module: nn.Module) -> dict[str, MoEMLP]:

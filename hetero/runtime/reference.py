@@ -5,6 +5,7 @@
 loss the chunk's summed token losses over the step's loss tokens, exactly the rule the distributed
 runtime follows (the mean over the global batch's loss tokens: :mod:`hetero.runtime.data`). The learning
 rate follows the run's schedule (``lr_schedule``, ``warmup_steps``, ``min_lr``: :mod:`hetero.runtime.lr_schedule`).
+An MoE model's chunks must be the run's micro-batches (routing, the aux loss and capacity are per micro-batch).
 
 fp16 / bf16 models run as the runtime runs them: forward under autocast to that dtype with fp32
 master weights, and fp16 with a static loss scale (``loss_scale``, the runtime's default initial
@@ -21,13 +22,16 @@ from hetero.runtime.data import data_source
 from hetero.runtime.grads import clip_coefficient, make_optimizer, scale_grads
 from hetero.runtime.lr_schedule import lr_at, set_lr
 from hetero.runtime.model import build_stage, loss_sum
+from hetero.runtime.moe import finish_step, set_aux_scale
 
 
 def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: int | None = None,
                      lr: float = 1e-3, weight_decay: float = 0.0, clip: float = 1.0, data: str | None = None,
                      return_model: bool = False, return_norms: bool = False, loss_scale: float | None = None,
                      lr_schedule: str = "constant", warmup_steps: int = 0, min_lr: float = 0.0,
-                     tokenizer: str | None = None):
+                     tokenizer: str | None = None, moe_steps: list | None = None):
+    """``moe_steps``: a list that takes each step's (aux loss term, dropped token assignments) of an MoE
+    model (what a run's summary gives as ``moe_aux_losses`` and ``moe_dropped``)."""
     import contextlib
 
     import hetero
@@ -55,6 +59,7 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
         for first in range(0, global_batch, chunk):
             n = min(chunk, global_batch - first)
             x, y = src.batch(step * global_batch + first, n)
+            set_aux_scale(m, S * n / global_batch)   # MoE: each chunk's aux term, as the runtime weighs it
             with autocast():
                 out = m(x)
             loss = loss_sum(out, y) * (S / tokens)
@@ -63,6 +68,9 @@ def reference_losses(model, seed: int, steps: int, global_batch: int, *, chunk: 
         norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in m.parameters() if p.grad is not None)) / S
         scale_grads(m, clip_coefficient(norm, clip) / S)
         opt.step()
+        moe = finish_step(m, model, share=chunk / global_batch)   # MoE: balance: bias moves the expert biases
+        if moe_steps is not None:
+            moe_steps.append(moe)
         losses.append(total)
         norms.append(norm)
     if return_norms:

@@ -51,6 +51,10 @@ class StepResult:
     """fp16: the update was skipped because a gradient overflowed at that scale."""
     lr: float | None = None
     """The learning rate the step's update applied (:mod:`hetero.runtime.lr_schedule`)."""
+    moe_aux_loss: float = 0.0
+    """MoE models: the aux loss term the step added to the training loss (``loss`` stays the LM loss)."""
+    moe_dropped: int = 0
+    """MoE models with a capacity: token assignments dropped over capacity in the step, all ranks."""
 
 
 PER_RANK = ("forward_s", "backward_s", "schedule_s", "sync_s", "optimizer_s")
@@ -131,8 +135,9 @@ class Trainer:
             self.applied_step = number
             # One all-reduce gives every rank the loss and every rank's compute times.
             W, K = self.world, len(PER_RANK)
-            row = torch.zeros(K * W + 1, dtype=torch.float64)
+            row = torch.zeros(K * W + 3, dtype=torch.float64)
             row[0] = loss
+            row[-2:] = torch.tensor(getattr(self.engine, "step_moe", (0.0, 0)), dtype=torch.float64)
             mine = (_mean(timings.forward_s), _mean(timings.backward_s), timings.schedule_s, timings.sync_s,
                     timings.optimizer_s)
             for i, v in enumerate(mine):
@@ -143,7 +148,8 @@ class Trainer:
             result = StepResult(step=number, loss=float(row[0]), time_s=elapsed, grad_norm=norm,
                                 forward_s=col(0), backward_s=col(1), schedule_s=col(2), sync_s=col(3),
                                 optimizer_s=col(4), loss_scale=getattr(self.engine, "step_loss_scale", None),
-                                skipped=bool(getattr(self.engine, "step_skipped", False)), lr=lr)
+                                skipped=bool(getattr(self.engine, "step_skipped", False)), lr=lr,
+                                moe_aux_loss=float(row[-2]), moe_dropped=int(row[-1]))
             self.state.results.append(result)
             if self.ctx.options.trace:
                 self.state.events.extend((k, mb, number, t, d) for k, mb, t, d in timings.events)
@@ -236,12 +242,19 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
             ranks[-1]["allocator"] = allocator_stats[info.rank]
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
             ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
+        if ctx.model.moe is not None:   # routed experts held per MoE layer (all of them: no expert parallelism)
+            held = [layer for a, b in info.chunk_layers(ctx.plan) for layer in range(a, b)]
+            ranks[-1]["experts"] = {str(layer): ctx.model.moe.num_experts for layer in held
+                                    if ctx.model.is_moe_layer(layer)}
     scaling = {}
     if any(r.loss_scale is not None for r in res):  # fp16 with the native engine
         scaling = {"loss_scales": [r.loss_scale for r in res], "skipped_steps": [r.step for r in res if r.skipped]}
     # a diverged step's loss is NaN / inf: null, since JSON has no NaN / Infinity (as for grad_norms)
     losses = [r.loss if math.isfinite(r.loss) else None for r in res]
-    return {**scaling, "steps": len(res), "losses": losses, "lrs": [r.lr for r in res], "iteration_times_s": times,
+    moe = {}
+    if ctx.model.moe is not None:   # the aux term beside the LM loss; the training loss is their sum
+        moe = {"moe_aux_losses": [r.moe_aux_loss for r in res], "moe_dropped": [r.moe_dropped for r in res]}
+    return {**scaling, **moe, "steps": len(res), "losses": losses, "lrs": [r.lr for r in res], "iteration_times_s": times,
             "tokens_per_s": tokens_per_s, "predicted_iteration_time_s": predicted, "ranks": ranks,
             "reconfigurations": [],
             "median_iteration_time_s": statistics.median(st) if st else None,
