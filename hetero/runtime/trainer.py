@@ -242,9 +242,10 @@ def summary_dict(trainer: Trainer, predicted: float | None, state_bytes: list | 
             ranks[-1]["allocator"] = allocator_stats[info.rank]
         if len(info.chunks) > 1:  # interleaved: the layers of every model chunk this rank runs
             ranks[-1]["chunk_layers"] = [list(c) for c in info.chunk_layers(ctx.plan)]
-        if ctx.model.moe is not None:   # routed experts held per MoE layer (all of them: no expert parallelism)
+        if ctx.model.moe is not None:   # routed experts held per MoE layer (all of them without expert parallelism)
             held = [layer for a, b in info.chunk_layers(ctx.plan) for layer in range(a, b)]
-            ranks[-1]["experts"] = {str(layer): ctx.model.moe.num_experts for layer in held
+            ep = ctx.parallel.experts.held(info.rank) if ctx.parallel.experts is not None else {}
+            ranks[-1]["experts"] = {str(layer): ep.get(layer, ctx.model.moe.num_experts) for layer in held
                                     if ctx.model.is_moe_layer(layer)}
     scaling = {}
     if any(r.loss_scale is not None for r in res):  # fp16 with the native engine
