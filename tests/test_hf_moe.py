@@ -101,3 +101,21 @@ def test_import_then_export_gives_back_every_expert(models, tmp_path, kind):
     assert type(reloaded).__name__ == type(_hf_model(models[kind])).__name__
     theirs, ours = _hf_model(models[kind]).state_dict(), reloaded.state_dict()
     assert sorted(theirs) == sorted(ours) and all(torch.equal(t, ours[k]) for k, t in theirs.items())
+
+
+@pytest.mark.parametrize("moe,says", [
+    ({"router": "sigmoid"}, "router sigmoid: Mixtral and Qwen2-MoE route by a softmax"),
+    ({"balance": "bias"}, "balance bias: the expert biases"),
+    ({"capacity_factor": 1.25}, "a capacity_factor: Mixtral and Qwen2-MoE are dropless"),
+    ({"dense_layers": [0]}, "no shared expert, so Mixtral"),
+])
+def test_an_moe_model_neither_type_describes_is_not_exported(moe, says):
+    import hetero
+    from hetero.errors import HeteroError
+    from hetero.hf.config import hf_config
+
+    spec = hetero.load_model({"name": "m", "architecture": "llama", "num_layers": 2, "hidden_size": 32,
+                              "num_attention_heads": 4, "vocab_size": VOCAB, "seq_length": 16,
+                              "moe": {"num_experts": 4, "top_k": 2, **moe}})
+    with pytest.raises(HeteroError, match="cannot be written as a Hugging Face model: " + says[:20]):
+        hf_config(spec)

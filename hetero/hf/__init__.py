@@ -1,7 +1,8 @@
 """Hugging Face models in and out.
 
 - :mod:`~hetero.hf.config`: a model folder's ``config.json`` <-> a :class:`~hetero.specs.model.ModelSpec`
-  (Llama, Mistral and Qwen2 onto ``llama``; GPT-2 onto ``gpt``);
+  (Llama, Mistral and Qwen2 onto ``llama``; Mixtral and Qwen2-MoE onto ``llama`` with a ``moe`` block;
+  GPT-2 onto ``gpt``);
 - :mod:`~hetero.hf.weights`: where each runtime parameter lives in the safetensors files (names,
   Conv1D transposes, fused q/k/v, the rotary row order) and reading exactly a rank's slices;
 - :mod:`~hetero.hf.convert`: ``hetero import-hf`` (folder -> model file + checkpoint) and

@@ -1,7 +1,8 @@
 """A Hugging Face ``config.json`` <-> a hetero model file.
 
 Llama, Mistral and Qwen2 (rotary positions, RMSNorm, SwiGLU, grouped-query attention; Qwen2 with
-q/k/v biases: ``qkv_bias``) map onto ``architecture: llama``; GPT-2 (learned positions, LayerNorm, tanh-GELU MLP, biases) onto ``gpt``.
+q/k/v biases: ``qkv_bias``) map onto ``architecture: llama``, Mixtral and Qwen2-MoE onto it with a
+``moe`` block (:func:`moe_model_type` says which a model exports as); GPT-2 (learned positions, LayerNorm, tanh-GELU MLP, biases) onto ``gpt``.
 What the runtime cannot compute the same way (scaled rotary tables, sliding windows shorter than the
 sequence, an output-projection bias in llama blocks, other activations) is refused with the
 config key that says so, never approximated.
