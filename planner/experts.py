@@ -79,10 +79,12 @@ def expert_twins(cm, plan: Plan) -> list[Plan]:
     even = even_batches(plan)
     if even is None:
         return out
-    plan, original = even, plan
+    # the runtime runs expert parallelism without ZeRO (each rank's experts are its own)
+    plan, original = dataclasses.replace(even, zero_stage=0), plan
+    splits = [tuple(tuple(s.layers) for s in p.stages) for p in plan.pipelines for _ in range(p.replicas)]
     for degree in divisors(len(ranks)):
-        if degree < 2 or degree > E:
-            continue
+        if degree < 2 or degree > E or any(len(set(splits[g:g + degree])) > 1 for g in range(0, len(ranks), degree)):
+            continue   # a group's ranks must hold the same layers
         slots = [min(expert_speed(cm, *ranks[g + i], plan.micro_batch_size) for g in range(0, len(ranks), degree))
                  for i in range(degree)]
         counts = proportional_counts(slots, E)

@@ -97,6 +97,18 @@ def all_to_all_bytes(model: ModelSpec, tokens: list[int], counts: list[int]) -> 
              for j in range(len(counts))] for i in range(len(counts))]
 
 
+def link_bytes(model: ModelSpec, tokens: list[int], counts: list[int], forward: bool = True) -> list[list[float]]:
+    """Bytes rank ``i`` of a group sends rank ``j`` in one MoE layer's forward (or backward) for one
+    micro-batch, as the runtime's exchange moves them: the dispatch of ``i``'s assignments to ``j``'s
+    experts, the combine of ``j``'s assignments computed by ``i``'s experts back to ``j`` and, in the
+    forward, the assignment counts first (8 bytes per expert of the receiver). The backward moves the
+    two row exchanges again, transposed."""
+    d = all_to_all_bytes(model, tokens, counts)
+    k = len(counts)
+    return [[0.0 if i == j else d[i][j] + d[j][i] + (8 * counts[j] if forward else 0) for j in range(k)]
+            for i in range(k)]
+
+
 @dataclass(frozen=True)
 class Member:
     """One rank of an expert-parallel group: where it runs and how many routed experts it holds."""
@@ -149,19 +161,20 @@ def _layer_delta(cm, stage, mbs: int, imbalance: float, members: list[Member]) -
     if not members:
         ef, eb = expert_times(cm, stage.group, tp, received_assignments(model, T, 1, moe.num_experts, imbalance),
                               moe.num_experts)
-        comm_s = 0.0
     else:
         times = [expert_times(cm, m.group, m.tp, received_assignments(model, T, len(members), m.experts, imbalance),
                               m.experts) for m in members]
         ef, eb = max(t[0] for t in times), max(t[1] for t in times)
-        comm_s = all_to_all_time(cm, model, members, T)
-    return (router_f + shared_f + ef + 2 * comm_s - f_dense, router_b + shared_b + eb + 2 * comm_s - b_dense)
+        comm_f, comm_b = all_to_all_time(cm, model, members, T, True), all_to_all_time(cm, model, members, T, False)
+        return router_f + shared_f + ef + comm_f - f_dense, router_b + shared_b + eb + comm_b - b_dense
+    return router_f + shared_f + ef - f_dense, router_b + shared_b + eb - b_dense
 
 
-def all_to_all_time(cm, model: ModelSpec, members: list[Member], tokens: int) -> float:
-    """One all-to-all of a group: the busiest member's sent bytes, each peer over the link between
-    their groups (same group: its intra-node link), the links' latency once per peer."""
-    sent = all_to_all_bytes(model, [tokens] * len(members), [m.experts for m in members])
+def all_to_all_time(cm, model: ModelSpec, members: list[Member], tokens: int, forward: bool = True) -> float:
+    """One MoE layer's exchanges of a group, forward or backward (:func:`link_bytes`): the busiest
+    member's sent bytes, each peer over the link between their groups (same group: its intra-node
+    link), the links' latency once per peer."""
+    sent = link_bytes(model, [tokens] * len(members), [m.experts for m in members], forward)
     worst = 0.0
     for i, a in enumerate(members):
         t = 0.0
@@ -221,5 +234,5 @@ def expert_activation_bytes(model: ModelSpec, tokens: int, degree: int, experts:
     return worst * per_row - dense
 
 
-__all__ = ["mlp_forward_ops", "received_assignments", "expert_times", "all_to_all_bytes", "all_to_all_time",
+__all__ = ["mlp_forward_ops", "received_assignments", "expert_times", "all_to_all_bytes", "link_bytes", "all_to_all_time",
            "layer_delta", "expert_state_bytes", "expert_activation_bytes", "expert_sync_time", "Member"]

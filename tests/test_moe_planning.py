@@ -52,6 +52,10 @@ def test_the_plans_expert_parallel_field_is_read_and_checked():
             hetero.load_plan(_plan(ep), _cluster(), model)
     with pytest.raises(HeteroError, match="run different micro-batches"):
         hetero.load_plan(_plan({"degree": 2}, (6, 2)), _cluster(), model)
+    split = _plan({"degree": 2})
+    split["pipelines"][1]["stages"] = [{"group": "slow", "layers": [0, 1]}, {"group": "slow", "layers": [1, 4]}]
+    with pytest.raises(HeteroError, match="split the layers differently"):
+        hetero.load_plan(split, _cluster(), model)
     with pytest.raises(HeteroError, match="has no moe block"):
         hetero.load_plan(_plan({"degree": 2}), _cluster(), hetero.load_model({**MOE, "moe": None}))
 
@@ -84,6 +88,21 @@ def test_the_all_to_all_bytes_per_link_as_a_matrix():
     assert all(three[i][i] == 0 for i in range(3))
     # what a rank sends over all its links: its assignments for the experts it does not hold
     assert sum(three[1]) == pytest.approx(200 * 2 * (6 + 2) / 12 * row)
+
+
+def test_the_bytes_charged_per_link_are_the_bytes_the_runtimes_exchange_moves():
+    """For a balanced routing, the predictor's bytes per link of one MoE layer's forward equal
+    hetero.runtime.expert_parallel.exchange_bytes (dispatch, combine and the counts)."""
+    torch = pytest.importorskip("torch")
+    from hetero.runtime.expert_parallel import exchange_bytes
+
+    model = hetero.load_model(MOE)
+    T, counts = 96, [8, 4]
+    per_expert = T * model.moe.top_k // model.moe.num_experts   # balanced: every expert the same share
+    routing = torch.full((2, 12), per_expert)
+    ranges = [(0, 8), (8, 12)]
+    runtime = exchange_bytes(routing, ranges, model.hidden_size * 4).tolist()
+    assert moe.link_bytes(model, [T, T], counts) == runtime
 
 
 def test_memory_counts_each_ranks_experts_and_the_worst_routing_skew():

@@ -340,20 +340,27 @@ def _expert_rules(plan: Plan, model: ModelSpec, problems: Problems) -> None:
     elif ep.experts is not None and len(ep.experts) == ep.degree and sum(ep.experts) != n:
         problems.add("expert_parallel.experts", f"counts sum to {sum(ep.experts)}, not moe.num_experts={n}",
                      f"give counts that add up to {n}")
-    ranks = [(pi, p.micro_batches, plan.mbs(p)) for pi, p in enumerate(plan.pipelines) for _ in range(p.replicas)]
+    ranks = [(pi, p.micro_batches, plan.mbs(p), tuple(tuple(s.layers) for s in p.stages))
+             for pi, p in enumerate(plan.pipelines) for _ in range(p.replicas)]
     if len(ranks) % ep.degree:
         problems.add("expert_parallel.degree", f"the plan's {len(ranks)} data-parallel rank(s) (replicas over every "
                      f"pipeline) do not form groups of {ep.degree}", f"use a degree that divides {len(ranks)}")
         return
     for start in range(0, len(ranks), ep.degree):   # the all-to-all pairs the members' micro-batches
         group = ranks[start:start + ep.degree]
-        if len({(m, b) for _, m, b in group}) > 1:
-            pis = sorted({pi for pi, _, _ in group})
+        pis = sorted({r[0] for r in group})
+        if len({(m, b) for _, m, b, _ in group}) > 1:
             problems.add("expert_parallel", f"pipelines {pis} share experts but run different micro-batches "
-                         f"({', '.join(f'{m} of {b}' for _, m, b in group)}): each MoE layer's all-to-all needs "
+                         f"({', '.join(f'{m} of {b}' for _, m, b, _ in group)}): each MoE layer's all-to-all needs "
                          "every rank of a group at every micro-batch",
                          "give the pipelines of a group the same micro_batches and micro_batch_size, or a degree "
                          "whose groups stay inside pipelines that do")
+            break
+        if len({r[3] for r in group}) > 1:
+            problems.add("expert_parallel", f"pipelines {pis} share experts but split the layers differently: "
+                         "each MoE layer's exchange is between the ranks holding it, the same stage of each",
+                         "give the pipelines of a group the same stage layer ranges, or a degree whose groups "
+                         "stay inside pipelines that do")
             break
 
 
