@@ -64,6 +64,8 @@ setup(
         "moo": ["pymoo>=0.6", "numba"],
         "hf": ["safetensors>=0.4", "tokenizers>=0.15"],
         "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40", "ruff>=0.4"],
+        # benchmarks/bench_rl.py's comparison with TRL's GRPOTrainer (CPU torch is kept: trl needs no CUDA)
+        "rl-bench": ["trl>=1.16,<2", "transformers>=4.56"],
     },
     entry_points={"console_scripts": ["hetero=hetero.cli:main"]},
 )
