@@ -168,7 +168,8 @@ def candidates(job, cluster) -> list[Candidate]:
     if mode != "auto":
         actor = _actor_devices(job, cluster)
         if mode == "collocated":
-            return [Candidate("collocated", actor, dict(actor), 1, plan=job.actor_plan)]
+            rollout = {g: n for g, n in actor.items() if g in job.rollout_groups} or dict(actor)
+            return [Candidate("collocated", actor, rollout, 1, plan=job.actor_plan)]
         rollout = {g: cluster.group(g).num_devices - (actor.get(g, 0) if job.actor_plan is not None else 0)
                    for g in job.rollout_groups}
         return [Candidate("disaggregated", actor, rollout, tp, plan=job.actor_plan)]
@@ -234,8 +235,7 @@ def _predict(c: Candidate, cluster, model, sizes: rlpred.RLSizes, plans: _Plans)
     if train is None:
         train = predict(sub_cluster(cluster, c.actor), model, c.plan, check=False)
     try:
-        c.prediction = rlpred.rl_step(cluster, model, c.plan, sizes, c.mode,
-                                      rollout=c.rollout if c.mode == "disaggregated" else None,
+        c.prediction = rlpred.rl_step(cluster, model, c.plan, sizes, c.mode, rollout=c.rollout,
                                       rollout_tp=c.rollout_tp, train=train)
     except ValueError as e:
         c.problem = str(e)
@@ -284,7 +284,7 @@ def predict_rl_step(job, cluster, placement: dict | None = None) -> dict:
     rollout_groups = (placement.get("rollout") or {}).get("groups") or list(actor)
     tp = (placement.get("rollout") or {}).get("tp", 1)
     given = (placement.get("rollout") or {}).get("devices")
-    rollout = dict(actor) if mode == "collocated" else \
+    rollout = {g: actor[g] for g in rollout_groups if g in actor} if mode == "collocated" else \
         {g: (given or {}).get(g, cluster.group(g).num_devices - actor.get(g, 0)) for g in rollout_groups}
     c = Candidate(mode, actor, rollout, tp, plan=plan)
     _predict(c, cluster, job.model_spec, job_sizes(job), _Plans(cluster, job.model_spec, job.samples_per_step))

@@ -98,7 +98,8 @@ def own_fraction(plan, model) -> float:
 def rl_step(cluster, model, plan, sizes: RLSizes, mode: str, rollout: dict[str, int] | None = None,
             rollout_tp: int = 1, train=None) -> RLStepPrediction:
     """Predict one RL step (module docstring). ``plan``: the actor's plan on ``cluster``; ``mode``:
-    ``collocated`` or ``disaggregated``; ``rollout``: devices per rollout group (disaggregated);
+    ``collocated`` or ``disaggregated``; ``rollout``: devices per rollout group (collocated: the
+    groups whose actor devices generate, default all);
     ``train``: the plan's :class:`~.api.Prediction` when the caller has it."""
     from .api import predict
 
@@ -108,8 +109,9 @@ def rl_step(cluster, model, plan, sizes: RLSizes, mode: str, rollout: dict[str, 
     fits = bool(train.fits_memory)
     used = plan.devices_by_group()
     switch = 0.0
-    if mode == "collocated":
-        copies = [(g, 1) for g, n in used.items() for _ in range(n)]
+    if mode == "collocated":   # every actor device of the rollout's groups (default: all) generates
+        gen_groups = [g for g in used if rollout is None or g in rollout]
+        copies = [(g, 1) for g in gen_groups for _ in range(used[g])]
         reserved = {}
         for p in train.pipelines:
             for s in p.stages:
