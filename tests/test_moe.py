@@ -293,6 +293,31 @@ def test_recomputation_gives_the_same_gradients_and_records_each_forward_once(mo
         torch.testing.assert_close(again[name], g, rtol=0, atol=0)
 
 
+def test_a_checkpoint_keeps_the_expert_biases(tmp_path):
+    """balance: bias: the biases the steps have moved are saved and loaded with the weights."""
+    import warnings
+
+    import torch
+
+    from hetero.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from hetero.runtime.grads import make_optimizer
+    from hetero.runtime.model import build_stage
+
+    spec = moe_model(balance="bias", every=2)
+    saved, loaded = build_stage(spec, (0, 4), True, True, 0), build_stage(spec, (0, 4), True, True, 0)
+    for name, b in saved.named_buffers():
+        if name.endswith("expert_bias"):
+            b.copy_(torch.arange(4.0) * (1 + int(name.split(".")[1])))
+    holders = {name: [0] for name, _ in saved.named_parameters()}
+    with warnings.catch_warnings():   # no process group: torch says it saves and loads as one process
+        warnings.simplefilter("ignore")
+        save_checkpoint(str(tmp_path / "ckpt"), saved, make_optimizer(saved.parameters(), 1e-3, 0.0), holders, 0, 1)
+        load_checkpoint(str(tmp_path / "ckpt"), loaded, None, spec.num_layers)
+    biases = {n: b for n, b in loaded.named_buffers() if n.endswith("expert_bias")}
+    assert sorted(biases) == ["layers.1.mlp.expert_bias", "layers.3.mlp.expert_bias"]
+    assert torch.equal(biases["layers.3.mlp.expert_bias"], torch.arange(4.0) * 4)
+
+
 def test_the_reference_trains_with_the_aux_term_and_reports_drops(one_thread):
     """The single-process reference (what launches are compared with) adds the aux term to the loss's
     gradient, and reports each step's term and drops."""

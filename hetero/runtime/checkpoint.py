@@ -100,6 +100,9 @@ def save_checkpoint(path: str, module, optimizer, holders: dict, rank: int, step
                 state[f"optim/{name}/{k}"] = v if sharded is not None else v.to("cpu", copy=True)
             if "step" in st:
                 state[f"optim/{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).to("cpu", copy=True)
+    for name, b in _kept_buffers(module):   # written by the lowest rank holding the layer
+        if holders[_holder_param(module, name)][0] == rank:
+            state[f"model/{name}"] = b.detach().to("cpu", copy=True)
     if rank == 0:
         state.update(_meta_entries(step, loss_scale))
     # Written beside ``path`` and moved into place when complete, so an interrupted save leaves the
@@ -189,7 +192,13 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
                 state[f"optim/{name}/{k}"] = torch.empty(shape)
         if f"optim/{name}/step" in available:
             state[f"optim/{name}/step"] = torch.tensor(0.0)
+    buffers = {name: b for name, b in _kept_buffers(module) if f"model/{name}" in saved}   # absent: left as built
+    for name, b in buffers.items():
+        state[f"model/{name}"] = torch.empty(b.shape, dtype=b.dtype)
     dcp.load(state, storage_reader=reader)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            b.copy_(state[f"model/{name}"])
     sharded = getattr(optimizer, "load_full_state", None)   # ZeRO: takes its slices of the full states
     full_states = {}
     with torch.no_grad():
@@ -208,6 +217,18 @@ def load_checkpoint(path: str, module, optimizer, num_layers: int | None = None)
     if sharded is not None:
         sharded(full_states)
     return int(state["meta/step"])
+
+
+def _kept_buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """The module's persistent buffers that carry training state: an MoE layer's expert biases
+    (``layers.<l>.mlp.expert_bias``, :mod:`hetero.runtime.moe`), equal on every rank holding the layer."""
+    return [(name, b) for name, b in module.named_buffers() if name.endswith(".expert_bias")]
+
+
+def _holder_param(module, buffer: str) -> str:
+    """A parameter of the buffer's own module (whose holders hold the buffer too)."""
+    prefix = buffer.rsplit(".", 1)[0] + "."
+    return next(name for name, _ in module.named_parameters() if name.startswith(prefix))
 
 
 def check_same_model(path: str, saved: dict, shapes: dict, num_layers: int | None) -> None:
