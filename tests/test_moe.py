@@ -123,6 +123,11 @@ def test_capacity_drops_the_later_tokens_and_counts_them(one_thread):
     assert m.dropped == sum(max(0, c - 4) for c in counts) > 0
     first = m.dropped
     assert torch.equal(m(x), out) and m.dropped == 2 * first
+    m.eval()   # evaluation and generation route dropless
+    with torch.no_grad():
+        dropless = torch.stack([sum(weights[t, j] * m.experts[int(index[t, j])](x.reshape(-1, 16)[t])
+                                    for j in range(2)) for t in range(16)])
+        torch.testing.assert_close(m(x).reshape(-1, 16), dropless, rtol=1e-5, atol=1e-6)
 
 
 def test_aux_loss_by_hand_and_its_gradient_reaches_the_router():

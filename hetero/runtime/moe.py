@@ -20,7 +20,8 @@ by ``bias_update_rate x sign(mean load - load)`` (:func:`update_expert_biases`).
 
 Capacity: dropless by default; with ``capacity_factor`` each expert keeps the first
 ``capacity`` token assignments in token order (then in the token's top-k order) and drops the
-rest, counted in :attr:`MoEMLP.dropped`.
+rest, counted in :attr:`MoEMLP.dropped`. Only in training mode: an ``eval()`` module (evaluation,
+generation) routes dropless.
 
 Expert compute: ``torch._grouped_mm`` over the tokens sorted by expert where the device's backend
 has a grouped GEMM for the compute dtype (:meth:`hetero.backends.base.Backend.has_grouped_gemm`:
@@ -118,7 +119,9 @@ class MoEMLP(nn.Module):
         flat = index.reshape(-1)                          # assignment a = token * k + choice
         counts = torch.bincount(flat, minlength=self.num_experts)
         keep = None
-        capacity = self.moe.capacity(n)
+        # capacity is a training rule: evaluation and generation (eval mode) route dropless, so a cached
+        # decode step and a full forward see the same experts whatever the batch around a token
+        capacity = self.moe.capacity(n) if self.training else None
         if capacity is not None:
             # each assignment's place in its expert's queue, in token order: the first `capacity` stay
             place = F.one_hot(flat, self.num_experts).cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
