@@ -27,6 +27,13 @@ def nan(prompt, completion, answer):
 
 def boolean(prompt, completion, answer):
     return True
+
+def dies(prompt, completion, answer):
+    os._exit(3)
+
+def hangs(prompt, completion, answer):
+    import time
+    time.sleep(60)
 '''
 
 
@@ -77,3 +84,10 @@ def test_worker_processes_score_in_order_and_report_failures(rewards_file):
     with RewardPool(parse_reward_ref("my_rewards.py:raises", str(rewards_file)), workers=1, timeout_s=30) as pool:
         with pytest.raises(RewardError, match=r"on prompts.jsonl line 1 \(completion '1'\) raised ValueError"):
             pool.score(_records(), ["1", "2", "3", "4"])
+    with RewardPool(parse_reward_ref("my_rewards.py:dies", str(rewards_file)), workers=1, timeout_s=30) as pool:
+        with pytest.raises(RewardError, match="a reward worker process died"):
+            pool.score(_records(), ["1", "2", "3", "4"])
+    with RewardPool(parse_reward_ref("my_rewards.py:hangs", str(rewards_file)), workers=1, timeout_s=1) as pool:
+        with pytest.raises(RewardError, match="took more than 1 s"):
+            pool.score(_records(1), ["1"])
+

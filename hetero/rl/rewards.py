@@ -164,8 +164,13 @@ class RewardPool:
             self._function = load_reward(ref)
         else:
             import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-            self._pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(ref,))
+            # an executor, not multiprocessing.Pool: a worker that dies (os._exit, a crash in native code)
+            # breaks it at once, where a Pool would replace the worker and wait for the lost call forever
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(ref,))
+            self._workers = workers
 
     def score(self, records: list[PromptRecord], completions: list[str]) -> list[float]:
         """``reward(record.prompt, completion, **record.fields)`` for each pair, in order. The first
@@ -177,15 +182,22 @@ class RewardPool:
         if self._pool is None:
             results = [call_reward(self._function, *item) for item in items]
         else:
-            import multiprocessing
+            from concurrent.futures import TimeoutError as FuturesTimeout
+            from concurrent.futures.process import BrokenProcessPool
 
-            pending = self._pool.map_async(_worker_call, items, chunksize=max(1, len(items) // 8))
             try:
-                results = pending.get(self.timeout_s)
-            except multiprocessing.TimeoutError:
+                results = list(self._pool.map(_worker_call, items, timeout=self.timeout_s,
+                                              chunksize=max(1, len(items) // (4 * self._workers))))
+            except FuturesTimeout:
+                self.close()
                 raise RewardError(f"reward {self.ref.name}: a batch of {len(items)} calls took more than "
                                   f"{self.timeout_s:g} s (fix: make the reward faster, or look for a loop that "
                                   f"does not end)") from None
+            except BrokenProcessPool:
+                self.close()
+                raise RewardError(f"reward {self.ref.name}: a reward worker process died while scoring a batch of "
+                                  f"{len(items)} completions (os._exit, a signal or a crash in native code) "
+                                  f"(fix: run the reward on these prompts in a plain python process to see it)") from None
         rewards = []
         for record, completion, (ok, value) in zip(records, completions, results):
             if not ok:
@@ -196,9 +208,14 @@ class RewardPool:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+            pool, self._pool = self._pool, None
+            processes = list((getattr(pool, "_processes", None) or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for p in processes:   # a call still running (a reward in an endless loop) is not waited for
+                if p.is_alive():
+                    p.terminate()
+            for p in processes:
+                p.join(5)
 
     def __enter__(self) -> RewardPool:
         return self
