@@ -77,6 +77,24 @@ def test_the_run_layout_places_experts_and_their_holders():
         assert held == set(range(lo, hi)), (info.rank, held)
 
 
+def test_a_stage_rebuilt_by_a_reshard_keeps_its_own_experts():
+    from hetero.runtime.model import build_stage
+    from hetero.runtime.reshard.space import ParameterSpace
+    from hetero.runtime.reshard.transfer import TensorState, rebuild_stage
+
+    model, plan, layout = _run_layout(PP2_DP2)
+    info = next(r for r in layout.ranks if r.pipeline == 1 and r.stage == 1)   # the second group place: 6, 7
+    full = dict(build_stage(model, info.layers, False, True, 0).named_parameters())
+    regions = ParameterSpace(model).rank_regions(plan, info)
+    state = {n: TensorState(box, {"param": full[n].detach().clone(), "exp_avg": torch.zeros_like(full[n]),
+                                  "exp_avg_sq": torch.zeros_like(full[n])}, None) for n, box in regions.items()}
+    module, _ = rebuild_stage(model, plan, info, state)
+    names = dict(module.named_parameters())
+    assert set(names) == set(regions)
+    assert {int(n.split(".")[4]) for n in names if ".experts." in n} == {6, 7}
+    assert all(torch.equal(p, full[n]) for n, p in names.items())
+
+
 @pytest.mark.parametrize("pipelines,fields,fragment", [
     (PP2_DP2, {"zero_stage": 1}, "expert_parallel with zero_stage 1 is not supported"),
     ([{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},
@@ -203,40 +221,79 @@ def test_uneven_experts_across_two_vendors_match_one_device():
 
 
 # ----------------------------------------------------------------------------- launches
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("pipelines,mbs,expected", [
-    # two replicas on two vendors, 6 and 2 of 8 experts (the aux loss on)
-    ([{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},
-      {"micro_batches": 2, "stages": [{"group": "slow", "layers": [0, 4]}]}], 1,
-     {0: {str(i): 6 for i in range(4)}, 1: {str(i): 2 for i in range(4)}}),
-    # and in a two-stage pipeline per vendor (1F1B): each stage's experts exchanged with the other vendor's
-    ([{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 2]}, {"group": "fast", "layers": [2, 4]}]},
-      {"micro_batches": 2, "stages": [{"group": "slow", "layers": [0, 2]}, {"group": "slow", "layers": [2, 4]}]}], 1,
-     {0: {"0": 6, "1": 6}, 1: {"2": 6, "3": 6}, 2: {"0": 2, "1": 2}, 3: {"2": 2, "3": 2}}),
-], ids=["dp2", "pp2-dp2"])
-def test_an_expert_parallel_launch_matches_the_single_process_reference(tmp_path, pipelines, mbs, expected):
-    """Losses, gradient norms and aux terms of each step equal the single-process run's with every expert."""
-    from helpers import STEPS, launch_summary, tiny_model
+EP_MODEL = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "aux_loss_coef": 0.1}
+DP2 = [{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},
+       {"micro_batches": 2, "stages": [{"group": "slow", "layers": [0, 4]}]}]
+LR_MOE = 1e-3   # as the MoE launch test: at 1e-2 the replicas' float order drifts past 1e-3 by step 4
+
+
+def _launch_ep(tmp_path, pipelines, experts, *extra):
+    from helpers import launch_summary, tiny_model
+
+    plan = {"global_batch_size": 4, "micro_batch_size": 1, "pipelines": pipelines,
+            "expert_parallel": {"degree": 2, "experts": experts}}
+    return launch_summary(tmp_path, tiny_model("llama", moe=EP_MODEL), plan, "--lr", str(LR_MOE), *extra)
+
+
+def _reference_ep():
+    from helpers import STEPS, tiny_model
 
     from hetero.runtime.reference import reference_run
 
-    lr = 1e-3   # as the MoE launch test: at 1e-2 the replicas' float order drifts past 1e-3 by step 4
-    model = tiny_model("llama", moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "aux_loss_coef": 0.1})
-    gbs = sum(p["micro_batches"] for p in pipelines) * mbs
-    plan = {"global_batch_size": gbs, "micro_batch_size": mbs, "pipelines": pipelines,
-            "expert_parallel": {"degree": 2, "experts": [6, 2]}}
-    summary = launch_summary(tmp_path, model, plan, "--lr", str(lr))
     steps: list = []
-    losses, norms = reference_run(model, 0, STEPS, gbs, chunk=mbs, lr=lr, moe_steps=steps)
-    assert summary["losses"] == pytest.approx(losses, rel=1e-3)
-    assert summary["grad_norms"] == pytest.approx(norms, rel=1e-3)
-    assert summary["moe_aux_losses"] == pytest.approx([aux for aux, _ in steps], rel=1e-3)
-    assert {r["rank"]: r["experts"] for r in summary["ranks"]} == expected
-    # each rank keeps AdamW state for its own experts only: two fp32 moments and a 4-byte step for each of
-    # an expert's 3 tensors (3 x 64 x 32 values); what is left is the same on ranks running the same layers
+    losses, norms = reference_run(tiny_model("llama", moe=EP_MODEL), 0, STEPS, 4, chunk=1, lr=LR_MOE, moe_steps=steps)
+    return losses, norms, [aux for aux, _ in steps]
+
+
+def _own_experts_state_only(summary):
+    """Each rank keeps AdamW state for its own experts only: two fp32 moments and a 4-byte step for each
+    of an expert's 3 tensors (3 x 64 x 32 values); what is left is the same on ranks running the same layers."""
     per_expert = 3 * (2 * 4 * 64 * 32 + 4)
     rest = {}
     for r in summary["ranks"]:
         rest.setdefault(tuple(r["experts"]), set()).add(r["optimizer_state_bytes"] - per_expert * sum(r["experts"].values()))
     assert all(len(v) == 1 for v in rest.values()), rest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_expert_parallel_launch_matches_the_single_process_reference(tmp_path):
+    """Two replicas on two vendors, 6 and 2 of 8 experts (aux loss on): the losses, gradient norms and aux
+    terms of each step equal the single-process run's with every expert."""
+    summary = _launch_ep(tmp_path, DP2, [6, 2])
+    losses, norms, aux = _reference_ep()
+    assert summary["losses"] == pytest.approx(losses, rel=1e-3)
+    assert summary["grad_norms"] == pytest.approx(norms, rel=1e-3)
+    assert summary["moe_aux_losses"] == pytest.approx(aux, rel=1e-3)
+    assert {r["rank"]: r["experts"] for r in summary["ranks"]} == {0: {str(i): 6 for i in range(4)},
+                                                                   1: {str(i): 2 for i in range(4)}}
+    _own_experts_state_only(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_expert_parallel_checkpoint_resumes_in_pipelines_with_other_expert_counts(tmp_path):
+    """2 steps as two replicas with 6 and 2 experts, saved; 3 more as two 2-stage 1F1B pipelines per vendor
+    with 4 and 4, loaded: every expert moves through the checkpoint, and the 5 steps are the reference's."""
+    from helpers import launching
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    pp2_dp2 = [{"micro_batches": 2, "stages": [{"group": g, "layers": [0, 2]}, {"group": g, "layers": [2, 4]}]}
+               for g in ("fast", "slow")]
+    old = launching.STEPS
+    try:
+        launching.STEPS = 2
+        first = _launch_ep(a, DP2, [6, 2], "--save", ckpt)
+        launching.STEPS = 3
+        second = _launch_ep(b, pp2_dp2, [4, 4], "--load", ckpt)
+    finally:
+        launching.STEPS = old
+    losses, norms, aux = _reference_ep()
+    assert first["losses"] + second["losses"] == pytest.approx(losses, rel=1e-3)
+    assert first["grad_norms"] + second["grad_norms"] == pytest.approx(norms, rel=1e-3)
+    assert first["moe_aux_losses"] + second["moe_aux_losses"] == pytest.approx(aux, rel=1e-3)
+    assert sorted(tuple(r["experts"].items()) for r in second["ranks"]) == \
+        sorted([(("0", 4), ("1", 4))] * 2 + [(("2", 4), ("3", 4))] * 2)
+    _own_experts_state_only(second)

@@ -51,7 +51,7 @@ class NativeEngine:
         # then moved to the rank's device before it is sharded and the optimizer sees it.
         self.module = stage[0] if stage is not None else build_stage(
             model, me.layers, ctx.first, ctx.last, opts.seed, me.chunk_layers(ctx.plan)).to(self.device)
-        if ctx.parallel.experts is not None and stage is None:   # this rank's routed experts only
+        if ctx.parallel.experts is not None:   # this rank's routed experts only, exchanged over its groups
             apply_expert_parallel(self.module, ctx.parallel.experts, me.rank, comm)
         self.module.set_recompute(ctx.plan.recompute)
         compile_on = opts.compile if opts.compile is not None else self.device.type != "cpu"

@@ -225,7 +225,8 @@ class ExpertGroup:
         # rows arrive by source rank, then by expert: regroup them by expert for the expert compute
         local = torch.arange(hi - lo).repeat(g).repeat_interleave(recv_counts.reshape(-1))
         order = torch.argsort(local, stable=True).to(xs.device)
-        y = moe._experts(got[order], recv_counts.sum(0).to(xs.device))
+        # a rank holding no experts receives no rows: nothing to compute
+        y = moe._experts(got[order], recv_counts.sum(0).to(xs.device)) if hi > lo else got[:0]
         back = torch.empty_like(y).index_copy(0, order, y)
         return _AllToAll.apply(back, self.exchange, in_splits, out_splits)
 
@@ -261,11 +262,30 @@ def in_rank_order(comm, group: Sequence[int]) -> AllToAll:
 
 
 def shard_moe(moe, group: ExpertGroup) -> None:
-    """Keep only this rank's experts of the MoE layer ``moe`` and route its expert compute through
-    ``group``."""
-    lo, hi = group.ranges[group.place]
-    moe.experts = ExpertSubset({str(e): moe.experts[e] for e in range(lo, hi)})
+    """Keep only this rank's experts of the MoE layer ``moe`` (if it still holds all) and route its
+    expert compute through ``group``."""
+    _keep(moe, group.ranges[group.place])
     moe.expert_group = group
+
+
+def keep_experts(module: nn.Module, experts: tuple[int, int] | None) -> None:
+    """Keep only the routed experts ``[start, stop)`` in every MoE layer of the stage ``module`` (None:
+    all): a stage rebuilt for an expert-parallel plan (:func:`hetero.runtime.reshard.transfer.rebuild_stage`),
+    whose exchanges the engine then attaches (:func:`apply_expert_parallel`)."""
+    from hetero.runtime.moe import moe_layers_of
+
+    if experts is not None:
+        for moe in moe_layers_of(module).values():
+            _keep(moe, experts)
+
+
+def _keep(moe, experts: tuple[int, int]) -> None:
+    lo, hi = experts
+    if isinstance(moe.experts, ExpertSubset):
+        if list(moe.experts.keys()) != [str(e) for e in range(lo, hi)]:
+            raise RuntimeError(f"MoE layer holds experts {list(moe.experts.keys())}, not {lo}..{hi - 1}")
+        return
+    moe.experts = ExpertSubset({str(e): moe.experts[e] for e in range(lo, hi)})
 
 
 def exchange_bytes(counts: torch.Tensor, ranges: Sequence[tuple[int, int]], row_bytes: int) -> torch.Tensor:

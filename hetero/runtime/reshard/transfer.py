@@ -384,6 +384,7 @@ def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None
     from torch import nn
     from torch.distributed.tensor import DTensor
 
+    from hetero.runtime.expert_parallel import keep_experts, rank_experts
     from hetero.runtime.grads import make_optimizer
     from hetero.runtime.model import StageModel, apply_tensor_parallel, rope_tables, skip_init
 
@@ -391,6 +392,7 @@ def rebuild_stage(model, plan, info, state: dict[str, TensorState], *, mesh=None
     chunks = info.chunk_layers(plan)
     with torch.device("meta"), skip_init():   # every value is replaced below
         module = StageModel(model, chunks[0], first, last, chunks)
+    keep_experts(module, rank_experts(model, plan, info))   # expert parallelism: its own routed experts
     module.set_recompute(plan.recompute)
     if info.tp_size > 1:
         apply_tensor_parallel(module, mesh, src_data_rank=None)   # placements only: nothing to move on meta
