@@ -109,6 +109,38 @@ def test_what_expert_parallelism_does_not_run_is_refused(pipelines, fields, frag
         ParallelLayout.build(model, plan, layout, 0)
 
 
+# ----------------------------------------------------------------------------- the communicator's all-to-all
+def _splits(world):
+    """Rows rank i sends rank j: uneven, some empty (i == j + 1 sends none)."""
+    return [[0 if i == (j + 1) % world else 1 + (3 * i + j) % 4 for j in range(world)] for i in range(world)]
+
+
+def _all_to_all_rank(comm):
+    world, rank = comm.world_size, comm.rank
+    sizes = _splits(world)
+    rows = torch.cat([torch.full((sizes[rank][j], 3), 100.0 * rank + j) for j in range(world)])
+    out = torch.empty(sum(sizes[i][rank] for i in range(world)), 3)
+    comm.stats.reset()
+    comm.all_to_all_single(out, rows, [sizes[i][rank] for i in range(world)], sizes[rank])
+    return {"out": out, "stats": comm.stats.to_dict(), "vendor": comm.vendor}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vendors", [["emu-a", "emu-a", "emu-a"], ["emu-a", "emu-b", "emu-a"]], ids=["flat", "2+1"])
+def test_all_to_all_single_within_and_across_vendors(vendors):
+    """Uneven rows (some none) to every rank: each gets every rank's rows for it in rank order; the bytes
+    sent to another rank are recorded on the vendor library's path within a vendor, on the bridge across."""
+    results = with_communicator(_all_to_all_rank, vendors, timeout=100)
+    sizes = _splits(len(vendors))
+    for rank, r in enumerate(results):
+        want = torch.cat([torch.full((sizes[i][rank], 3), 100.0 * i + rank) for i in range(len(vendors))])
+        assert torch.equal(r["out"], want)
+        sent = {j: sizes[rank][j] * 3 * 4 for j in range(len(vendors)) if j != rank}
+        assert r["stats"]["bridge_bytes"] == sum(b for j, b in sent.items() if vendors[j] != vendors[rank])
+        assert sum(r["stats"]["vendor_bytes"].values()) == sum(b for j, b in sent.items() if vendors[j] == vendors[rank])
+
+
 # ----------------------------------------------------------------------------- two emulated vendors
 def _layer(spec):
     from hetero.runtime.model import MLP
