@@ -95,6 +95,24 @@ def test_a_stage_rebuilt_by_a_reshard_keeps_its_own_experts():
     assert all(torch.equal(p, full[n]) for n, p in names.items())
 
 
+def test_an_expert_parallel_stage_allocates_its_own_experts_with_the_one_device_values():
+    from hetero.runtime.expert_parallel import build_expert_stage
+    from hetero.runtime.model import build_stage
+
+    model, plan, layout = _run_layout(PP2_DP2)
+    model = hetero.load_model({**model.to_dict(), "moe": {**model.to_dict()["moe"], "balance": "bias"}})
+    info = next(r for r in layout.ranks if r.pipeline == 0 and r.stage == 0)   # experts 0..5 of layers 0, 1
+    whole = build_stage(model, info.layers, True, False, 7)
+    mine = build_expert_stage(model, plan, info, 7)
+    params = dict(mine.named_parameters())
+    assert {int(n.split(".")[4]) for n in params if ".experts." in n} == set(range(6))
+    assert all(torch.equal(p, whole.get_parameter(n)) for n, p in params.items())
+    buffers = dict(mine.named_buffers())
+    assert {n.rsplit(".", 1)[1] for n in buffers} == {"cos", "sin", "expert_bias"}
+    assert all(torch.equal(b, whole.get_buffer(n)) for n, b in buffers.items())
+    assert set(mine.state_dict()) == {n for n in whole.state_dict() if ".experts." not in n or n in params}
+
+
 @pytest.mark.parametrize("pipelines,fields,fragment", [
     (PP2_DP2, {"zero_stage": 1}, "expert_parallel with zero_stage 1 is not supported"),
     ([{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},

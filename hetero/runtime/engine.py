@@ -16,7 +16,7 @@ from hetero.runtime.grads import (bind_gradient_buffers, build_buckets, clip_coe
 from hetero.runtime.loss_scale import DEFAULT_INITIAL_SCALE, DynamicLossScale
 from hetero.runtime.lr_schedule import set_lr
 from hetero.runtime.model import apply_tensor_parallel, build_stage, compile_blocks, loss_sum
-from hetero.runtime.expert_parallel import apply_expert_parallel
+from hetero.runtime.expert_parallel import apply_expert_parallel, build_expert_stage
 from hetero.runtime.moe import finish_step, set_aux_scale
 from hetero.runtime.pipeline import StageExecutor, Timings, schedule_actions, stage_peers, timed
 
@@ -49,8 +49,13 @@ class NativeEngine:
         self.device = ctx.device
         # Built on the CPU (the same seeded initialisation as every other plan and the reference),
         # then moved to the rank's device before it is sharded and the optimizer sees it.
-        self.module = stage[0] if stage is not None else build_stage(
-            model, me.layers, ctx.first, ctx.last, opts.seed, me.chunk_layers(ctx.plan)).to(self.device)
+        if stage is not None:
+            self.module = stage[0]
+        elif ctx.parallel.experts is not None:   # its own routed experts only, never the others
+            self.module = build_expert_stage(model, ctx.plan, me, opts.seed).to(self.device)
+        else:
+            self.module = build_stage(model, me.layers, ctx.first, ctx.last, opts.seed,
+                                      me.chunk_layers(ctx.plan)).to(self.device)
         if ctx.parallel.experts is not None:   # this rank's routed experts only, exchanged over its groups
             apply_expert_parallel(self.module, ctx.parallel.experts, me.rank, comm)
         self.module.set_recompute(ctx.plan.recompute)

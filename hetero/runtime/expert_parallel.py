@@ -279,6 +279,33 @@ def keep_experts(module: nn.Module, experts: tuple[int, int] | None) -> None:
             _keep(moe, experts)
 
 
+def build_expert_stage(model, plan, info, seed: int) -> nn.Module:
+    """Rank ``info``'s stage for an expert-parallel ``plan`` with only its own routed experts ever
+    allocated (built on the meta device, its experts kept, then materialised on the host), initialised
+    as :func:`hetero.runtime.model.build_stage` initialises the whole stage: every parameter's value
+    depends only on the seed and its name, so each expert equals the one-device model's."""
+    from hetero.runtime.model import StageModel, init_weights, rope_tables, skip_init
+
+    chunks = info.chunk_layers(plan)
+    with torch.device("meta"), skip_init():
+        module = StageModel(model, chunks[0], *info.holds_ends(plan), chunks)
+    keep_experts(module, rank_experts(model, plan, info))
+    module.to_empty(device="cpu")
+    tables = None
+    for name, _ in list(module.named_buffers()):   # computed, not initialised: rope tables, expert biases
+        owner, leaf = name.rsplit(".", 1)
+        if leaf in ("cos", "sin"):
+            tables = tables or rope_tables(model.seq_length, model.head_dim, model.rope_theta)
+            value = tables[leaf == "sin"]
+        elif leaf == "expert_bias":
+            value = torch.zeros(model.moe.num_experts)
+        else:
+            raise RuntimeError(f"{name}: a buffer an expert-parallel stage does not know how to build")
+        module.get_submodule(owner).register_buffer(leaf, value, persistent=leaf == "expert_bias")
+    init_weights(module, seed)
+    return module
+
+
 def _keep(moe, experts: tuple[int, int]) -> None:
     lo, hi = experts
     if isinstance(moe.experts, ExpertSubset):
