@@ -361,7 +361,6 @@ def test_a_killed_worker_is_a_lost_device(tmp_path):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (("--node-rank", "0"), "--elastic with --node-rank"),
     (("--engine", "deepspeed"), "--elastic with --engine deepspeed"),
 ])
 def test_what_elastic_cannot_recover_is_refused_up_front(tmp_path, extra, words):

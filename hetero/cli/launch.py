@@ -213,7 +213,7 @@ def run(args) -> int:
         if not args.dry_run:
             merged = run_elastic(cluster, model, plan, options, master_addr=args.master_addr,
                                  master_port=args.master_port, print_fn=out.print, run_dir=args.run_dir,
-                                 cluster_path=args.cluster)
+                                 cluster_path=args.cluster, node_rank=args.node_rank)
             if merged["reconfigurations"] and not options.quiet:
                 out.print(reconfiguration_table(merged["reconfigurations"]))
             if options.summary and not options.quiet:

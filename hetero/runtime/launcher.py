@@ -521,11 +521,7 @@ def run(launch: Launch, node_rank: int | None = None, print_fn=print) -> None:
                 raise _lost_devices(job, layout, timeout) or LaunchError(
                     _failure_message(job, layout, job.errors(), {}, dead))
     finally:
-        for sig in previous:  # a second signal must not cut the teardown short
-            signal.signal(sig, signal.SIG_IGN)
-        job.teardown()
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        teardown_then_restore(previous, job.teardown)
 
 
 def _lost_devices(job: _Job, layout: RankLayout, timeout: float) -> RankFailure | None:
@@ -576,6 +572,16 @@ def catch_termination() -> dict:
         if sig is not None:
             previous[sig] = signal.signal(sig, handler)
     return previous
+
+
+def teardown_then_restore(previous: dict, teardown) -> None:
+    """Run ``teardown`` with the signals :func:`catch_termination` caught ignored (a second one must
+    not cut it short), then put back the handlers it replaced (``previous``)."""
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
+    teardown()
+    for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def check_devices_here(launch: Launch, slots: list[int]) -> None:

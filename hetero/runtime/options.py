@@ -100,7 +100,8 @@ class RunOptions:
     state (:mod:`hetero.runtime.handoff`), the planner replans on the remaining devices with the same global
     batch, and training goes on from that step (:mod:`hetero.runtime.elastic`); devices join or leave on
     purpose by editing the cluster file while the run trains (the ranks pause at a step boundary and go on
-    under a new plan). Native engine, one machine launching every node slot; with ZeRO only the deliberate
+    under a new plan). Native engine; one machine launching every node slot, or one ``--node-rank`` call per
+    machine (a lost worker or machine survived, no joins: docs/elastic.md); with ZeRO only the deliberate
     changes (a failure ends the run)."""
 
     # --- outputs ---

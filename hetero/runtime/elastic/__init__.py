@@ -6,7 +6,8 @@ The modules depend one way, from the top of this list down; none imports one abo
   state through the run directory and a restart where the in-process path does not apply),
   :mod:`.live` (:class:`~.live.LiveRun`, the in-process controller), :mod:`.joiners` (the processes
   of devices that join), :mod:`.watch` (changes of the cluster file, planned for while training
-  goes on);
+  goes on); over several machines (``--node-rank``) the other machines' launchers, :mod:`.agent`,
+  which the controller sees through :mod:`.remote`;
 - what those decisions are made of: :mod:`.policy` (what is refused, when to give up, the
   replanning), :mod:`.plans` (the plan running now, one made ahead, which survivor takes which rank),
   :mod:`.report` (the reconfigurations table);

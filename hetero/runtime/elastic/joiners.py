@@ -163,7 +163,7 @@ class Joiners:
 
     def switch(self, step: int, checked_in: float) -> None:
         """Every rank paused: publish the decision with the joiners' ranks and make the new plan current."""
-        from hetero.runtime.reshard.live import alive_key, choose_transport, decision_for
+        from hetero.runtime.reshard.live import alive_key, decision_for
 
         run, now, change, gen = self.run, self.run.now, self.run.watch.take(), self.gen
         ranks = sorted(now.procs)
@@ -171,7 +171,7 @@ class Joiners:
         ahead = Ahead(change.cluster, change.result, self.layout)
         transition = run.transition(now, ahead, members, ranks)
         store = run.coordinator.store   # the running ranks' check-ins say where their state is
-        transport = choose_transport({r: json.loads(store.get(alive_key(gen, r))) for r in ranks})
+        transport = run.transport({r: json.loads(store.get(alive_key(gen, r))) for r in ranks})
         pids = {**{r: now.procs[r].pid for r in ranks}, **{self.id(nr): p.pid for nr, p in self.procs.items()}}
         run.coordinator.publish(gen, members, decision_for(
             run.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),

@@ -48,22 +48,29 @@ from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slic
 from hetero.runtime.elastic.processes import start_worker
 from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, generation_dir, timing_key
 from hetero.runtime.elastic.report import seconds_cell
-from hetero.runtime.launcher import LaunchError, catch_termination, send_signal
+from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
 
 STEP_POLL_S = 0.005
+MACHINE_LOST_AFTER_S = 5.0
+"""A machine whose launcher's heartbeat has not moved for this long is lost, its workers with it
+(:class:`~.remote.RemoteWorker`)."""
 
 
 class LiveRun:
     """Run one launch with in-process reconfiguration; see the module docstring."""
 
     def __init__(self, launch, cluster, model, plan, reconfigurations: list, print_fn=print, on_new_plan=None,
-                 watch=None):
+                 watch=None, slots: list[int] | None = None, coordinator_port: int = 0):
+        """``slots``: the node slots whose workers this process starts (default: all); the others'
+        launchers run on their machines (:mod:`.agent`) and their workers are seen through the
+        coordinator's store, which listens on ``coordinator_port`` (0: a free one)."""
         from hetero.runtime.reshard.live import Coordinator
 
         self.launch, self.model, self.print_fn = launch, model, print_fn
         self.options = launch.spec.options
         self.reconfigurations, self.on_new_plan, self.watch = reconfigurations, on_new_plan, watch
-        self.coordinator = Coordinator(timeout_s=max(60.0, self.options.timeout_s))
+        self.coordinator = Coordinator(coordinator_port, timeout_s=max(60.0, self.options.timeout_s))
+        self.slots, self.outcome = slots, "failed"
         self.gen_no = 0
         self.now = Generation(cluster, plan, launch.layout, self.options.run_dir, {})
         self.leaving: list = []
@@ -80,11 +87,18 @@ class LiveRun:
 
     # ---------------------------------------------------------------- processes
     def start(self) -> None:
+        from hetero.runtime.elastic.remote import RemoteWorker
+
         world = self.launch.layout.world_size
         for cmd in self.launch.nodes:
             for local in range(cmd.num_ranks):
-                self.now.procs[cmd.first_rank + local] = start_worker(
-                    cmd, local, world, self.launch.spec_path, self.options.extra, self.coordinator.port)
+                rank = cmd.first_rank + local
+                if self.slots is None or cmd.slot in self.slots:
+                    self.now.procs[rank] = start_worker(cmd, local, world, self.launch.spec_path, self.options.extra,
+                                                        self.coordinator.port)
+                else:   # started by its own machine's launcher
+                    self.now.procs[rank] = RemoteWorker(self.coordinator.store, rank, cmd.slot,
+                                                        lost_after_s=MACHINE_LOST_AFTER_S)
         threading.Thread(target=self._plan_ahead, daemon=True).start()
 
     def _plan_ahead(self) -> None:
@@ -147,8 +161,15 @@ class LiveRun:
         try:
             with open(self._file(rank, "error.json")) as f:
                 return json.load(f)
-        except (OSError, ValueError):
-            return None
+        except (OSError, ValueError):   # a worker on another machine: its launcher forwarded it
+            report = getattr(self.now.procs.get(rank), "report", None)
+            return report() if report else None
+
+    def transport(self, checkins: dict) -> str:
+        """The exchange's transport: the same-host one only where every worker is on this machine."""
+        from hetero.runtime.reshard.live import choose_transport
+
+        return "p2p" if self.slots is not None else choose_transport(checkins)
 
     def teardown(self, grace_s: float = 3.0) -> None:
         """End every worker still running, by process id."""
@@ -158,18 +179,30 @@ class LiveRun:
             self.watch.set_hold(None)
         for p in procs:
             if p.poll() is None:
-                send_signal(p.pid, signal.SIGTERM)
+                p.send_signal(signal.SIGTERM)
         deadline = time.time() + grace_s
         while time.time() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.02)
         for p in procs:
             if p.poll() is None:
-                send_signal(p.pid, signal.SIGKILL)
+                p.send_signal(signal.SIGKILL)
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        if self.slots is not None:   # the other machines' launchers end their workers and return
+            self._tell_agents()
         self.coordinator.close()
+
+    def _tell_agents(self, wait_s: float = 5.0) -> None:
+        from hetero.runtime.elastic.protocol import RUN_OVER_KEY, agent_key
+
+        store = self.coordinator.store
+        store.set(RUN_OVER_KEY, self.outcome)
+        others = [n.slot for n in self.launch.nodes if n.slot not in self.slots]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check([agent_key(s, "bye") for s in others]):
+            time.sleep(0.01)
 
     # ---------------------------------------------------------------- the watch
     def run(self) -> Generation:
@@ -212,13 +245,10 @@ class LiveRun:
                         except subprocess.TimeoutExpired:
                             pass
                     self._collect_timings(wait_s=5.0)
+                    self.outcome = "ok"
                     return self.now
         finally:
-            for sig in previous:
-                signal.signal(sig, signal.SIG_IGN)
-            self.teardown()
-            for sig, handler in previous.items():
-                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            teardown_then_restore(previous, self.teardown)
 
     # ---------------------------------------------------------------- a lost device
     def _recover(self, lost: list[tuple[int, dict | None]]) -> None:
@@ -260,7 +290,7 @@ class LiveRun:
                     waiting.remove(r)
             if waiting and time.monotonic() > deadline:
                 for r in waiting:   # silent past the timeout: lost, and ended
-                    send_signal(now.procs[r].pid, signal.SIGKILL)
+                    now.procs[r].send_signal(signal.SIGKILL)
                     lost_ranks.add(r)
                 self.print_fn(f"elastic: {'; '.join(describe_rank(now.layout.ranks[r]) for r in waiting)} did not "
                               f"check in within {self.options.timeout_s:g} s: lost too")
@@ -298,9 +328,9 @@ class LiveRun:
                               f"({region.name}; {len(names)} parameter(s) in all), held only by {where}: "
                               f"the live state cannot be rebuilt (fix: a plan whose stages have data-parallel "
                               f"replicas, 'replicas: 2' or a second pipeline, or restart from a --save checkpoint)")
-        from hetero.runtime.reshard.live import choose_transport, decision_for
+        from hetero.runtime.reshard.live import decision_for
 
-        transport = choose_transport(got)
+        transport = self.transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
             (ahead.cluster.to_dict(), ahead.result.plan.to_dict()), survivors, step,
@@ -330,7 +360,7 @@ class LiveRun:
         # the processes of the new plan: the same ones, under their new ranks
         for r in lost_ranks:
             if now.procs[r].poll() is None:
-                send_signal(now.procs[r].pid, signal.SIGKILL)
+                now.procs[r].send_signal(signal.SIGKILL)
             self.lost_procs.append(now.procs[r])
         self.leaving += [now.procs[r] for r in survivors if r not in members]
         self.gen_no = gen
@@ -358,7 +388,7 @@ class LiveRun:
         is answered with a handoff: the ranks write their state and exit, and the launch restarts on
         the new plan (:mod:`hetero.runtime.elastic`)."""
         from hetero.layout import build_layout
-        from hetero.runtime.reshard.live import alive_key, choose_transport, decision_for
+        from hetero.runtime.reshard.live import alive_key, decision_for
 
         now, gen, store = self.now, self.gen_no + 1, self.coordinator.store
         change = self.watch.pending
@@ -381,7 +411,7 @@ class LiveRun:
         self.watch.take()
         ahead = Ahead(change.cluster, change.result, layout)
         transition = self.transition(now, ahead, members, ranks)
-        transport = choose_transport(got)
+        transport = self.transport(got)
         self.coordinator.publish(gen, members, decision_for(
             self.model.to_dict(), (now.cluster.to_dict(), now.plan.to_dict()),
             (change.cluster.to_dict(), change.result.plan.to_dict()), ranks, step, None, transport=transport,
@@ -406,7 +436,7 @@ class LiveRun:
         gone = {r for r, _ in lost}
         for r, p in self.now.procs.items():
             if r not in gone and p.poll() is None:
-                send_signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+                p.send_signal(getattr(signal, PEER_LOST_SIGNAL))
 
     def _replan(self, lost_ranks, now=None) -> Ahead:
         """The planner's best plan on the devices left; when it puts ranks on devices that run no

@@ -15,10 +15,8 @@ Changes of the cluster file are not counted."""
 
 def check_elastic(plan, options, node_rank: int | None) -> str | None:
     """Refuse what an elastic run cannot recover, before anything starts; returns a caveat to print
-    (None: none)."""
-    if node_rank is not None:
-        raise HeteroError("--elastic with --node-rank: an elastic run is launched from one machine, which starts "
-                          "every node slot and replans (fix: drop --node-rank, or drop --elastic)")
+    (None: none). ``node_rank``: each machine starts its own node slot (``--node-rank``), which the
+    in-process path supports for a lost worker or machine, not yet for devices that join."""
     if options.engine != "native":
         raise HeteroError("--elastic with --engine deepspeed: only the native engine hands off its live state "
                           "(fix: --engine native)")

@@ -16,13 +16,14 @@ from hetero.runtime.torchrun_loopback import WORKER_MODULE
 
 
 def start_worker(node, local: int, world: int, spec_path: str, extra, port: int,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+                 env: dict[str, str] | None = None, host: str | None = None) -> subprocess.Popen:
     """The worker of local rank ``local`` of node slot ``node`` (a
     :class:`~hetero.runtime.launcher.NodeCommand`) in a world of ``world`` ranks, running the run
     file ``spec_path`` with the worker's ``extra`` arguments, its coordinator on ``port``; ``env``:
-    more variables (a joiner's :data:`~.protocol.JOIN_ENV`)."""
+    more variables (a joiner's :data:`~.protocol.JOIN_ENV`); ``host``: the coordinator's machine when
+    it is not this one (:mod:`.agent`)."""
     variables = {**os.environ, **node.env, "LOCAL_RANK": str(local), "RANK": str(node.first_rank + local),
-                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(node.num_ranks), RECONFIG_ENV: str(port),
+                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(node.num_ranks), RECONFIG_ENV: f"{host}:{port}" if host else str(port),
                  **(env or {}), **child_env()}
     argv = [sys.executable, "-m", WORKER_MODULE, "--spec", spec_path, *extra]
     return subprocess.Popen(argv, env=variables, start_new_session=True)

@@ -12,7 +12,12 @@ from __future__ import annotations
 import os
 
 RECONFIG_ENV = "HETERO_RECONFIG_PORT"
-"""The coordinator store's port (127.0.0.1): set by the launcher for the in-process path."""
+"""The coordinator store's ``port`` (on 127.0.0.1) or ``host:port``: set by the launcher for the
+in-process path (:func:`coordinator_endpoint`)."""
+
+COORDINATOR_PORT_OFFSET = 1
+"""A run whose machines each start their own node slot (``--elastic --node-rank R``) finds the
+coordinator's store on node slot 0's machine at the rendezvous port plus this."""
 
 JOIN_ENV = "HETERO_JOIN"
 """``<generation>:<id>``: set by the launcher for a worker that joins a running in-process run."""
@@ -63,3 +68,28 @@ def root_run_dir(run_dir: str) -> str:
 def generation_dir(run_dir: str, gen: int) -> str:
     """The run directory of generation ``gen`` of the run whose (any generation's) directory is ``run_dir``."""
     return os.path.join(root_run_dir(run_dir), f"gen{gen}")
+
+
+def coordinator_endpoint(value: str) -> tuple[str, int]:
+    """``(host, port)`` of a :data:`RECONFIG_ENV` value (a bare port is on 127.0.0.1)."""
+    host, _, port = value.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+# ---- the coordinator and the launchers of the other machines (:mod:`.agent`, :mod:`.remote`)
+
+RUN_OVER_KEY = "hetero/agents/over"
+"""Set by the coordinator's launcher when the run ended: ``ok`` or ``failed``; every other
+machine's launcher then ends its workers and returns."""
+
+
+def agent_key(slot: int, what: str) -> str:
+    """A key of node slot ``slot``'s launcher (``beat``: its heartbeat counter; ``bye``: it saw the end)."""
+    return f"hetero/agents/slot{slot}/{what}"
+
+
+def worker_key(wid: int, what: str) -> str:
+    """A key about the worker process ``wid`` (its rank in generation 0): ``pid``, ``exit`` (its exit
+    status), ``report`` (its error report, when it left one), ``signals`` (how many signals were
+    asked for) and ``signal/<n>`` (the n-th, a number)."""
+    return f"hetero/agents/worker{wid}/{what}"

@@ -42,8 +42,8 @@ import math
 import os
 import time
 
-from hetero.runtime.elastic.protocol import (PEER_LOST_SIGNAL, RECONFIG_ENV, generation_dir, history_key, prepare_key,
-                                             prepared_key, root_run_dir, timing_key)
+from hetero.runtime.elastic.protocol import (PEER_LOST_SIGNAL, RECONFIG_ENV, coordinator_endpoint, generation_dir,
+                                             history_key, prepare_key, prepared_key, root_run_dir, timing_key)
 
 FAIL_IN_RESHARD_ENV = "HETERO_TEST_FAIL_IN_RESHARD"
 """Testing: ``<rank>``: that rank (its rank before the reconfiguration) exits hard right after
@@ -82,10 +82,10 @@ def members_world(store, gen: int, place, timeout_s: float) -> None:
 class LiveReconfig:
     """The worker's link to the coordinator and its place across generations."""
 
-    def __init__(self, port: int, rank: int, world: int, timeout_s: float):
+    def __init__(self, port: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"):
         from hetero.runtime.reshard.live import connect
 
-        self.store = connect(port, timeout_s)
+        self.store = connect(port, timeout_s, host)
         self.port = port
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.gen = 0
@@ -94,10 +94,11 @@ class LiveReconfig:
     def from_env(cls, rank: int, world: int, timeout_s: float) -> "LiveReconfig | None":
         """The worker's link when the launcher runs the in-process path (else None); from here on
         :data:`~.protocol.PEER_LOST_SIGNAL` stops the schedule instead of ending the process."""
-        port = os.environ.get(RECONFIG_ENV)
-        if not port:
+        value = os.environ.get(RECONFIG_ENV)
+        if not value:
             return None
-        self = cls(int(port), rank, world, timeout_s)
+        host, port = coordinator_endpoint(value)
+        self = cls(port, rank, world, timeout_s, host)
         import signal
 
         signal.signal(getattr(signal, PEER_LOST_SIGNAL), self._on_peer_lost)

@@ -57,11 +57,17 @@ class _Attempt:
 
 
 def run_elastic(cluster, model, plan, options, *, master_addr: str | None, master_port: int | None = None,
-                print_fn=print, run_dir: str | None = None, cluster_path: str | None = None) -> dict:
+                print_fn=print, run_dir: str | None = None, cluster_path: str | None = None,
+                node_rank: int | None = None) -> dict:
     """Train ``options.steps`` steps, replanning after each lost device and, with ``cluster_path``
     (the file ``cluster`` was read from), after each usable change of that file; returns the merged
     summary (docs/formats.md, with ``reconfigurations``) and writes it to ``options.summary`` when set.
-    ``master_port``: the first attempt's (later ones take a free port)."""
+    ``master_port``: the first attempt's (later ones take a free port). ``node_rank``: this call
+    starts that node slot only, and every machine takes part in one in-process run
+    (:func:`run_machine`)."""
+    if node_rank is not None:
+        return run_machine(cluster, model, plan, options, node_rank, master_addr=master_addr,
+                           master_port=master_port, print_fn=print_fn, run_dir=run_dir)
     from hetero.runtime.elastic.live import LiveRun
     from hetero.runtime.elastic.plans import live_applies
     from hetero.runtime.grads import param_holders
@@ -340,3 +346,46 @@ def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict])
     for rc in out["reconfigurations"]:
         rc.setdefault("reshard_time_s", None)
     return out
+
+
+def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: str | None,
+                master_port: int | None, print_fn=print, run_dir: str | None = None) -> dict:
+    """This machine's part of an elastic run over several machines (``--elastic --node-rank R`` on
+    each): node slot 0's call runs the in-process controller for every machine
+    (:class:`~.live.LiveRun`, hosting the coordinator's store at the rendezvous address, port
+    + :data:`~.protocol.COORDINATOR_PORT_OFFSET`); every other call starts and watches its own
+    workers (:class:`~.agent.NodeAgent`). Returns the merged summary on node slot 0's machine (written
+    to ``options.summary``), an empty one elsewhere."""
+    from hetero.runtime.elastic.agent import NodeAgent
+    from hetero.runtime.elastic.live import LiveRun
+    from hetero.runtime.elastic.protocol import COORDINATOR_PORT_OFFSET
+    from hetero.runtime.launcher import check_devices_here, check_node_rank, prepare
+    from hetero.specs.io import write_text_atomic
+
+    base = run_dir or tempfile.mkdtemp(prefix="hetero-elastic-")
+    opts = dataclasses.replace(options, summary=os.path.join(base, "attempt0", "summary.json"))
+    try:
+        launch = prepare(cluster, model, plan, opts, master_addr=master_addr, master_port=master_port,
+                         run_dir=os.path.join(base, "attempt0"), separate=True)
+        check_node_rank(launch, node_rank)
+        check_devices_here(launch, [node_rank])
+        port = launch.master_port + COORDINATOR_PORT_OFFSET
+        if node_rank != 0:
+            print_fn(f"elastic: node slot {node_rank} takes part in the run coordinated at "
+                     f"{launch.master_addr}:{port}")
+            NodeAgent(launch, node_rank, launch.master_addr, port, print_fn).run()
+            return {"reconfigurations": [], "steps": 0, "losses": []}
+        _import_recovery_modules(cluster, model, plan)
+        reconfigurations: list[dict] = []
+        LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port).run()
+        summary = None
+        if os.path.exists(opts.summary):   # rank 0 trains on this machine until a reconfiguration moves it
+            with open(opts.summary) as f:
+                summary = json.load(f)
+        merged = _merge(summary, [], reconfigurations)
+        if options.summary:
+            write_text_atomic(options.summary, json.dumps(merged, indent=2), "--summary")
+        return merged
+    finally:
+        if not run_dir:
+            shutil.rmtree(base, ignore_errors=True)

@@ -77,9 +77,10 @@ class Coordinator:
         del self.store
 
 
-def connect(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A worker's client of the coordinator's store."""
-    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+def connect(port: int, timeout_s: float = 60.0, host: str = "127.0.0.1") -> dist.TCPStore:
+    """A worker's client of the coordinator's store (on ``host``: the launching machine, or node
+    slot 0's when every machine's launcher takes part, :mod:`hetero.runtime.elastic.agent`)."""
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 

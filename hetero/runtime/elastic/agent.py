@@ -1,0 +1,125 @@
+"""The launcher of a machine other than node slot 0's in an elastic run over several machines.
+
+``hetero launch --elastic --node-rank R`` (R > 0) starts node slot R's workers itself, as the
+in-process path does on one machine (:mod:`.processes`), pointed at the coordinator's store on node
+slot 0's machine (the rendezvous address, port + :data:`~.protocol.COORDINATOR_PORT_OFFSET`),
+where node slot 0's launcher decides for every machine (:class:`~.live.LiveRun`). This launcher
+only watches and reports, through that store:
+
+- each worker's process id, and when it ends its error report (if it left one) and its exit status;
+- a heartbeat every :data:`BEAT_S` (a lost machine is one whose heartbeat stops:
+  :class:`~.remote.RemoteWorker`);
+
+and does what the coordinator asks: a signal to one of its workers (the lost-peer signal, a kill).
+It returns when the coordinator says the run is over, ending its workers; when the coordinator's
+store is gone without saying so (node slot 0's machine was lost), it ends its workers and fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from hetero.errors import HeteroError
+from hetero.runtime.elastic.processes import start_worker
+from hetero.runtime.elastic.protocol import RUN_OVER_KEY, agent_key, worker_key
+
+BEAT_S = 0.2
+"""How often this launcher raises its heartbeat counter."""
+POLL_S = 0.01
+
+
+class NodeAgent:
+    """Node slot ``slot``'s launcher (see the module docstring)."""
+
+    def __init__(self, launch, slot: int, host: str, port: int, print_fn=print):
+        from hetero.runtime.reshard.live import connect
+
+        self.launch, self.slot, self.print_fn = launch, slot, print_fn
+        self.options = launch.spec.options
+        self.host, self.port = host, port
+        self.store = connect(port, max(60.0, self.options.timeout_s), host)
+        self.procs: dict = {}            # wid -> Popen
+        self.signals_seen: dict[int, int] = {}
+        self.reported: set[int] = set()
+
+    def run(self) -> None:
+        """Start this slot's workers and serve the coordinator until the run is over."""
+        from hetero.runtime.launcher import catch_termination, teardown_then_restore
+
+        previous = catch_termination()
+        try:
+            self._start()
+            self._serve()
+        finally:
+            teardown_then_restore(previous, self._teardown)
+
+    def _start(self) -> None:
+        cmd = self.launch.nodes[self.slot]
+        world = self.launch.layout.world_size
+        for local in range(cmd.num_ranks):
+            wid = cmd.first_rank + local
+            self.procs[wid] = start_worker(cmd, local, world, self.launch.spec_path, self.options.extra, self.port,
+                                           host=self.host)
+            self.store.set(worker_key(wid, "pid"), str(self.procs[wid].pid))
+
+    def _serve(self) -> None:
+        beat, next_beat = 0, 0.0
+        while True:
+            now = time.monotonic()
+            try:
+                if now >= next_beat:
+                    beat += 1
+                    self.store.set(agent_key(self.slot, "beat"), str(beat))
+                    next_beat = now + BEAT_S
+                if self.store.check([RUN_OVER_KEY]):
+                    over = self.store.get(RUN_OVER_KEY).decode()
+                    self.store.set(agent_key(self.slot, "bye"), "1")
+                    if over != "ok":
+                        raise HeteroError("elastic: the run ended with a failure (see node slot 0's launcher)")
+                    return
+                for wid, p in self.procs.items():
+                    self._forward_signals(wid, p)
+                    if wid not in self.reported and p.poll() is not None:
+                        self._report_exit(wid, p.returncode)
+            except HeteroError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store is gone: node slot 0's machine was lost
+                raise HeteroError(f"elastic: lost the coordinator at {self.host}:{self.port} (node slot 0's "
+                                  f"machine): {str(e).splitlines()[0][:200]}; this machine's workers are ended "
+                                  f"(fix: restart the run from a --save checkpoint)") from None
+            time.sleep(POLL_S)
+
+    def _forward_signals(self, wid: int, p) -> None:
+        asked = self.store.add(worker_key(wid, "signals"), 0)
+        seen = self.signals_seen.get(wid, 0)
+        for n in range(seen + 1, asked + 1):
+            key = worker_key(wid, f"signal/{n}")
+            self.store.wait([key])
+            if p.poll() is None:
+                p.send_signal(int(self.store.get(key)))
+        self.signals_seen[wid] = max(seen, asked)
+
+    def _report_exit(self, wid: int, code: int) -> None:
+        """The worker's error report (from this machine's run directory), then its exit status."""
+        path = os.path.join(self.options.run_dir, f"rank{wid}.error.json")
+        try:
+            with open(path) as f:
+                self.store.set(worker_key(wid, "report"), json.dumps(json.load(f)))
+        except (OSError, ValueError):
+            pass
+        self.store.set(worker_key(wid, "exit"), str(code))
+        self.reported.add(wid)
+
+    def _teardown(self, grace_s: float = 3.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.02)
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()

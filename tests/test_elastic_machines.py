@@ -1,0 +1,102 @@
+"""An elastic run over several machines: ``hetero launch --elastic --node-rank R`` on each.
+
+Two loopback hosts (127.0.0.1 and 127.0.0.2) stand for two machines, one call each, as
+tests/test_first_use.py does. Node slot 0's call runs the controller and hosts the coordinator's
+store; node slot 1's call starts and watches its own workers and reports through that store
+(:mod:`hetero.runtime.elastic.agent`). Both runs train data-parallel replicas of the tiny GPT, one
+per machine, so that either machine's loss leaves a whole copy of the state on the other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _spawn import end_launcher, free_port, processes_naming
+from helpers import GPT, LR, ROOT, local_cluster, write_yaml
+from hetero.runtime.elastic.live import MACHINE_LOST_AFTER_S
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+PLAN = {"global_batch_size": 8, "micro_batch_size": 2,
+        "pipelines": [{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},
+                      {"micro_batches": 2, "stages": [{"group": "slow", "layers": [0, 4]}]}]}
+
+
+def _calls(tmp_path, steps: int, *extra: str, lr: float = LR) -> list[subprocess.Popen]:
+    cluster = write_yaml(tmp_path, "cluster.yaml", local_cluster(
+        devices=1, slowdown=None, hosts=(["127.0.0.1"], ["127.0.0.2"]), name="loop"))
+    model, plan, port = write_yaml(tmp_path, "model.yaml", GPT), write_yaml(tmp_path, "plan.yaml", PLAN), free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "hetero", "launch", "--cluster", cluster, "--model", model, "--plan", plan,
+         "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--timeout", "30", "--quiet", "--elastic",
+         "--node-rank", str(r), "--master-port", str(port), "--run-dir", str(tmp_path / f"run{r}"),
+         "--summary", str(tmp_path / f"s{r}.json"), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for r in (0, 1)]
+
+
+def _reference(steps: int, lr: float = LR) -> list[float]:
+    from hetero.runtime.reference import reference_run
+
+    return reference_run(GPT, 0, steps, 8, lr=lr)[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_lost_on_the_other_machine_is_survived_in_process(tmp_path):
+    procs = _calls(tmp_path, 5, "--inject-failure", "3:1")
+    try:
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for r, p in enumerate(procs):
+            end_launcher(p, str(tmp_path / f"run{r}"))
+    assert [p.returncode for p in procs] == [0, 0], outs
+    summary = json.loads((tmp_path / "s0.json").read_text())
+    (rc,) = summary["reconfigurations"]
+    assert rc["path"] == "in-process" and rc["world_size_before"] == 2 and rc["world_size_after"] == 1
+    assert rc["pids_kept"] and "rank 1" in rc["reason"]
+    assert summary["losses"] == pytest.approx(_reference(5), rel=1e-3)
+    assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
+
+
+@pytest.mark.timeout(300)
+def test_the_other_machine_lost_whole_is_survived_in_process(tmp_path):
+    """Node slot 1's call and its workers killed at once (its session): slot 0's launcher sees its
+    heartbeat stop, and its rank trains on alone with the losses of a run that lost nothing."""
+    # long enough for the kill to land while it trains; a smaller learning rate than the suite's, so
+    # that two replicas and one device (another reduction order) stay within RTOL over every step
+    steps, lr = 150, 1e-3
+    procs = _calls(tmp_path, steps, lr=lr)
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "run1" / "attempt0" / "rank1.ready").exists():
+            assert procs[1].poll() is None and time.monotonic() < deadline, procs[1].stderr.read()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.2)   # a few steps in
+        killed_at = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        out, err = procs[0].communicate(timeout=200)
+        ended_at = time.monotonic()
+    finally:
+        for r, p in enumerate(procs):
+            end_launcher(p, str(tmp_path / f"run{r}"))
+    assert procs[0].returncode == 0, err[-3000:]
+    summary = json.loads((tmp_path / "s0.json").read_text())
+    (rc,) = summary["reconfigurations"]
+    assert rc["path"] == "in-process" and rc["world_size_after"] == 1, rc
+    assert 0 < rc["step"] < steps, "the machine was lost after the run ended: nothing was survived"
+    reference = _reference(steps, lr)
+    # at most one step's loss is unknown: updated everywhere, its closing all-reduce lost with the machine
+    losses = summary["losses"]
+    assert len(losses) == steps and sum(loss is None for loss in losses) <= 1
+    assert [x for x in losses if x is not None] == pytest.approx(
+        [r for x, r in zip(losses, reference) if x is not None], rel=1e-3)
+    # the loss is seen once the heartbeat has stood still for MACHINE_LOST_AFTER_S
+    assert rc["reshard_time_s"] < MACHINE_LOST_AFTER_S + 10, rc
+    assert ended_at - killed_at < 120
+    assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
