@@ -270,6 +270,41 @@ def test_uneven_experts_across_two_vendors_match_one_device():
         assert sent["vendor_bytes"] == {}
 
 
+def _no_tokens_rank(comm, model):
+    """Every token routed to experts 0..5 (rank 0's): rank 1 receives no rows, yet runs the backward's
+    exchanges as rank 0 does; returns the input gradients."""
+    from hetero.runtime.expert_parallel import ExpertGroup, shard_moe
+
+    m = _layer(hetero.load_model(model))
+    m.aux_scale = 0.0
+
+    def route(x):
+        n = x.shape[0]
+        return (torch.arange(2 * n) % 6).view(n, 2), torch.full((n, 2), 0.5), torch.full((n, 8), 1 / 8)
+
+    m.route = route
+    group = comm.new_group([0, 1])
+    shard_moe(m, ExpertGroup(lambda o, i, os, ins: comm.all_to_all_single(o, i, os, ins, group=group),
+                             split_experts(8, 2, [6, 2]), comm.rank))
+    x = _inputs(comm.rank)[0]
+    (m(x) ** 2).sum().backward()
+    return x.grad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_whose_experts_get_no_tokens_still_runs_the_backward_exchanges():
+    results = with_communicator(_no_tokens_rank, ["emu-a", "emu-b"], args=(MODEL,), timeout=100)
+    ref = _layer(hetero.load_model(MODEL))
+    ref.aux_scale = 0.0
+    ref.route = lambda x: ((torch.arange(2 * x.shape[0]) % 6).view(-1, 2), torch.full((x.shape[0], 2), 0.5),
+                           torch.full((x.shape[0], 8), 1 / 8))
+    for rank, got in enumerate(results):
+        x = _inputs(rank)[0]
+        (ref(x) ** 2).sum().backward()
+        torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- launches
 EP_MODEL = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32, "aux_loss_coef": 0.1}
 DP2 = [{"micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]},

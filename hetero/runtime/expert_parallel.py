@@ -225,8 +225,10 @@ class ExpertGroup:
         # rows arrive by source rank, then by expert: regroup them by expert for the expert compute
         local = torch.arange(hi - lo).repeat(g).repeat_interleave(recv_counts.reshape(-1))
         order = torch.argsort(local, stable=True).to(xs.device)
-        # a rank holding no experts receives no rows: nothing to compute
-        y = moe._experts(got[order], recv_counts.sum(0).to(xs.device)) if hi > lo else got[:0]
+        # no rows received (no experts here, or none of the group's tokens routed to them): the empty
+        # rows stay in the graph, so this rank runs the backward's exchanges as the others do
+        rows = got[order]
+        y = moe._experts(rows, recv_counts.sum(0).to(xs.device)) if rows.shape[0] else rows
         back = torch.empty_like(y).index_copy(0, order, y)
         return _AllToAll.apply(back, self.exchange, in_splits, out_splits)
 
