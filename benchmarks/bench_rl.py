@@ -1,33 +1,71 @@
-"""RL step time: ``hetero rl`` (collocated and disaggregated, on the emulated two-vendor cluster) against
-a plain single-process PyTorch GRPO loop of the same sizes.
+"""RL step time and learning: ``hetero rl`` against a plain single-process PyTorch GRPO loop of the same
+sizes, and against TRL's GRPOTrainer on the same task, weights and hyperparameters.
 
-Job: the shipped example (configs/rl/grpo-collocated.yaml / grpo-disaggregated.yaml: a 2-layer byte
-Llama, 8 prompts x 8 completions a step, 4 new tokens, the actor a 2-stage pipeline on `fast`,
-disaggregated rollout on the two `slow` devices), ``--steps`` steps, from ``--load`` when given.
+Job: the shipped example (configs/rl/grpo-collocated.yaml and grpo-disaggregated.yaml: a 2-layer byte
+Llama of 0.16M parameters, 8 prompts x 8 completions a step, up to 4 new tokens ending at a newline,
+reward 1 for the exact sum of two numbers; the actor a 2-stage pipeline on `fast` of
+configs/clusters/local-cpu.yaml, the disaggregated rollout on the two `slow` devices), started from
+the SFT warm start docs/rl.md gives (``hetero launch --data sft.jsonl --steps 200 --lr 3e-3``; made
+here unless ``--load`` names one).
 
-The plain loop is what one would write without the runtime: the whole model in one process (with one
-torch thread, as each worker has, and with as many as the machine has cores), each step generating every group with the same generation code
-(:func:`hetero.rl.generate.generate`, the same seeds), rewards called in-process, the same GRPO loss
-(:mod:`hetero.rl.grpo`) on the whole batch in one forward and backward, AdamW. Its first step uses
-the same weights, prompts and seeds as the runtime's, so its step-0 mean reward must equal theirs
-(printed as a check). Times are medians over the steps after the first; the ratio is the runtime's
-median step over the plain loop's (the faster of its two thread counts), measured in one run of this
-script. Everything shares the
-machine's cores: on 2 cores the runtime's four processes take turns, which the ratio includes.
+1. Step time. ``--rounds`` rounds; each runs ``--steps`` steps of: the plain loop with 1 torch thread,
+   the plain loop with as many threads as the machine has cores, ``hetero rl`` collocated and
+   disaggregated (``hetero.rl.run.run_rl``, the code behind the CLI), in an order reversed every other
+   round so that the machine's load falls on all of them alike. A step's time is its wall time (the
+   runtime's ``step_s``: rollout + training + weight sync as training sees it). Medians of the steady
+   steps (every step but the first of each run) over all rounds; the ratio is a runtime median over
+   the plain loop's (the faster thread count), measured in this one run. Target: at most 1.5x for both
+   placements. Other processes on the cores weigh on the two sides differently: the runtime's four
+   processes get four shares of a loaded machine, the plain loop one, so a loaded machine flatters the
+   runtime; the load average is printed with the figures. The plain loop is what one would write without the runtime: the whole model in one
+   process (the project's model built whole, ``hetero.rl.load.load_whole_model``: the same
+   architecture and weights), every step
+   - generation with ``hetero.rl.generate.generate`` (KV cache, one batch of ``group_size`` rows per
+     prompt). It is used rather than a second generator so that both sides draw the same samples (a
+     sample depends only on seed, step, prompt and sample index): the same completion lengths, so the
+     same work, which the step-0 check below shows;
+   - the reward function called in-process;
+   - its own GRPO loss, written here and independent of ``hetero.rl.grpo``: advantages
+     (r - mean) / (unbiased std + 1e-4) within each group, ratio exp(logp - logp_old) at temperature,
+     clipped surrogate, token mean over the step's completion tokens, on the whole batch padded to its
+     longest sequence (the runtime's rows are seq_length long) in one forward and backward;
+   - gradient-norm clip 1.0 and AdamW(lr, weight decay 0), as the runtime's trainer.
+   Check: in the first round its mean reward equals the runtime's at steps 0 and 1 (same weights and
+   samples at step 0; step 1 draws the same samples only if both made the same update; later, rounding
+   differences between the pipeline's stages and one whole model grow until a draw flips: the first
+   step where the rewards differ is printed), and its
+   loss equals the runtime's to 1e-4 relative + 1e-6 (an on-policy step's loss is near 0: the ratio is 1
+   and the advantages have mean 0 within a group).
 
-TRL's GRPOTrainer is compared only where ``trl`` imports (it does not on this machine's environment:
-the script says so).
+2. Against TRL (``trl`` installed: ``pip install -e .[rl-bench]``). The warm start is exported with
+   ``hetero export-hf`` and loaded by transformers; GRPOTrainer gets the same prompts, reward,
+   ``--trl-steps`` steps, 8 prompts x 8 generations a step (one optimizer step per generation batch,
+   num_iterations 1), max_completion_length 4 with the newline as end token, temperature 1, lr 1e-4
+   constant, AdamW weight decay 0, grad-norm clip 1.0, epsilon 0.2, beta 0 (no reference model),
+   group-scaled rewards, loss_type dapo (token mean over the step), fp32 on the CPU, no gradient
+   checkpointing, the plain loop's faster thread count. ``hetero rl`` collocated runs the same number
+   of steps. Side by side: the mean training reward of the first and last 10 steps, the held-out greedy
+   accuracy (eval.jsonl, 80 prompts) before and after (TRL's measured here with transformers' greedy
+   ``generate`` on the same weights; both "before" figures must agree, a check of the export), the
+   wall time of the training steps and of the whole run (model load, evals and start-up included).
+   ``--trl-rounds`` runs of each, alternating; the times are medians over them, the rewards and
+   accuracies those of the first runs (each run repeats them: same seeds). The prompts drawn each step
+   differ (each framework's own sampler), so rewards agree only in distribution: one seed each, not a
+   significance test.
 
-    .venv/bin/python benchmarks/bench_rl.py [--steps 8] [--load CKPT]
+    .venv/bin/python benchmarks/bench_rl.py [--rounds 3] [--steps 8] [--trl-steps 100] [--trl-rounds 2] [--load CKPT]
 
-Writes benchmarks/results/rl.json.
+Writes benchmarks/results/rl.json; exits 1 when the step-time target is missed or a check fails.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -36,122 +74,354 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CLUSTER = ROOT / "configs" / "clusters" / "local-cpu.yaml"
+RL_DIR = ROOT / "configs" / "rl"
+TARGET_RATIO = 1.5
+LOSS_RTOL = 1e-4
+LOSS_ATOL = 1e-6   # the loss of a step is near 0 (on-policy: ratio 1, advantages of mean 0): rounding
+ADV_EPS = 1e-4
 
 
-def runtime_steps(mode: str, steps: int, load: str | None) -> dict:
+def load_job(mode: str):
     import hetero
     from hetero.rl.job import load_rl_job
-    from hetero.rl.run import run_rl
 
     cluster = hetero.load_cluster(str(CLUSTER))
-    job = load_rl_job(str(ROOT / "configs" / "rl" / f"grpo-{mode}.yaml"), cluster=cluster)
+    return load_rl_job(str(RL_DIR / f"grpo-{mode}.yaml"), cluster=cluster), cluster
+
+
+def warm_start(tmp: Path) -> str:
+    """The example's SFT warm start (docs/rl.md), written under ``tmp``."""
+    out = tmp / "sft-ckpt"
+    cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", str(CLUSTER), "--model", "model.yaml",
+           "--plan", "sft-plan.yaml", "--data", "sft.jsonl", "--steps", "200", "--lr", "3e-3", "--save", str(out),
+           "--quiet"]
+    proc = subprocess.run(cmd, cwd=RL_DIR, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        sys.exit(f"the SFT warm start failed:\n{proc.stderr[-3000:]}")
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------------- hetero rl
+def runtime_run(mode: str, steps: int, load: str) -> dict:
+    from hetero.rl.run import run_rl
+
+    job, cluster = load_job(mode)
     t0 = time.perf_counter()
     summary = run_rl(job, cluster, types.SimpleNamespace(steps=steps, load=load, quiet=True))
     wall = time.perf_counter() - t0
     rows = summary["rl_steps"]
-    med = {k: statistics.median(r[k] for r in rows[1:]) for k in ("step_s", "rollout_s", "train_s", "sync_s")}
-    return {"median": med, "wall_s": wall, "reward_step0": rows[0]["reward_mean"],
-            "rewards": [r["reward_mean"] for r in rows], "weight_sync": summary["weight_sync"]}
+    return {"steps_s": [r["step_s"] for r in rows], "parts": {k: [r[k] for r in rows] for k in ("rollout_s", "train_s", "sync_s")},
+            "rewards": [r["reward_mean"] for r in rows], "losses": [r["loss"] for r in rows], "wall_s": wall,
+            "eval": summary.get("eval"), "checksums_match": summary["weight_sync"]["checksums_match"]}
 
 
-def plain_steps(steps: int, load: str | None, threads: int) -> dict:
-    """The single-process loop (see the module docstring) with ``threads`` torch threads."""
+# ------------------------------------------------------------------------------------ the plain loop
+def plain_grpo_loss(logits, targets, mask, rewards, group_size: int, temperature: float, clip: float):
+    """The GRPO loss, written out independently of hetero.rl.grpo (see the module docstring)."""
     import torch
 
-    import hetero
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    r = rewards.view(-1, group_size)
+    adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + ADV_EPS)).reshape(-1, 1).float()
+    ratio = torch.exp(logp - logp.detach())
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+
+
+def plain_run(steps: int, load: str, threads: int) -> dict:
+    import torch
+
     from hetero.rl.generate import generate
-    from hetero.rl.grpo import grpo_loss, group_advantages, token_logprobs
-    from hetero.rl.job import load_rl_job
-    from hetero.rl.rewards import RewardPool
+    from hetero.rl.load import load_whole_model
+    from hetero.rl.rewards import load_reward
     from hetero.rl.rollout import step_prompts
-    from hetero.runtime.model import build_stage
     from hetero.tokenizer import load_text_tokenizer
 
     torch.set_num_threads(threads)
-    cluster = hetero.load_cluster(str(CLUSTER))
-    job = load_rl_job(str(ROOT / "configs" / "rl" / "grpo-collocated.yaml"), cluster=cluster)
+    job, _ = load_job("collocated")
     spec = job.model_spec
-    model = build_stage(spec, (0, spec.num_layers), True, True, job.seed)
-    if load:
-        from hetero.runtime.checkpoint import load_checkpoint
-
-        load_checkpoint(load, model, None, num_layers=spec.num_layers)
+    model = load_whole_model(spec, load, seed=job.seed)
+    reward = load_reward(job.reward_ref)
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.0)
     tok = load_text_tokenizer(job.tokenizer, spec.vocab_size)
-    P, G, T = job.prompts_per_step, job.group_size, spec.seq_length
-    records = job.prompt_records
-    times, rewards_mean = [], []
-    with RewardPool(job.reward_ref, workers=0) as pool:
-        for t in range(steps):
-            t0 = time.perf_counter()
-            model.eval()
-            seqs, masks, advs, rewards = [], [], [], []
-            for g, index in enumerate(step_prompts(job.seed, t, P, len(records))):
-                rec = records[index]
-                ids = tok.encode(rec.prompt, special=True)
-                done = generate(model, [ids], max_new_tokens=job.max_new_tokens, temperature=job.temperature,
-                                seed=job.seed, step=t, samples=G, prompt_indices=[g], stop=job.stop, tokenizer=tok,
-                                batch_rows=G)
-                r = pool.score([rec] * G, [c.text for c in done])
-                rewards += r
-                advs.append(group_advantages(torch.tensor(r, dtype=torch.float64), G))
-                for c in done:
-                    seq = torch.zeros(T + 1, dtype=torch.int64)
-                    seq[:len(ids) + len(c.tokens)] = torch.tensor(ids + c.tokens)
-                    mask = torch.zeros(T)
-                    mask[len(ids) - 1:len(ids) + len(c.tokens) - 1] = 1.0
-                    seqs.append(seq)
-                    masks.append(mask)
-            model.train()
-            seq, mask = torch.stack(seqs), torch.stack(masks)
-            logp = token_logprobs(model(seq[:, :-1]), seq[:, 1:], job.temperature)
-            loss = grpo_loss(logp, torch.cat(advs), mask, job.clip)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            times.append(time.perf_counter() - t0)
-            rewards_mean.append(sum(rewards) / len(rewards))
-    return {"median": {"step_s": statistics.median(times[1:])}, "reward_step0": rewards_mean[0],
-            "rewards": rewards_mean}
+    P, G, records = job.prompts_per_step, job.group_size, job.prompt_records
+    times, rollout_s, train_s, rewards_mean, losses = [], [], [], [], []
+    for t in range(steps):
+        t0 = time.perf_counter()
+        model.eval()
+        chosen = [records[i] for i in step_prompts(job.seed, t, P, len(records))]
+        prompts = [tok.encode(rec.prompt, special=True) for rec in chosen]
+        done = generate(model, prompts, max_new_tokens=job.max_new_tokens, temperature=job.temperature,
+                        seed=job.seed, step=t, samples=G, stop=job.stop, tokenizer=tok, batch_rows=G)
+        rewards = [float(reward(c_rec.prompt, c.text, **c_rec.fields))
+                   for c, c_rec in zip(done, (rec for rec in chosen for _ in range(G)))]
+        t1 = time.perf_counter()
+        width = max(len(c.prompt_tokens) + len(c.tokens) for c in done)
+        seq = torch.zeros(len(done), width, dtype=torch.int64)
+        mask = torch.zeros(len(done), width - 1)
+        for j, c in enumerate(done):
+            p, n = len(c.prompt_tokens), len(c.tokens)
+            seq[j, :p + n] = torch.tensor(c.prompt_tokens + c.tokens)
+            mask[j, p - 1:p + n - 1] = 1.0
+        model.train()
+        loss = plain_grpo_loss(model(seq[:, :-1]), seq[:, 1:], mask, torch.tensor(rewards, dtype=torch.float64), G,
+                               job.temperature, job.clip)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        rollout_s.append(t1 - t0)
+        train_s.append(times[-1] - rollout_s[-1])
+        rewards_mean.append(sum(rewards) / len(rewards))
+        losses.append(float(loss.detach()))
+    return {"steps_s": times, "parts": {"rollout_s": rollout_s, "train_s": train_s, "sync_s": [0.0] * steps},
+            "rewards": rewards_mean, "losses": losses}
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+def byte_tokenizer():
+    """A transformers tokenizer whose ids are UTF-8 bytes (the job's ``tokenizer: bytes``; the example's
+    text is ASCII, one byte a character), the newline its end token (the job's stop string)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({chr(i): i for i in range(256)}, unk_token=chr(0)))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="\n", pad_token=chr(0), padding_side="left")
+
+
+def greedy_accuracy(model, tok, records, reward, max_new_tokens: int) -> float:
+    import torch
+
+    hits = []
+    with torch.no_grad():
+        for rec in records:
+            ids = torch.tensor([tok.encode(rec.prompt)])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            hits.append(float(reward(rec.prompt, tok.decode(out[0, ids.shape[1]:].tolist()), **rec.fields)))
+    return sum(hits) / len(hits)
+
+
+def trl_child(hf_dir: str, steps: int, threads: int, out: str) -> None:
+    """The TRL run (in its own process: its imports and threads stay out of the others')."""
+    t_start = time.perf_counter()
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hetero.rl.rewards import load_reward
+
+    torch.set_num_threads(threads)
+    job, _ = load_job("collocated")
+    reward = load_reward(job.reward_ref)
+    tok = byte_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    before = greedy_accuracy(model, tok, job.eval_records, reward, job.max_new_tokens)
+    data = Dataset.from_list([{"prompt": r.prompt, **r.fields} for r in job.prompt_records])
+
+    def exact(prompts, completions, **columns):
+        names = [k for k in columns if k in job.prompt_records[0].fields]
+        return [float(reward(p, c, **{k: columns[k][i] for k in names})) for i, (p, c) in enumerate(zip(prompts, completions))]
+
+    P, G = job.prompts_per_step, job.group_size
+    config = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(out), "trl-out"), max_steps=steps, per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1, num_generations=G, num_iterations=1, max_completion_length=job.max_new_tokens,
+        temperature=job.temperature, learning_rate=job.lr, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, epsilon=job.clip, beta=job.kl_coef, scale_rewards="group",
+        loss_type="dapo", bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, logging_steps=1,
+        save_strategy="no", report_to="none", seed=job.seed, dataloader_num_workers=0, disable_tqdm=True)
+    ends = []
+
+    class StepEnds(TrainerCallback):
+        """Wall time at the end of every optimizer step (TRL's own step_time leaves out the optimizer)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=model, reward_funcs=exact, args=config, train_dataset=data, processing_class=tok,
+                          callbacks=[StepEnds()])
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    steps_s = [b - a for a, b in zip([t0] + ends, ends)]
+    after = greedy_accuracy(trainer.model, tok, job.eval_records, reward, job.max_new_tokens)
+    Path(out).write_text(json.dumps({"rewards": rewards, "steps_s": steps_s, "train_s": train_s, "eval_before": before, "eval_after": after,
+                                     "wall_s": time.perf_counter() - t_start}))
+
+
+def trl_run(hf_dir: Path, steps: int, threads: int, out: Path) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--trl-child", str(hf_dir), str(steps), str(threads), str(out)],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"GRPOTrainer failed: {proc.stderr.strip()[-1500:]}")
+    res = json.loads(out.read_text())
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def hetero_run(load: str, steps: int) -> dict:
+    t0 = time.perf_counter()
+    res = runtime_run("collocated", steps, load)
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def trl_compare(load: str, steps: int, threads: int, tmp: Path, rounds: int) -> dict:
+    """``rounds`` runs of each, alternating (TRL first in even rounds)."""
+    try:
+        import trl
+    except ImportError as e:
+        return {"ran": False, "why": f"trl does not import here ({e}); pip install -e .[rl-bench]"}
+    hf_dir = tmp / "sft-hf"
+    proc = subprocess.run([sys.executable, "-m", "hetero", "export-hf", "--model", str(RL_DIR / "model.yaml"),
+                           "--checkpoint", load, "-o", str(hf_dir)], capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        return {"ran": False, "why": f"hetero export-hf failed: {proc.stderr.strip()[-500:]}"}
+    runs = {"trl": [], "hetero": []}
+    arms = {"trl": lambda: trl_run(hf_dir, steps, threads, tmp / "trl.json"), "hetero": lambda: hetero_run(load, steps)}
+    try:
+        for r in range(rounds):
+            for name in (["trl", "hetero"] if r % 2 == 0 else ["hetero", "trl"]):
+                runs[name].append(arms[name]())
+    except RuntimeError as e:
+        return {"ran": False, "why": str(e)}
+    return {"ran": True, "steps": steps, "rounds": rounds, "trl_version": trl.__version__, "runs": runs}
+
+
+# ----------------------------------------------------------------------------------------- reporting
+def steady(runs: list[dict]) -> list[float]:
+    return [s for r in runs for s in r["steps_s"][1:]]
+
+
+def head_tail(rewards: list[float], k: int = 10) -> tuple[float, float]:
+    return statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
+
+
+def report_trl(cmp: dict) -> list[str]:
+    if not cmp["ran"]:
+        print(f"TRL: not compared: {cmp['why']}")
+        return []
+    n, rounds = cmp["steps"], cmp["rounds"]
+    print(f"\nagainst TRL {cmp['trl_version']} GRPOTrainer, {n} steps from the same warm start, {rounds} runs each "
+          f"alternating (rewards and accuracy of the first run; times medians over the runs):")
+    print(f"  {'':<24}{'reward first 10':>16}{'last 10':>9}{'eval before':>13}{'after':>7}{'median step s':>15}"
+          f"{'steps s':>9}{'whole s':>9}")
+    rows = {}
+    for name, label in (("hetero", "hetero rl collocated"), ("trl", "TRL GRPOTrainer")):
+        rs = cmp["runs"][name]
+        first = rs[0]
+        before, after = ((first["eval"]["before"]["reward_mean"], first["eval"]["after"]["reward_mean"]) if name == "hetero"
+                         else (first["eval_before"], first["eval_after"]))
+        row = {"reward_first10": head_tail(first["rewards"])[0], "reward_last10": head_tail(first["rewards"])[1],
+               "eval_before": before, "eval_after": after,
+               "median_step_s": statistics.median(s for r in rs for s in r["steps_s"][1:]),
+               "steps_s": statistics.median(sum(r["steps_s"]) if name == "hetero" else r["train_s"] for r in rs),
+               "whole_s": statistics.median(r["process_wall_s"] for r in rs)}
+        rows[name] = row
+        print(f"  {label:<24}{row['reward_first10']:>16.3f}{row['reward_last10']:>9.3f}{before:>13.3f}{after:>7.3f}"
+              f"{row['median_step_s']:>15.4f}{row['steps_s']:>9.1f}{row['whole_s']:>9.1f}")
+    print("  (median step s: of steps 2..N of every run, TRL's from one optimizer step's end to the next; steps s: the training steps' wall time, "
+          "hetero the sum of its step_s, TRL trainer.train(); whole s: the run with start-up (TRL: a fresh process "
+          "importing trl), model load and both evals)")
+    cmp["table"] = rows
+    cmp["trl_median_step_over_hetero"] = rows["trl"]["median_step_s"] / rows["hetero"]["median_step_s"]
+    print(f"  TRL's median step takes {cmp['trl_median_step_over_hetero']:.2f}x hetero rl's")
+    if abs(rows["hetero"]["eval_before"] - rows["trl"]["eval_before"]) > 1e-9:
+        return [f"held-out accuracy before training differs: hetero {rows['hetero']['eval_before']:.4f}, "
+                f"TRL on the exported weights {rows['trl']['eval_before']:.4f}"]
+    return []
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
+        trl_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--load", help="a --save checkpoint of configs/rl/model.yaml (the SFT warm start)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="steps of each timed run (the first is not counted)")
+    ap.add_argument("--trl-steps", type=int, default=100, help="steps of the TRL comparison (0: skip it)")
+    ap.add_argument("--trl-rounds", type=int, default=2, help="runs of each in the TRL comparison")
+    ap.add_argument("--load", help="the SFT warm start of configs/rl/model.yaml (default: made here)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rl.json"))
     args = ap.parse_args()
-    import os
-
-    plains = {n: plain_steps(args.steps, args.load, n) for n in sorted({1, os.cpu_count() or 1})}
-    plain = min(plains.values(), key=lambda p: p["median"]["step_s"])
-    results = {"steps": args.steps, "load": args.load, "plain": plain,
-               "plain_by_threads": {str(n): p["median"]["step_s"] for n, p in plains.items()}}
-    for mode in ("collocated", "disaggregated"):
-        results[mode] = runtime_steps(mode, args.steps, args.load)
-    base = plain["median"]["step_s"]
-    print(f"median step over steps 2..{args.steps} (s), method: medians of the steps after the first, one run")
-    for n, p in plains.items():
-        print(f"  plain single-process loop, {n} thread(s)  {p['median']['step_s']:.4f}")
-    for mode in ("collocated", "disaggregated"):
-        m = results[mode]["median"]
-        results[mode]["ratio_to_plain"] = m["step_s"] / base
-        print(f"  hetero rl {mode:<30}  {m['step_s']:.4f}  ({m['step_s'] / base:.2f}x plain; rollout "
-              f"{m['rollout_s']:.4f}, train {m['train_s']:.4f}, sync {m['sync_s']:.4f})")
-    same = all(results[m]["reward_step0"] == plain["reward_step0"] for m in ("collocated", "disaggregated"))
-    print(f"step-0 mean reward: plain {plain['reward_step0']:.4f}, collocated {results['collocated']['reward_step0']:.4f}, "
-          f"disaggregated {results['disaggregated']['reward_step0']:.4f} ({'equal' if same else 'DIFFERENT'})")
-    try:
-        import trl  # noqa: F401
-        print("trl imports: the TRL comparison is not written yet")
-    except ImportError:
-        print("TRL: not installed here (pip install trl); no TRL comparison")
-    results["load_average_1min"] = os.getloadavg()[0]   # other jobs on the cores show in every figure
-    print(f"load average (1 min) at the end: {results['load_average_1min']:.1f} on {os.cpu_count()} cores")
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    t_begin = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-rl-") as tmp_name:
+        tmp = Path(tmp_name)
+        load = args.load or warm_start(tmp)
+        cores = os.cpu_count() or 1
+        arms = {"plain, 1 thread": lambda: plain_run(args.steps, load, 1)}
+        if cores > 1:
+            arms[f"plain, {cores} threads"] = lambda: plain_run(args.steps, load, cores)
+        arms["hetero rl collocated"] = lambda: runtime_run("collocated", args.steps, load)
+        arms["hetero rl disaggregated"] = lambda: runtime_run("disaggregated", args.steps, load)
+        runs: dict[str, list[dict]] = {name: [] for name in arms}
+        load_avg = []
+        for r in range(args.rounds):
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            for name in order:
+                runs[name].append(arms[name]())
+            load_avg.append(os.getloadavg()[0])
+        med = {name: statistics.median(steady(rs)) for name, rs in runs.items()}
+        plain_name = min((n for n in med if n.startswith("plain")), key=med.get)
+        base = med[plain_name]
+        print(f"median step of the steady steps (2..{args.steps} of each run, {args.rounds} rounds alternating), "
+              f"s; load average {min(load_avg):.1f}-{max(load_avg):.1f} on {cores} cores")
+        problems, results = [], {}
+        for name, rs in runs.items():
+            row = {"median_step_s": med[name], "ratio_to_plain": med[name] / base, "runs": rs}
+            results[name] = row
+            parts = {k: statistics.median(v for run in rs for v in run["parts"][k][1:]) for k in ("rollout_s", "train_s", "sync_s")}
+            row["median_parts_s"] = parts
+            extra = "  (rollout {rollout_s:.4f}, train {train_s:.4f}, sync {sync_s:.4f})".format(**parts)
+            print(f"  {name:<26}{med[name]:>8.4f}  {med[name] / base:>5.2f}x{extra}")
+        for mode in ("collocated", "disaggregated"):
+            ratio = results[f"hetero rl {mode}"]["ratio_to_plain"]
+            met = ratio <= TARGET_RATIO
+            print(f"target: hetero rl {mode} step <= {TARGET_RATIO}x the plain loop ({plain_name}): "
+                  f"{ratio:.2f}x, {'met' if met else 'NOT MET'}")
+            if not met:
+                problems.append(f"{mode}: {ratio:.2f}x the plain loop")
+        # same weights and samples at step 0; step 1 draws the same samples only if both made the same
+        # update. Later, rounding differences (the pipeline's stages against one whole model) grow until
+        # an inverse-CDF draw flips: the first step where the mean rewards differ is reported, not checked
+        p0 = runs[plain_name][0]
+        for mode in ("collocated", "disaggregated"):
+            h0 = runs[f"hetero rl {mode}"][0]
+            differ = [t for t, (a, b) in enumerate(zip(h0["rewards"], p0["rewards"])) if a != b]
+            diff = max(abs(a - b) - LOSS_RTOL * max(abs(a), abs(b)) for a, b in zip(h0["losses"], p0["losses"]))
+            same = not differ or differ[0] >= 2
+            k = max(range(len(p0["losses"])), key=lambda i: abs(p0["losses"][i]))
+            first = f"first differ at step {differ[0]} ({h0['rewards'][differ[0]]:.4f} vs {p0['rewards'][differ[0]]:.4f})" \
+                if differ else f"equal at all {len(p0['rewards'])} steps"
+            print(f"check ({mode}, round 1): mean rewards equal to the plain loop's at steps 0 and 1: "
+                  f"{'yes' if same else 'NO'}; {first}; losses within {LOSS_RTOL:g} rel. + {LOSS_ATOL:g}: "
+                  f"{'yes' if diff <= LOSS_ATOL else 'NO'} (largest, step {k}: {h0['losses'][k]:.6g} vs {p0['losses'][k]:.6g})")
+            results[f"hetero rl {mode}"]["first_reward_difference_step"] = differ[0] if differ else None
+            if not same or diff > LOSS_ATOL:
+                problems.append(f"{mode}: rewards at steps 0-1 or losses differ from the plain loop's")
+            if not all(run["checksums_match"] for run in runs[f"hetero rl {mode}"]):
+                problems.append(f"{mode}: a weight-sync checksum did not match")
+        threads = int(plain_name.split(", ")[1].split()[0])
+        cmp = trl_compare(load, args.trl_steps, threads, tmp, args.trl_rounds) if args.trl_steps else {"ran": False, "why": "--trl-steps 0"}
+        problems += report_trl(cmp)
+    total = time.perf_counter() - t_begin
+    out = {"method": __doc__.split("\n\n")[0], "rounds": args.rounds, "steps": args.steps, "load": args.load or "made here",
+           "cores": cores, "load_average_1min": load_avg, "plain_reference": plain_name, "target_ratio": TARGET_RATIO,
+           "step_time": results, "trl": cmp, "benchmark_wall_s": total, "problems": problems}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out} ({total:.0f} s)")
+    for p in problems:
+        print(f"FAILED: {p}")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
