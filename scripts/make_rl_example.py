@@ -6,7 +6,8 @@
 The 400 pairs (a, b) are shuffled with a fixed seed; 80 are held out as eval.jsonl (greedy accuracy
 before and after RL), the other 320 are the RL prompts (prompts.jsonl, the answer as a field the
 reward reads) and, with their answers, the SFT warm start's prompt/completion lines (sft.jsonl;
-the completion ends with the job's stop string "\\n").
+the completion ends with the job's stop string "\\n"). The fast variant under configs/rl/fast reads
+the same prompts.jsonl and eval.jsonl.
 
 ``--sanity`` checks the task's difficulty without the multi-process runtime: the project's model
 (built whole in this process), a short SFT on sft.jsonl, greedy accuracy on eval.jsonl, then a plain
