@@ -30,6 +30,9 @@ here unless ``--load`` names one).
      clipped surrogate, token mean over the step's completion tokens, on the whole batch padded to its
      longest sequence (the runtime's rows are seq_length long) in one forward and backward;
    - gradient-norm clip 1.0 and AdamW(lr, weight decay 0), as the runtime's trainer.
+   A third plain variant ("runtime's shapes", 1 thread) pads the rows to seq_length as the runtime's
+   channel does and trains them in the actor plan's 4 micro-batches: the gap between it and the plain
+   loop is what those shapes cost, the rest of the runtime's step is its processes and pipeline.
    Check: in the first round its mean reward equals the runtime's at steps 0 and 1 (same weights and
    samples at step 0; step 1 draws the same samples only if both made the same update; later, rounding
    differences between the pipeline's stages and one whole model grow until a draw flips: the first
@@ -116,8 +119,10 @@ def runtime_run(mode: str, steps: int, load: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the plain loop
-def plain_grpo_loss(logits, targets, mask, rewards, group_size: int, temperature: float, clip: float):
-    """The GRPO loss, written out independently of hetero.rl.grpo (see the module docstring)."""
+def plain_grpo_loss(logits, targets, mask, rewards, group_size: int, temperature: float, clip: float,
+                    normaliser=None):
+    """The GRPO loss, written out independently of hetero.rl.grpo (see the module docstring); a
+    micro-batch (whole groups) divides by the step's completion tokens, ``normaliser``."""
     import torch
 
     logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -125,10 +130,12 @@ def plain_grpo_loss(logits, targets, mask, rewards, group_size: int, temperature
     adv = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + ADV_EPS)).reshape(-1, 1).float()
     ratio = torch.exp(logp - logp.detach())
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+    return -(surrogate * mask).sum() / (mask.sum().clamp(min=1) if normaliser is None else normaliser)
 
 
-def plain_run(steps: int, load: str, threads: int) -> dict:
+def plain_run(steps: int, load: str, threads: int, runtime_shapes: bool = False) -> dict:
+    """``runtime_shapes``: rows padded to seq_length + 1 and trained in the actor plan's micro-batches,
+    as the runtime does (the gap between the two plain variants is what those shapes cost)."""
     import torch
 
     from hetero.rl.generate import generate
@@ -145,6 +152,7 @@ def plain_run(steps: int, load: str, threads: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.0)
     tok = load_text_tokenizer(job.tokenizer, spec.vocab_size)
     P, G, records = job.prompts_per_step, job.group_size, job.prompt_records
+    micro = job.actor_plan.pipelines[0].micro_batches
     times, rollout_s, train_s, rewards_mean, losses = [], [], [], [], []
     for t in range(steps):
         t0 = time.perf_counter()
@@ -156,7 +164,7 @@ def plain_run(steps: int, load: str, threads: int) -> dict:
         rewards = [float(reward(c_rec.prompt, c.text, **c_rec.fields))
                    for c, c_rec in zip(done, (rec for rec in chosen for _ in range(G)))]
         t1 = time.perf_counter()
-        width = max(len(c.prompt_tokens) + len(c.tokens) for c in done)
+        width = spec.seq_length + 1 if runtime_shapes else max(len(c.prompt_tokens) + len(c.tokens) for c in done)
         seq = torch.zeros(len(done), width, dtype=torch.int64)
         mask = torch.zeros(len(done), width - 1)
         for j, c in enumerate(done):
@@ -164,17 +172,21 @@ def plain_run(steps: int, load: str, threads: int) -> dict:
             seq[j, :p + n] = torch.tensor(c.prompt_tokens + c.tokens)
             mask[j, p - 1:p + n - 1] = 1.0
         model.train()
-        loss = plain_grpo_loss(model(seq[:, :-1]), seq[:, 1:], mask, torch.tensor(rewards, dtype=torch.float64), G,
-                               job.temperature, job.clip)
+        r = torch.tensor(rewards, dtype=torch.float64)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for rows in torch.arange(len(done)).split(len(done) // micro if runtime_shapes else len(done)):
+            part = plain_grpo_loss(model(seq[rows, :-1]), seq[rows, 1:], mask[rows], r[rows], G, job.temperature,
+                                   job.clip, mask.sum().clamp(min=1))
+            part.backward()
+            loss += float(part.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t0)
         rollout_s.append(t1 - t0)
         train_s.append(times[-1] - rollout_s[-1])
         rewards_mean.append(sum(rewards) / len(rewards))
-        losses.append(float(loss.detach()))
+        losses.append(loss)
     return {"steps_s": times, "parts": {"rollout_s": rollout_s, "train_s": train_s, "sync_s": [0.0] * steps},
             "rewards": rewards_mean, "losses": losses}
 
@@ -361,6 +373,7 @@ def main() -> int:
         arms = {"plain, 1 thread": lambda: plain_run(args.steps, load, 1)}
         if cores > 1:
             arms[f"plain, {cores} threads"] = lambda: plain_run(args.steps, load, cores)
+        arms["plain, runtime's shapes"] = lambda: plain_run(args.steps, load, 1, runtime_shapes=True)
         arms["hetero rl collocated"] = lambda: runtime_run("collocated", args.steps, load)
         arms["hetero rl disaggregated"] = lambda: runtime_run("disaggregated", args.steps, load)
         runs: dict[str, list[dict]] = {name: [] for name in arms}
@@ -371,7 +384,7 @@ def main() -> int:
                 runs[name].append(arms[name]())
             load_avg.append(os.getloadavg()[0])
         med = {name: statistics.median(steady(rs)) for name, rs in runs.items()}
-        plain_name = min((n for n in med if n.startswith("plain")), key=med.get)
+        plain_name = min((n for n in med if n.startswith("plain") and "shapes" not in n), key=med.get)
         base = med[plain_name]
         print(f"median step of the steady steps (2..{args.steps} of each run, {args.rounds} rounds alternating), "
               f"s; load average {min(load_avg):.1f}-{max(load_avg):.1f} on {cores} cores")
