@@ -97,6 +97,6 @@ def test_the_other_machine_lost_whole_is_survived_in_process(tmp_path):
     assert [x for x in losses if x is not None] == pytest.approx(
         [r for x, r in zip(losses, reference) if x is not None], rel=1e-3)
     # the loss is seen once the heartbeat has stood still for MACHINE_LOST_AFTER_S
-    assert rc["reshard_time_s"] < MACHINE_LOST_AFTER_S + 10, rc
+    assert MACHINE_LOST_AFTER_S <= rc["reshard_time_s"] < MACHINE_LOST_AFTER_S + 5, rc
     assert ended_at - killed_at < 120
     assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))

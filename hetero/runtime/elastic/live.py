@@ -51,9 +51,10 @@ from hetero.runtime.elastic.report import seconds_cell
 from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
 
 STEP_POLL_S = 0.005
-MACHINE_LOST_AFTER_S = 5.0
-"""A machine whose launcher's heartbeat has not moved for this long is lost, its workers with it
-(:class:`~.remote.RemoteWorker`)."""
+MACHINE_LOST_AFTER_S = 2.0
+"""A machine whose launcher's heartbeat (every 0.2 s) has not moved for this long is lost, its workers
+with it (:class:`~.remote.RemoteWorker`): most of a lost machine's downtime, since the survivors see
+their connections to it close within 0.3 s and wait for the decision."""
 
 
 class LiveRun:
@@ -257,7 +258,10 @@ class LiveRun:
         from hetero.runtime.spec import describe_rank
 
         now = self.now
-        failed_at = min((float(rep["time"]) if rep and rep.get("time") else time.time()) for _, rep in lost)
+        # a machine's loss counts from its launcher's last heartbeat (RemoteWorker.lost_at), not from
+        # when the heartbeat's silence was long enough to call it lost: the wait is downtime too
+        failed_at = min((float(rep["time"]) if rep and rep.get("time")
+                         else getattr(now.procs[r], "lost_at", None) or time.time()) for r, rep in lost)
         lost_ranks = {r for r, _ in lost}
         first = lost[0][1]
         why = (f"failed at step {first.get('step')}: {first.get('message')}" if first

@@ -25,6 +25,8 @@ class RemoteWorker:
     def __init__(self, store, wid: int, slot: int, lost_after_s: float):
         self.store, self.wid, self.slot, self.lost_after_s = store, wid, slot, lost_after_s
         self.returncode: int | None = None
+        self.lost_at: float | None = None
+        """When its machine was last heard from (wall time), once the machine is found lost."""
         self._pid: int | None = None
         self._beat: bytes | None = None
         self._beat_seen = time.monotonic()
@@ -45,6 +47,7 @@ class RemoteWorker:
             self.returncode = int(self.store.get(worker_key(self.wid, "exit")))
         elif self._machine_lost():
             self.returncode = -9
+            self.lost_at = time.time() - (time.monotonic() - self._beat_seen)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
