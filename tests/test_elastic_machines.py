@@ -100,3 +100,22 @@ def test_the_other_machine_lost_whole_is_survived_in_process(tmp_path):
     assert MACHINE_LOST_AFTER_S <= rc["reshard_time_s"] < MACHINE_LOST_AFTER_S + 5, rc
     assert ended_at - killed_at < 120
     assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_coordinator_machine_ends_the_others_without_orphans(tmp_path):
+    """Node slot 0's call killed with its workers (its session): nothing decides any more, so node
+    slot 1's launcher says it lost the coordinator, ends its workers and fails."""
+    procs = _calls(tmp_path, 300, lr=1e-3)
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "run1" / "attempt0" / "rank1.ready").exists():
+            assert procs[1].poll() is None and time.monotonic() < deadline, procs[1].stderr.read()[-3000:]
+            time.sleep(0.05)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        _, err = procs[1].communicate(timeout=120)
+    finally:
+        for r, p in enumerate(procs):
+            end_launcher(p, str(tmp_path / f"run{r}"))
+    assert procs[1].returncode == 1 and "lost the coordinator" in err and "Traceback" not in err, err[-3000:]
+    assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
