@@ -29,6 +29,8 @@ class SampleSource:
     def __init__(self, channel, samples_per_step: int, group_size: int, seq_length: int, last: bool):
         self.channel, self.B, self.G, self.T, self.last = channel, samples_per_step, group_size, seq_length, last
         self.tokens_of_step: dict[int, int] = {}
+        self.length = seq_length
+        """Tokens of the rows :meth:`batch` gives: the step's (:func:`hetero.rl.rollout.step_row_length`)."""
 
     def _row(self, i: int) -> torch.Tensor:
         step, j = divmod(i, self.B)
@@ -48,7 +50,7 @@ class SampleSource:
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.stack([self._row(i) for i in range(first, first + count)])
-        T = self.T
+        T, ref_at = self.length, HEADER + self.T + 1   # the channel's rows are seq_length wide
         ids = rows[:, HEADER:HEADER + T + 1].long()
         tokens = ids[:, :-1].contiguous()
         targets = torch.zeros(count, T, TARGET_FIELDS, dtype=torch.float32)
@@ -59,7 +61,7 @@ class SampleSource:
             # target position k predicts token k + 1: the completion's tokens are p .. p + n - 1
             targets[..., 1] = ((pos >= p - 1) & (pos < p + n - 1)).float()
             targets[..., 2] = rows[:, 5].float().unsqueeze(1)
-            targets[..., 3] = rows[:, HEADER + T + 1:HEADER + 2 * T + 1].float()
+            targets[..., 3] = rows[:, ref_at:ref_at + T].float()
         return tokens, targets
 
 

@@ -28,6 +28,17 @@ def step_prompts(seed: int, step: int, per_step: int, count: int) -> list[int]:
     return out
 
 
+def step_row_length(seed: int, step: int, per_step: int, prompt_lengths: list[int], max_new_tokens: int,
+                    seq_length: int) -> int:
+    """Tokens of the actor's rows in ``step``: the step's longest prompt (``prompt_lengths``: token
+    counts of the prompts file) plus ``max_new_tokens``, at most ``seq_length``. No sample of the step
+    is longer. Every actor rank computes it from the job alone, without a message, so a pipeline's
+    stages agree on the activations' shape before any group arrives; the positions past a row's end
+    are padding: they carry no loss and, the model being causal, change no output at a real token."""
+    longest = max(prompt_lengths[i] for i in step_prompts(seed, step, per_step, len(prompt_lengths)))
+    return min(seq_length, longest + max_new_tokens)
+
+
 def groups_of(rank_index: int, num_ranks: int, groups: int) -> list[int]:
     """The prompt groups rollout rank ``rank_index`` of ``num_ranks`` generates, in order."""
     return list(range(rank_index, groups, num_ranks))

@@ -217,6 +217,7 @@ class RLProcess:
             else:
                 self._collocated_rollout(t)
             self.loss.begin_step(t)
+            self._trim_rows(t)
             t1 = time.perf_counter()
             self.engine.train_step(t, Timings())
             train_s = time.perf_counter() - t1
@@ -241,6 +242,19 @@ class RLProcess:
                 self.eval_results["after"] = self._evaluate()
             self._free_whole()
         return rows
+
+    def _trim_rows(self, t: int) -> None:
+        """Train step ``t`` on rows of its longest possible sample rather than of seq_length: the
+        source's rows and the pipeline's activation shape, both from the job alone (every stage of
+        every pipeline computes the same length)."""
+        from hetero.rl.rollout import step_row_length
+
+        job = self.job
+        length = step_row_length(job["seed"], t, job["prompts_per_step"], self.cfg["prompt_lengths"],
+                                 job["max_new_tokens"], self.model.seq_length)
+        self.source.length = length
+        shape = self.engine.executor.act_shape
+        self.engine.executor.act_shape = (shape[0], length, *shape[2:])
 
     def _params(self) -> dict:
         from hetero.rl.sync import local_params
