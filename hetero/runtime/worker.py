@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             _hand_off(base, step_box["trainer"], describe_rank(info))
         if base:
             _write(base + ".error.json", json.dumps({
-                "rank": rank, "time": time.time(), "step": step_box["step"] + 1, "phase": step_box["phase"],
+                "rank": rank, "pid": os.getpid(), "time": time.time(), "step": step_box["step"] + 1,
+                "phase": step_box["phase"],
                 "kind": "injected" if injected else "exception", "where": describe_rank(info),
                 "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
         if spec.options.elastic and live is None and not injected and lost_connection(msg):

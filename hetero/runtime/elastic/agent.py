@@ -16,6 +16,7 @@ store is gone without saying so (node slot 0's machine was lost), it ends its wo
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -102,13 +103,19 @@ class NodeAgent:
         self.signals_seen[wid] = max(seen, asked)
 
     def _report_exit(self, wid: int, code: int) -> None:
-        """The worker's error report (from this machine's run directory), then its exit status."""
-        path = os.path.join(self.options.run_dir, f"rank{wid}.error.json")
-        try:
-            with open(path) as f:
-                self.store.set(worker_key(wid, "report"), json.dumps(json.load(f)))
-        except (OSError, ValueError):
-            pass
+        """The worker's error report, then its exit status. The report is the one in this machine's
+        run directory that names the worker's process: a reconfiguration gives it another rank and
+        a generation folder (``gen<g>/rank<r>.error.json``)."""
+        pid = self.procs[wid].pid
+        for path in sorted(glob.glob(os.path.join(self.options.run_dir, "**", "rank*.error.json"), recursive=True)):
+            try:
+                with open(path) as f:
+                    report = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if report.get("pid") == pid:
+                self.store.set(worker_key(wid, "report"), json.dumps(report))
+                break
         self.store.set(worker_key(wid, "exit"), str(code))
         self.reported.add(wid)
 
