@@ -48,8 +48,12 @@ def _reference(steps: int, lr: float = LR) -> list[float]:
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_lost_on_the_other_machine_is_survived_in_process(tmp_path):
-    procs = _calls(tmp_path, 5, "--inject-failure", "3:1")
+@pytest.mark.parametrize("lost", [1, 0], ids=["on the other machine", "on node slot 0's machine"])
+def test_a_lost_worker_is_survived_in_process_on_the_other_machine(tmp_path, lost):
+    """Rank 1 (the second host's worker) or rank 0 (the first host's) lost at step 3: the other
+    trains on in its process; when rank 0 is lost the survivor finishes as rank 0 on the second host,
+    whose launcher sends the summary to node slot 0's call, which writes it."""
+    procs = _calls(tmp_path, 5, "--inject-failure", f"3:{lost}")
     try:
         outs = [p.communicate(timeout=200) for p in procs]
     finally:
@@ -59,7 +63,7 @@ def test_a_worker_lost_on_the_other_machine_is_survived_in_process(tmp_path):
     summary = json.loads((tmp_path / "s0.json").read_text())
     (rc,) = summary["reconfigurations"]
     assert rc["path"] == "in-process" and rc["world_size_before"] == 2 and rc["world_size_after"] == 1
-    assert rc["pids_kept"] and "rank 1" in rc["reason"]
+    assert rc["pids_kept"] and f"rank {lost}" in rc["reason"]
     assert summary["losses"] == pytest.approx(_reference(5), rel=1e-3)
     assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
 

@@ -6,7 +6,8 @@ slot 0's machine (the rendezvous address, port + :data:`~.protocol.COORDINATOR_P
 where node slot 0's launcher decides for every machine (:class:`~.live.LiveRun`). This launcher
 only watches and reports, through that store:
 
-- each worker's process id, and when it ends its error report (if it left one) and its exit status;
+- each worker's process id, and when it ends its error report (if it left one) and its exit status,
+  and the run summary when it finished as rank 0;
 - a heartbeat every :data:`BEAT_S` (a lost machine is one whose heartbeat stops:
   :class:`~.remote.RemoteWorker`);
 
@@ -24,7 +25,7 @@ import time
 
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.processes import start_worker
-from hetero.runtime.elastic.protocol import RUN_OVER_KEY, agent_key, worker_key
+from hetero.runtime.elastic.protocol import RUN_OVER_KEY, SUMMARY_KEY, agent_key, worker_key
 
 BEAT_S = 0.2
 """How often this launcher raises its heartbeat counter."""
@@ -116,6 +117,9 @@ class NodeAgent:
             if report.get("pid") == pid:
                 self.store.set(worker_key(wid, "report"), json.dumps(report))
                 break
+        if code == 0 and self.options.summary and os.path.exists(self.options.summary):   # it finished as rank 0
+            with open(self.options.summary) as f:
+                self.store.set(SUMMARY_KEY, f.read())
         self.store.set(worker_key(wid, "exit"), str(code))
         self.reported.add(wid)
 

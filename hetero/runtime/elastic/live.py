@@ -195,6 +195,15 @@ class LiveRun:
             self._tell_agents()
         self.coordinator.close()
 
+    remote_summary: dict | None = None
+    """The run summary, when rank 0 finished on another machine (its launcher forwarded it)."""
+
+    def _take_remote_summary(self) -> None:
+        from hetero.runtime.elastic.protocol import SUMMARY_KEY
+
+        if self.slots is not None and self.coordinator.store.check([SUMMARY_KEY]):
+            self.remote_summary = json.loads(self.coordinator.store.get(SUMMARY_KEY))
+
     def _tell_agents(self, wait_s: float = 5.0) -> None:
         from hetero.runtime.elastic.protocol import RUN_OVER_KEY, agent_key
 
@@ -246,6 +255,7 @@ class LiveRun:
                         except subprocess.TimeoutExpired:
                             pass
                     self._collect_timings(wait_s=5.0)
+                    self._take_remote_summary()
                     self.outcome = "ok"
                     return self.now
         finally:

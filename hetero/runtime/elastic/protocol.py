@@ -83,6 +83,11 @@ RUN_OVER_KEY = "hetero/agents/over"
 machine's launcher then ends its workers and returns."""
 
 
+SUMMARY_KEY = "hetero/agents/summary"
+"""The run summary, put there by the launcher of the machine where rank 0 finished (a
+reconfiguration may have moved rank 0 off node slot 0's machine)."""
+
+
 def agent_key(slot: int, what: str) -> str:
     """A key of node slot ``slot``'s launcher (``beat``: its heartbeat counter; ``bye``: it saw the end)."""
     return f"hetero/agents/slot{slot}/{what}"

@@ -377,9 +377,10 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
             return {"reconfigurations": [], "steps": 0, "losses": []}
         _import_recovery_modules(cluster, model, plan)
         reconfigurations: list[dict] = []
-        LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port).run()
-        summary = None
-        if os.path.exists(opts.summary):   # rank 0 trains on this machine until a reconfiguration moves it
+        live = LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port)
+        live.run()
+        summary = live.remote_summary   # rank 0 finished on another machine: its launcher sent the summary
+        if os.path.exists(opts.summary):
             with open(opts.summary) as f:
                 summary = json.load(f)
         merged = _merge(summary, [], reconfigurations)
