@@ -270,6 +270,27 @@ def test_uneven_experts_across_two_vendors_match_one_device():
         assert sent["vendor_bytes"] == {}
 
 
+def test_experts_of_a_rank_that_receives_no_rows_get_zero_gradients():
+    """The second place of a group of two, every token routed to the first place's experts: its experts
+    receive no rows, yet each gets a gradient of zeros, as one device gives an expert without tokens
+    (the peer is simulated: it sends nothing, and zeros for the rows its experts computed)."""
+    from hetero.runtime.expert_parallel import ExpertGroup, shard_moe
+
+    def exchange(out, inp, out_splits, in_splits):   # only this rank's own block moves (place 1)
+        out.zero_()
+        out.narrow(0, out_splits[0], out_splits[1]).copy_(inp.narrow(0, in_splits[0], in_splits[1]))
+        return out
+
+    m = _layer(hetero.load_model(MODEL))
+    m.route = lambda x: ((torch.arange(2 * x.shape[0]) % 6).view(-1, 2), torch.full((x.shape[0], 2), 0.5),
+                         torch.full((x.shape[0], 8), 1 / 8))
+    shard_moe(m, ExpertGroup(exchange, split_experts(8, 2, [6, 2]), 1))
+    (m(_inputs(1)[0]) ** 2).sum().backward()
+    grads = {n: p.grad for n, p in m.experts.named_parameters()}
+    assert sorted({n.split(".")[0] for n in grads}) == ["6", "7"]
+    assert all(g is not None and not g.any() for g in grads.values()), grads
+
+
 def _no_tokens_rank(comm, model):
     """Every token routed to experts 0..5 (rank 0's): rank 1 receives no rows, yet runs the backward's
     exchanges as rank 0 does; returns the input gradients."""

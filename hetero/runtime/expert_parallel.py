@@ -226,9 +226,10 @@ class ExpertGroup:
         local = torch.arange(hi - lo).repeat(g).repeat_interleave(recv_counts.reshape(-1))
         order = torch.argsort(local, stable=True).to(xs.device)
         # no rows received (no experts here, or none of the group's tokens routed to them): the empty
-        # rows stay in the graph, so this rank runs the backward's exchanges as the others do
+        # rows stay in the graph, so this rank runs the backward's exchanges as the others do, and its
+        # experts run on no rows, so each gets a zero gradient as on one device (MoEMLP._experts)
         rows = got[order]
-        y = moe._experts(rows, recv_counts.sum(0).to(xs.device)) if rows.shape[0] else rows
+        y = moe._experts(rows, recv_counts.sum(0).to(xs.device)) if hi > lo else rows
         back = torch.empty_like(y).index_copy(0, order, y)
         return _AllToAll.apply(back, self.exchange, in_splits, out_splits)
 
