@@ -174,14 +174,14 @@ def one_round(i: int, tmp: Path) -> dict:
 
     import hetero
     from hetero.layout import build_layout
-    from hetero.runtime.elastic.policy import replan
-    from hetero.specs.cluster import without_devices
     from hetero.runtime.elastic.plans import assign_ranks
+    from hetero.runtime.elastic.policy import replan
     from hetero.runtime.host_memory import huge_pages_env
     from hetero.runtime.reshard.live import Coordinator, choose_transport, decision_for, exchange_ranks
     from hetero.runtime.reshard.predict import predict_transfer_s
     from hetero.runtime.reshard.space import ParameterSpace
     from hetero.runtime.reshard.transition import plan_transition
+    from hetero.specs.cluster import without_devices
 
     cluster_d = yaml.safe_load((ROOT / "configs/clusters/local-cpu.yaml").read_text())
     cluster, model, plan = hetero.load_cluster(cluster_d), hetero.load_model(MODEL), hetero.load_plan(PLAN)
