@@ -505,6 +505,7 @@ def import_training_modules() -> None:
     import hetero.predictor.memory  # noqa: F401
     import hetero.runtime.engine  # noqa: F401
     import hetero.runtime.overlap  # noqa: F401
+    import hetero.runtime.prompt_data  # noqa: F401  (the engine's data source looks at the --data file)
     import hetero.runtime.trainer  # noqa: F401
     import hetero.runtime.zero  # noqa: F401
 
