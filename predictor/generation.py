@@ -275,13 +275,14 @@ def total_params(model) -> float:
     return float(copy_weight_bytes(model) / O.DTYPE_BYTES[model.dtype])
 
 
-CHECKSUM_BYTES_PER_S = 0.38e9
+CHECKSUM_BYTES_PER_S = 0.95e9
 """Bytes per second of the sync's checksum of a piece (a host copy and CRC32, one core): measured on
-this machine's CPU while other jobs ran (``bench_decode_floor.py --checksum-only``, the JSON's
-``sync_checksum``). Every piece is checksummed where it is sent from and where it lands."""
+this machine's CPU at load 1.6 (``bench_decode_floor.py --checksum-only``, the JSON's
+``sync_checksum``; 0.4 GB/s while other jobs held both cores). Every piece is checksummed where it
+is sent from and where it lands."""
 
 
-WHOLE_COPY_PER_TENSOR_S = 19.5e-6
+WHOLE_COPY_PER_TENSOR_S = 19.8e-6
 """Host seconds per parameter tensor to build a temporary whole copy (a collocated rank builds one
 for each step's rollout and frees it before training): measured on this CPU with the tiny GPT's 68
 tensors (``bench_decode_floor.py --checksum-only``, the JSON's ``whole_copy``)."""
