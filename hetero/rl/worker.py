@@ -184,6 +184,10 @@ class RLProcess:
         self.eval_prompts = [PromptRecord(*p) for p in self.cfg["eval_prompts"]]
         self.rewards = RewardPool(RewardRef(**self.cfg["reward"]), workers=self.cfg.get("reward_workers", 1),
                                   timeout_s=self.spec.options.timeout_s)
+        from concurrent.futures import ThreadPoolExecutor
+
+        # calls the reward pool (and waits for it) while the main thread generates the next group
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="rewards")
         self.index = self.gen_ranks.index(self.rank)
         if self.spec.options.load and not self.is_actor:
             self._load(self.spec.options.load)
@@ -200,6 +204,7 @@ class RLProcess:
             self._finish(rows)
         finally:
             if self.generates:
+                self.scorer.shutdown(wait=False, cancel_futures=True)
                 self.rewards.close()
         self.comm.shutdown()
 
@@ -331,47 +336,60 @@ class RLProcess:
     # ------------------------------------------------------------------ generation
     def _generate_step(self, t: int, version: int, sync_s: float) -> None:
         from hetero.rl.generate import generate
-        from hetero.rl.grpo import group_advantages
-        from hetero.rl.rollout import groups_of, pack_group, sequence_logprobs, step_prompts
+        from hetero.rl.rollout import groups_of, step_prompts
 
         job = self.job
         P, G = job["prompts_per_step"], job["group_size"]
         chosen = step_prompts(job["seed"], t, P, len(self.prompts))
         t0 = time.perf_counter()
+        scoring = None   # the last group: scored by the reward pool while this rank generates the next
         for g in groups_of(self.index, len(self.gen_ranks), P):
             record = self.prompts[chosen[g]]
             ids = self.tokenizer.encode(record.prompt, special=True)
             done = generate(self.whole, [ids], max_new_tokens=job["max_new_tokens"], temperature=job["temperature"],
                             seed=job["seed"], step=t, samples=G, prompt_indices=[g], stop=job["stop"],
                             tokenizer=self.tokenizer, batch_rows=G)
-            rewards = self.rewards.score([record] * G, [c.text for c in done])
-            adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), G)
-            comps = [c.tokens for c in done]
-            ref = None
-            if self.ref is not None:
-                L = max(len(ids) + len(c) for c in comps)
-                seq = torch.zeros(G, L, dtype=torch.int64)
-                for j, c in enumerate(comps):
-                    seq[j, :len(ids) + len(c)] = torch.tensor(ids + c)
-                ref = sequence_logprobs(self.ref, seq.to(self.device), job["temperature"])
-            rows = pack_group(t, g, version, ids, comps, rewards, adv, ref, self.model.seq_length, sync_s,
-                              time.perf_counter() - t0)
-            self.channel.put(t, g, rows)
+            rewards = self.scorer.submit(self.rewards.score, [record] * G, [c.text for c in done])
+            if scoring is not None:
+                self._put_group(t, version, sync_s, t0, *scoring)
+            scoring = (g, ids, [c.tokens for c in done], rewards)
+        if scoring is not None:
+            self._put_group(t, version, sync_s, t0, *scoring)
         self.channel.wait_sent(t - self.staleness - 1)
+
+    def _put_group(self, t: int, version: int, sync_s: float, t0: float, g: int, ids: list[int],
+                   comps: list[list[int]], rewards) -> None:
+        """Group ``g`` of step ``t`` down the channel once its rewards (a future) are in."""
+        from hetero.rl.grpo import group_advantages
+        from hetero.rl.rollout import pack_group, sequence_logprobs
+
+        job, G = self.job, self.job["group_size"]
+        rewards = rewards.result()   # a reward that failed raises here, as it would have in score()
+        adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), G)
+        ref = None
+        if self.ref is not None:
+            L = max(len(ids) + len(c) for c in comps)
+            seq = torch.zeros(G, L, dtype=torch.int64)
+            for j, c in enumerate(comps):
+                seq[j, :len(ids) + len(c)] = torch.tensor(ids + c)
+            ref = sequence_logprobs(self.ref, seq.to(self.device), job["temperature"])
+        rows = pack_group(t, g, version, ids, comps, rewards, adv, ref, self.model.seq_length, sync_s,
+                          time.perf_counter() - t0)
+        self.channel.put(t, g, rows)
 
     def _evaluate(self) -> list[tuple[int, float]]:
         """Greedy completions of this rank's share of the eval prompts, scored: (prompt index, reward)."""
         from hetero.rl.generate import generate
 
         mine = list(range(self.gen_ranks.index(self.rank), len(self.eval_prompts), len(self.gen_ranks)))
-        out = []
+        texts = []
         for i in mine:
-            record = self.eval_prompts[i]
-            ids = self.tokenizer.encode(record.prompt, special=True)
+            ids = self.tokenizer.encode(self.eval_prompts[i].prompt, special=True)
             done = generate(self.whole, [ids], max_new_tokens=self.job["max_new_tokens"], temperature=0.0,
                             stop=self.job["stop"], tokenizer=self.tokenizer, batch_rows=1)
-            out.append((i, self.rewards.score([record], [done[0].text])[0]))
-        return out
+            texts.append(done[0].text)
+        # one batch for the reward pool: a round trip to its processes costs more than a tiny reward
+        return list(zip(mine, self.rewards.score([self.eval_prompts[i] for i in mine], texts)))
 
     # ------------------------------------------------------------------ statistics and summary
     def _step_stats(self, t: int) -> dict:
