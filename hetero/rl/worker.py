@@ -89,6 +89,9 @@ class RLProcess:
         families = [self.cluster.device_type(r.group).family for r in self.layout.ranks] + \
             [self.cluster.device_type(r["group"]).family for r in rollout]
         self.device = rank_device(families[rank])
+        groups = [r.group for r in self.layout.ranks] + [r["group"] for r in rollout]
+        self.slowdown = float(self.cluster.device_type(groups[rank]).slowdown)
+        """An emulated slower device generates as training computes on it: really, then waits."""
         self.comm = Collectives.init(rank, self.world, opts.timeout_s, describe=self.describe, vendors=vendors,
                                      device=self.device, device_types=[torch_device_type(f) for f in families])
         _write(base + ".ready", "ok")
@@ -337,6 +340,8 @@ class RLProcess:
     def _generate_step(self, t: int, version: int, sync_s: float) -> None:
         from hetero.rl.generate import generate
         from hetero.rl.rollout import groups_of, step_prompts
+        from hetero.runtime.device import waiter
+        from hetero.runtime.pipeline import timed
 
         job = self.job
         P, G = job["prompts_per_step"], job["group_size"]
@@ -346,9 +351,10 @@ class RLProcess:
         for g in groups_of(self.index, len(self.gen_ranks), P):
             record = self.prompts[chosen[g]]
             ids = self.tokenizer.encode(record.prompt, special=True)
-            done = generate(self.whole, [ids], max_new_tokens=job["max_new_tokens"], temperature=job["temperature"],
-                            seed=job["seed"], step=t, samples=G, prompt_indices=[g], stop=job["stop"],
-                            tokenizer=self.tokenizer, batch_rows=G)
+            done, _, _ = timed(lambda: generate(
+                self.whole, [ids], max_new_tokens=job["max_new_tokens"], temperature=job["temperature"],
+                seed=job["seed"], step=t, samples=G, prompt_indices=[g], stop=job["stop"],
+                tokenizer=self.tokenizer, batch_rows=G), self.slowdown, waiter(self.device))
             rewards = self.scorer.submit(self.rewards.score, [record] * G, [c.text for c in done])
             if scoring is not None:
                 self._put_group(t, version, sync_s, t0, *scoring)
