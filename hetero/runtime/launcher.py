@@ -639,7 +639,14 @@ def _failure_message(job: _Job, layout: RankLayout, errors: list[dict], failed: 
             n = job.launch.nodes[s]
             lines.append(f"node slot {s} ({n.group} node {n.node}, ranks {n.first_rank}-{n.first_rank + n.num_ranks - 1}) "
                          f"exited with status {code}")
-    others = [e for e in errors[1:]]
+    # ranks that failed with the first one's message (every rank loading another model's checkpoint)
+    # are named, not the message again; the others' messages follow, clipped
+    same = [e for e in errors[1:] if e.get("message") == errors[0].get("message")]
+    if same:
+        lines.append("the same on rank{} {}".format("s" if len(same) > 1 else "",
+                                                    ", ".join(str(e.get("rank")) for e in same)))
+    others = [e for e in errors[1:] if e not in same]
     if others:
-        lines.append("then: " + "; ".join(f"rank {e['rank']}: {clip(e['message'], 160)}" for e in others[:4]))
+        more = f"; and {len(others) - 4} more" if len(others) > 4 else ""
+        lines.append("then: " + "; ".join(f"rank {e['rank']}: {clip(e['message'], 160)}" for e in others[:4]) + more)
     return "training failed: " + "\n  ".join(lines)
