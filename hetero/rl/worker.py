@@ -9,7 +9,7 @@ copy (and its KV cache) before training. A step:
 
 1. weights of version ``v`` (``v`` updates done) reach every whole copy (:mod:`hetero.rl.sync`);
 2. each generating rank samples its prompt groups (:mod:`hetero.rl.rollout`), scores them with the
-   reward pool and sends each finished group down the channel (:mod:`hetero.rl.channel`);
+   reward pool (one batch a step) and sends each group down the channel (:mod:`hetero.rl.channel`);
 3. the actor trains one update on the step's samples as they arrive (:mod:`hetero.rl.actor`).
 
 With ``staleness: k`` the rollout ranks generate step ``t`` with version ``max(0, t - k)`` while the
@@ -187,10 +187,6 @@ class RLProcess:
         self.eval_prompts = [PromptRecord(*p) for p in self.cfg["eval_prompts"]]
         self.rewards = RewardPool(RewardRef(**self.cfg["reward"]), workers=self.cfg.get("reward_workers", 1),
                                   timeout_s=self.spec.options.timeout_s)
-        from concurrent.futures import ThreadPoolExecutor
-
-        # calls the reward pool (and waits for it) while the main thread generates the next group
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="rewards")
         self.index = self.gen_ranks.index(self.rank)
         if self.spec.options.load and not self.is_actor:
             self._load(self.spec.options.load)
@@ -207,7 +203,6 @@ class RLProcess:
             self._finish(rows)
         finally:
             if self.generates:
-                self.scorer.shutdown(wait=False, cancel_futures=True)
                 self.rewards.close()
         self.comm.shutdown()
 
@@ -347,7 +342,7 @@ class RLProcess:
         P, G = job["prompts_per_step"], job["group_size"]
         chosen = step_prompts(job["seed"], t, P, len(self.prompts))
         t0 = time.perf_counter()
-        scoring = None   # the last group: scored by the reward pool while this rank generates the next
+        made = []
         for g in groups_of(self.index, len(self.gen_ranks), P):
             record = self.prompts[chosen[g]]
             ids = self.tokenizer.encode(record.prompt, special=True)
@@ -355,22 +350,23 @@ class RLProcess:
                 self.whole, [ids], max_new_tokens=job["max_new_tokens"], temperature=job["temperature"],
                 seed=job["seed"], step=t, samples=G, prompt_indices=[g], stop=job["stop"],
                 tokenizer=self.tokenizer, batch_rows=G), self.slowdown, waiter(self.device))
-            rewards = self.scorer.submit(self.rewards.score, [record] * G, [c.text for c in done])
-            if scoring is not None:
-                self._put_group(t, version, sync_s, t0, *scoring)
-            scoring = (g, ids, [c.tokens for c in done], rewards)
-        if scoring is not None:
-            self._put_group(t, version, sync_s, t0, *scoring)
+            made.append((g, record, ids, done))
+        # one batch for the reward pool: a round trip to its processes (a few ms on loaded cores) costs
+        # more than generating a group of a small model, and scoring on a thread beside the generation
+        # slowed the generation more than it hid
+        rewards = self.rewards.score([record for _, record, _, _ in made for _ in range(G)],
+                                     [c.text for *_, done in made for c in done])
+        for k, (g, _, ids, done) in enumerate(made):
+            self._put_group(t, version, sync_s, t0, g, ids, [c.tokens for c in done], rewards[k * G:(k + 1) * G])
         self.channel.wait_sent(t - self.staleness - 1)
 
     def _put_group(self, t: int, version: int, sync_s: float, t0: float, g: int, ids: list[int],
-                   comps: list[list[int]], rewards) -> None:
-        """Group ``g`` of step ``t`` down the channel once its rewards (a future) are in."""
+                   comps: list[list[int]], rewards: list[float]) -> None:
+        """Group ``g`` of step ``t`` down the channel: its advantages, reference log-probs, row."""
         from hetero.rl.grpo import group_advantages
         from hetero.rl.rollout import pack_group, sequence_logprobs
 
         job, G = self.job, self.job["group_size"]
-        rewards = rewards.result()   # a reward that failed raises here, as it would have in score()
         adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), G)
         ref = None
         if self.ref is not None:
@@ -394,7 +390,7 @@ class RLProcess:
             done = generate(self.whole, [ids], max_new_tokens=self.job["max_new_tokens"], temperature=0.0,
                             stop=self.job["stop"], tokenizer=self.tokenizer, batch_rows=1)
             texts.append(done[0].text)
-        # one batch for the reward pool: a round trip to its processes costs more than a tiny reward
+        # one batch for the reward pool, as a step's groups
         return list(zip(mine, self.rewards.score([self.eval_prompts[i] for i in mine], texts)))
 
     # ------------------------------------------------------------------ statistics and summary
