@@ -291,6 +291,33 @@ def test_experts_of_a_rank_that_receives_no_rows_get_zero_gradients():
     assert all(g is not None and not g.any() for g in grads.values()), grads
 
 
+def test_an_emulated_slower_device_reaches_each_exchange_late():
+    """slowdown 2: 50 ms of compute, an exchange (30 ms), 50 ms more. The exchange starts after the
+    first compute's slowed 100 ms (not at 50 ms, as when the whole wait came at the end), and the end
+    waits for the second compute only: 100 + 30 + 100 ms in all, the exchange never slowed."""
+    import time
+
+    from hetero.runtime.expert_parallel import paced
+    from hetero.runtime.pipeline import timed
+
+    started = []
+
+    def exchange(out, inp, out_splits, in_splits):
+        started.append(time.perf_counter())
+        time.sleep(0.03)
+        return out
+
+    def forward():
+        time.sleep(0.05)
+        paced(exchange)(None, None, [], [])
+        time.sleep(0.05)
+
+    t0 = time.perf_counter()
+    _, _, seconds = timed(forward, 2.0)
+    assert started[0] - t0 >= 0.1
+    assert 0.23 <= seconds < 0.27
+
+
 def _no_tokens_rank(comm, model):
     """Every token routed to experts 0..5 (rank 0's): rank 1 receives no rows, yet runs the backward's
     exchanges as rank 0 does; returns the input gradients."""

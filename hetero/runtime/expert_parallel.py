@@ -243,7 +243,15 @@ def apply_expert_parallel(module: nn.Module, placement: ExpertPlacement, rank: i
     for name, moe in moe_layers_of(module).items():
         layer = int(name.split(".")[1])
         g = placement.group_of(layer, rank)
-        shard_moe(moe, ExpertGroup(in_rank_order(comm, g), placement.ranges, g.index(rank)))
+        shard_moe(moe, ExpertGroup(paced(in_rank_order(comm, g)), placement.ranges, g.index(rank)))
+
+
+def paced(exchange: AllToAll) -> AllToAll:
+    """``exchange`` met as an emulated slower device reaches it (:func:`hetero.runtime.pacing.meeting`):
+    the group meets at every exchange, so a slower rank must arrive late at each."""
+    from hetero.runtime.pacing import meeting
+
+    return lambda out, inp, out_splits, in_splits: meeting(lambda: exchange(out, inp, out_splits, in_splits))
 
 
 def in_rank_order(comm, group: Sequence[int]) -> AllToAll:

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from hetero.errors import HeteroError
+from hetero.runtime import pacing
 from hetero.runtime.device import waiter
 from hetero.runtime.model import backward_loss, loss_value
 
@@ -98,16 +99,23 @@ def timed(fn: Callable[[], object], slowdown: float = 1.0,
     ``wait``: blocks until the device has run what was queued, called before and after ``fn`` so
     that asynchronous (accelerator) work is timed, not its queuing. ``comm_wait``: seconds this rank
     has waited for communication so far (a forward waiting for ZeRO's parameter all-gather), which
-    is not compute and is not slowed."""
+    is not compute and is not slowed. Collectives that other ranks meet inside ``fn`` (an expert-parallel
+    exchange) wait for the compute before them as they start (:func:`hetero.runtime.pacing.meeting`);
+    the end waits for the rest."""
     if wait:
         wait()
     waited = comm_wait() if comm_wait else 0.0
     wall = time.time()
     t0 = time.perf_counter()
-    out = fn()
+    span = pacing.Span(slowdown, wait)   # collectives met inside (expert parallelism) pace it: pacing.meeting
+    previous = pacing.enter(span)
+    try:
+        out = fn()
+    finally:
+        pacing.leave(previous)
     if wait:
         wait()
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 - span.inside - span.paced
     if comm_wait:
         dt -= comm_wait() - waited
     if slowdown > 1.0:
