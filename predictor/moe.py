@@ -170,10 +170,16 @@ def _layer_delta(cm, stage, mbs: int, imbalance: float, members: list[Member]) -
     return router_f + shared_f + ef - f_dense, router_b + shared_b + eb - b_dense
 
 
+EXCHANGES = {True: 3, False: 2}
+"""All-to-alls of one MoE layer per micro-batch: forward the counts, the dispatch and the combine;
+backward the two row exchanges again (:class:`hetero.runtime.expert_parallel.ExpertGroup`)."""
+
+
 def all_to_all_time(cm, model: ModelSpec, members: list[Member], tokens: int, forward: bool = True) -> float:
     """One MoE layer's exchanges of a group, forward or backward (:func:`link_bytes`): the busiest
     member's sent bytes, each peer over the link between their groups (same group: its intra-node
-    link), the links' latency once per peer."""
+    link), and each exchange (:data:`EXCHANGES`) pays each peer's link latency: they are separate
+    collectives, one after another, each waiting for the last."""
     sent = link_bytes(model, [tokens] * len(members), [m.experts for m in members], forward)
     worst = 0.0
     for i, a in enumerate(members):
@@ -181,7 +187,7 @@ def all_to_all_time(cm, model: ModelSpec, members: list[Member], tokens: int, fo
         for j, b in enumerate(members):
             if i != j and sent[i][j] > 0:
                 link = cm.cluster.link_between(a.group, b.group)
-                t += link.transfer_time(sent[i][j])
+                t += link.transfer_time(sent[i][j]) + (EXCHANGES[forward] - 1) * link.latency
         worst = max(worst, t)
     return worst * max(cm.factors(m.group).communication for m in members)
 
@@ -234,5 +240,5 @@ def expert_activation_bytes(model: ModelSpec, tokens: int, degree: int, experts:
     return worst * per_row - dense
 
 
-__all__ = ["mlp_forward_ops", "received_assignments", "expert_times", "all_to_all_bytes", "link_bytes", "all_to_all_time",
+__all__ = ["EXCHANGES", "mlp_forward_ops", "received_assignments", "expert_times", "all_to_all_bytes", "link_bytes", "all_to_all_time",
            "layer_delta", "expert_state_bytes", "expert_activation_bytes", "expert_sync_time", "Member"]

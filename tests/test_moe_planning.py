@@ -90,6 +90,20 @@ def test_the_all_to_all_bytes_per_link_as_a_matrix():
     assert sum(three[1]) == pytest.approx(200 * 2 * (6 + 2) / 12 * row)
 
 
+def test_each_exchange_of_an_moe_layer_pays_the_link_latency():
+    """Forward: three separate all-to-alls (counts, dispatch, combine), backward two; each pays the
+    link's latency to the peer, the bytes its bandwidth once."""
+    cluster, model = _cluster(), hetero.load_model(MOE)
+    cm = cost_model_for(cluster, model)
+    members = [moe.Member("fast", 1, 8), moe.Member("slow", 1, 4)]
+    link = cluster.link_between("fast", "slow")
+    for forward, exchanges in ((True, 3), (False, 2)):
+        sent = moe.link_bytes(model, [256, 256], [8, 4], forward)
+        worst = max(sent[0][1], sent[1][0])
+        want = exchanges * link.latency + worst / link.bandwidth
+        assert moe.all_to_all_time(cm, model, members, 256, forward) == pytest.approx(want * cm.factors("fast").communication)
+
+
 def test_the_bytes_charged_per_link_are_the_bytes_the_runtimes_exchange_moves():
     """For a balanced routing, the predictor's bytes per link of one MoE layer's forward equal
     hetero.runtime.expert_parallel.exchange_bytes (dispatch, combine and the counts)."""
