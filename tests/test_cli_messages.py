@@ -181,14 +181,16 @@ def test_the_reconfiguration_table_says_whether_processes_restarted(capsys):
 
 
 def test_the_reconfiguration_table_names_the_devices_the_replanner_had(capsys):
-    """'elastic: replanned on 3 device(s)' printed beside a row 'ranks 4 -> 2': the new plan uses 2 of
-    the 3 devices left, and the row says so."""
+    """'elastic: replanned for the 3 device(s) left ...: a plan on 2 of them' printed beside a row
+    'ranks 4 -> 2': the new plan uses 2 of the 3 devices left, and the row says so too."""
     from rich.console import Console
 
-    from hetero.runtime.elastic.report import reconfiguration_table
+    from hetero.runtime.elastic.report import reconfiguration_table, replanned
 
     row = {"step": 4, "reason": "rank 3 failed", "world_size_before": 4, "world_size_after": 2, "devices_left": 3,
            "predicted_tokens_per_s": 1000.0}
     Console(width=400).print(reconfiguration_table([row, {**row, "world_size_after": 3}]))
     out = capsys.readouterr().out
     assert "4 -> 2 (of 3 devices left)" in out and "4 -> 3 " in out and "4 -> 3 (" not in out, out
+    assert replanned(3, 2, "0.01 s") == "elastic: replanned for the 3 device(s) left in 0.01 s: a plan on 2 of them"
+    assert replanned(3, 3, "0.01 s").endswith("a plan on all 3")

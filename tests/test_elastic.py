@@ -131,7 +131,10 @@ def test_lost_rank_is_replanned_around_with_the_losses_of_a_run_that_lost_nothin
     assert 0 < rc["handoff_time_s"] < rc["reshard_time_s"] < 60
     # the final summary describes the new plan's ranks, none of them on the lost device's slot
     assert len(summary["ranks"]) == rc["world_size_after"]
-    assert "elastic: replanned on 3 device(s)" in proc.stdout
+    assert "elastic: replanned for the 3 device(s) left" in proc.stdout
+    # the line names the ranks the new plan uses, as the table's row does (ranks 4 -> 2 (of 3 devices left))
+    assert f"a plan on {'all 3' if rc['world_size_after'] == 3 else str(rc['world_size_after']) + ' of them'}, " \
+        in proc.stdout, proc.stdout
     # the survivors say once, briefly, that they lost a peer: no timeout that was never waited for
     assert "timed out" not in proc.stderr and "within its timeout" not in proc.stderr, proc.stderr
     # in-process: the survivors kept their processes and moved exactly the transition's intersections

@@ -47,7 +47,7 @@ from hetero.runtime.elastic.plans import Ahead, Generation, assign_ranks
 from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
 from hetero.runtime.elastic.processes import start_worker
 from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, generation_dir, timing_key
-from hetero.runtime.elastic.report import seconds_cell
+from hetero.runtime.elastic.report import replanned, seconds_cell
 from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
 
 STEP_POLL_S = 0.005
@@ -352,7 +352,7 @@ class LiveRun:
             pids={r: now.procs[r].pid for r in survivors}, lost_slices=lost_slices))
         decided = time.time()
         replan_s = time.perf_counter() - t0
-        self.print_fn(f"elastic: replanned on {ahead.cluster.num_devices} device(s) in {replan_s:.2f} s: "
+        self.print_fn(f"{replanned(ahead.cluster.num_devices, ahead.layout.world_size, f'{replan_s:.2f} s')}, "
                       f"{ahead.result.one_line} (predicted {ahead.result.tokens_per_s:,.0f} tokens/s); "
                       f"{len(survivors)} surviving rank(s) at step {step} reshard in-process")
         rc = {"step": step + 1, "reason": reason, "world_size_before": now.layout.world_size,

@@ -23,9 +23,17 @@ def reconfiguration_table(reconfigurations: list[dict]):
     return table
 
 
+def replanned(devices_left: int, ranks: int, seconds: str) -> str:
+    """The launcher's 'replanned' line up to the plan: the devices the replanner had and the ranks
+    its plan uses, which can be fewer (the reconfiguration table's row reads 'ranks 4 -> 2 (of 3
+    devices left)'), so the two never seem to disagree."""
+    used = f"all {ranks}" if ranks == devices_left else f"{ranks} of them"
+    return f"elastic: replanned for the {devices_left} device(s) left in {seconds}: a plan on {used}"
+
+
 def _ranks_cell(rc: dict) -> str:
     """The world sizes, and the devices the replanner had when its plan uses fewer of them (the
-    'replanned on 3 device(s)' line beside ranks 4 -> 2)."""
+    launcher's line says 'replanned for the 3 device(s) left ...: a plan on 2')."""
     cell = f"{rc['world_size_before']} -> {rc['world_size_after']}"
     left = rc.get("devices_left")
     return cell if left is None or left == rc["world_size_after"] else f"{cell} (of {left} devices left)"

@@ -44,6 +44,7 @@ import time
 
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
+from hetero.runtime.elastic.report import replanned
 from hetero.specs.cluster import without_devices
 
 @dataclasses.dataclass
@@ -227,7 +228,8 @@ def _recover(failure, launch, attempt, holders, model, done, reconfigurations, t
     cluster = without_devices(attempt.cluster, lost)
     result = replan(cluster, model, attempt.plan)
     replanned_at = time.time()
-    print_fn(f"elastic: replanned on {cluster.num_devices} device(s) in {replanned_at - handed_at:.1f} s: "
+    ranks = sum(result.plan.devices_by_group().values())
+    print_fn(f"{replanned(cluster.num_devices, ranks, f'{replanned_at - handed_at:.1f} s')}, "
              f"{result.one_line} (predicted {result.tokens_per_s:,.0f} tokens/s)")
     reconfigurations.append(_record(step, reason, layout, cluster, result, failure.time, handed_at - failure.time,
                                     replanned_at - handed_at, added=0, removed=len(lost)))
