@@ -19,7 +19,6 @@ import pytest
 
 from _spawn import end_launcher, free_port, processes_naming
 from helpers import GPT, LR, ROOT, local_cluster, write_yaml
-from hetero.runtime.elastic.live import MACHINE_LOST_AFTER_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -75,7 +74,8 @@ def test_the_other_machine_lost_whole_is_survived_in_process(tmp_path):
     # long enough for the kill to land while it trains; a smaller learning rate than the suite's, so
     # that two replicas and one device (another reduction order) stay within RTOL over every step
     steps, lr = 150, 1e-3
-    procs = _calls(tmp_path, steps, lr=lr)
+    lost_after = 3.5   # --machine-lost-after: above the 2 s default, so that honouring it shows
+    procs = _calls(tmp_path, steps, "--machine-lost-after", str(lost_after), lr=lr)
     try:
         deadline = time.monotonic() + 150
         while not (tmp_path / "run1" / "attempt0" / "rank1.ready").exists():
@@ -100,8 +100,8 @@ def test_the_other_machine_lost_whole_is_survived_in_process(tmp_path):
     assert len(losses) == steps and sum(loss is None for loss in losses) <= 1
     assert [x for x in losses if x is not None] == pytest.approx(
         [r for x, r in zip(losses, reference) if x is not None], rel=1e-3)
-    # the loss is seen once the heartbeat has stood still for MACHINE_LOST_AFTER_S
-    assert MACHINE_LOST_AFTER_S <= rc["reshard_time_s"] < MACHINE_LOST_AFTER_S + 5, rc
+    # the loss is seen once the heartbeat has stood still for --machine-lost-after seconds
+    assert lost_after <= rc["reshard_time_s"] < lost_after + 5, rc
     assert ended_at - killed_at < 120
     assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
 

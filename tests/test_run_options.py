@@ -39,12 +39,13 @@ def test_the_cli_names_each_flag_and_exits_1(capsys):
     from hetero.cli import main
 
     rc = main(["launch", "--cluster", FILES[0], "--model", FILES[1], "--plan", FILES[2], "--dry-run",
-               "--steps", "0", "--lr", "-1", "--timeout", "0", "--inject-failure", "0:2"])
+               "--steps", "0", "--lr", "-1", "--timeout", "0", "--inject-failure", "0:2", "--machine-lost-after", "0.1"])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "error: --steps 0: out of range (fix: give at least 1 step" in err
     assert "error: --lr -1.0: out of range" in err and "error: --timeout 0.0: out of range" in err
     assert "error: --inject-failure 0:2: out of range (fix: STEP is 1-based" in err
+    assert "error: --machine-lost-after 0.1: out of range (fix: give seconds >= 0.5" in err
 
 
 def test_every_field_is_documented_and_the_cli_help_is_that_documentation(capsys):

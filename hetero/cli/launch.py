@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=default("timeout_s"), metavar="SEC", help=doc("timeout_s"))
     p.add_argument("--inject-failure", metavar="STEP:RANK", help=doc("inject_failure"))
     p.add_argument("--elastic", action="store_true", help=doc("elastic"))
+    p.add_argument("--machine-lost-after", type=float, default=default("machine_lost_after_s"), metavar="SEC",
+                   help=doc("machine_lost_after_s"))
     p.add_argument("--lr", type=float, default=default("lr"), help=doc("lr"))
     p.add_argument("--lr-schedule", choices=SCHEDULES, default=default("lr_schedule"), help=doc("lr_schedule"))
     p.add_argument("--warmup-steps", type=int, default=default("warmup_steps"), metavar="N", help=doc("warmup_steps"))
@@ -128,7 +130,7 @@ def _check_inputs(args) -> None:
             check_output(value, flag)
 
 
-_DEST_OF = {"timeout_s": "timeout"}
+_DEST_OF = {"timeout_s": "timeout", "machine_lost_after_s": "machine_lost_after"}
 """RunOptions fields whose flag has another name (``--timeout`` sets ``timeout_s``)."""
 
 
@@ -169,7 +171,7 @@ def run(args) -> int:
     try:   # every out-of-range value at once, each said of its flag
         options = RunOptions(steps=args.steps, seed=args.seed,
                              data=os.path.abspath(args.data) if args.data else None,
-                             engine=args.engine, timeout_s=args.timeout,
+                             engine=args.engine, timeout_s=args.timeout, machine_lost_after_s=args.machine_lost_after,
                              summary=os.path.abspath(args.summary) if args.summary else None,
                              trace=os.path.abspath(args.trace) if args.trace else None,
                              inject_failure=parse_failure(args.inject_failure), lr=args.lr,

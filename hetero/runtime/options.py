@@ -103,6 +103,10 @@ class RunOptions:
     under a new plan). Native engine; one machine launching every node slot, or one ``--node-rank`` call per
     machine (a lost worker or machine survived, no joins: docs/elastic.md); with ZeRO only the deliberate
     changes (a failure ends the run)."""
+    machine_lost_after_s: float = 2.0
+    """Elastic runs over several machines: a machine whose launcher's heartbeat (every 0.2 s) has stood still
+    this many seconds is lost, its workers with it (default 2; at least 0.5). Shorter: a lost machine's
+    downtime is shorter; too short: a machine slowed past it (swapping, a long pause) is taken for lost."""
 
     # --- outputs ---
     summary: str | None = None
@@ -158,6 +162,7 @@ def _count(v) -> bool:
 _RANGES = (   # field, whether the value is in range, fix
     ("steps", _count, "give at least 1 step, e.g. 5"),
     ("timeout_s", _finite(0, True), "give seconds > 0, e.g. 60"),
+    ("machine_lost_after_s", _finite(0.5, False), "give seconds >= 0.5 (2.5 heartbeats), e.g. 2"),
     ("lr", _finite(0, True), "give a positive learning rate, e.g. 1e-3"),
     ("warmup_steps", lambda v: _is_int(v) and v >= 0, "give a number of steps >= 0 (0: no warm-up)"),
     ("min_lr", _finite(0, False), "give a learning rate >= 0, at most lr"),

@@ -51,10 +51,6 @@ from hetero.runtime.elastic.report import replanned, seconds_cell
 from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
 
 STEP_POLL_S = 0.005
-MACHINE_LOST_AFTER_S = 2.0
-"""A machine whose launcher's heartbeat (every 0.2 s) has not moved for this long is lost, its workers
-with it (:class:`~.remote.RemoteWorker`): most of a lost machine's downtime, since the survivors see
-their connections to it close within 0.3 s and wait for the decision."""
 
 
 class LiveRun:
@@ -99,7 +95,7 @@ class LiveRun:
                                                         self.coordinator.port)
                 else:   # started by its own machine's launcher
                     self.now.procs[rank] = RemoteWorker(self.coordinator.store, rank, cmd.slot,
-                                                        lost_after_s=MACHINE_LOST_AFTER_S)
+                                                        lost_after_s=self.options.machine_lost_after_s)
         threading.Thread(target=self._plan_ahead, daemon=True).start()
 
     def _plan_ahead(self) -> None:
