@@ -161,11 +161,13 @@ class MoEMLP(nn.Module):
             grouped = uses_grouped_gemm(xs.device, dtype) and all(w % 8 == 0 for w in widths)
         if grouped:
             return self._grouped(xs, counts, dtype)
-        # every expert runs, an expert with no rows on an empty chunk: its weights get a zero gradient
-        # rather than none, so the optimizer steps every expert every step (AdamW moves an expert that
-        # saw no token on its moments) on one device as in any data- or expert-parallel run, whose
-        # gradient sums fill a missing gradient with zeros
-        parts = [self.experts[e](chunk) for e, chunk in enumerate(xs.split(counts.tolist()))]
+        # with gradients on, every expert runs, an expert with no rows on an empty chunk: its weights get
+        # a zero gradient rather than none, so the optimizer steps every expert every step (AdamW moves
+        # an expert that saw no token on its moments) on one device as in any data- or expert-parallel
+        # run, whose gradient sums fill a missing gradient with zeros; without (generation) it is skipped
+        grad = torch.is_grad_enabled()
+        sizes = counts.tolist()
+        parts = [self.experts[e](chunk) for e, chunk in enumerate(xs.split(sizes)) if sizes[e] or grad]
         return torch.cat(parts) if parts else xs.new_zeros(0, xs.shape[-1])
 
     def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
