@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,17 +28,32 @@ PLAN = {"global_batch_size": 8, "micro_batch_size": 2,
                       {"micro_batches": 2, "stages": [{"group": "slow", "layers": [0, 4]}]}]}
 
 
-def _calls(tmp_path, steps: int, *extra: str, lr: float = LR) -> list[subprocess.Popen]:
-    cluster = write_yaml(tmp_path, "cluster.yaml", local_cluster(
-        devices=1, slowdown=None, hosts=(["127.0.0.1"], ["127.0.0.2"]), name="loop"))
-    model, plan, port = write_yaml(tmp_path, "model.yaml", GPT), write_yaml(tmp_path, "plan.yaml", PLAN), free_port()
+HOSTS = (["127.0.0.1"], ["127.0.0.2"])
+
+
+def _calls(tmp_path, steps: int, *extra: str, lr: float = LR, clusters=(None, None),
+           plan: dict = PLAN) -> list[subprocess.Popen]:
+    """Both hosts' calls; ``clusters``: each call's cluster file (default: both hosts, one device each)."""
+    default = write_yaml(tmp_path, "cluster.yaml", local_cluster(devices=1, slowdown=None, hosts=HOSTS, name="loop"))
+    model, plan, port = write_yaml(tmp_path, "model.yaml", GPT), write_yaml(tmp_path, "plan.yaml", plan), free_port()
     return [subprocess.Popen(
-        [sys.executable, "-m", "hetero", "launch", "--cluster", cluster, "--model", model, "--plan", plan,
-         "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--timeout", "30", "--quiet", "--elastic",
-         "--node-rank", str(r), "--master-port", str(port), "--run-dir", str(tmp_path / f"run{r}"),
+        [sys.executable, "-m", "hetero", "launch", "--cluster", clusters[r] or default, "--model", model,
+         "--plan", plan, "--steps", str(steps), "--seed", "0", "--lr", str(lr), "--timeout", "30", "--quiet",
+         "--elastic", "--node-rank", str(r), "--master-port", str(port), "--run-dir", str(tmp_path / f"run{r}"),
          "--summary", str(tmp_path / f"s{r}.json"), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for r in (0, 1)]
+
+
+def _outputs(tmp_path, procs, between=lambda: None) -> list[tuple[str, str]]:
+    """Both calls' (stdout, stderr) once they ended (``between``: done first); whatever is left of
+    them is ended either way."""
+    try:
+        between()
+        return [p.communicate(timeout=200) for p in procs]
+    finally:
+        for r, p in enumerate(procs):
+            end_launcher(p, str(tmp_path / f"run{r}"))
 
 
 def _reference(steps: int, lr: float = LR) -> list[float]:
@@ -53,11 +69,7 @@ def test_a_lost_worker_is_survived_in_process_on_the_other_machine(tmp_path, los
     trains on in its process; when rank 0 is lost the survivor finishes as rank 0 on the second host,
     whose launcher sends the summary to node slot 0's call, which writes it."""
     procs = _calls(tmp_path, 5, "--inject-failure", f"3:{lost}")
-    try:
-        outs = [p.communicate(timeout=200) for p in procs]
-    finally:
-        for r, p in enumerate(procs):
-            end_launcher(p, str(tmp_path / f"run{r}"))
+    outs = _outputs(tmp_path, procs)
     assert [p.returncode for p in procs] == [0, 0], outs
     summary = json.loads((tmp_path / "s0.json").read_text())
     (rc,) = summary["reconfigurations"]
@@ -122,4 +134,39 @@ def test_a_lost_coordinator_machine_ends_the_others_without_orphans(tmp_path):
         for r, p in enumerate(procs):
             end_launcher(p, str(tmp_path / f"run{r}"))
     assert procs[1].returncode == 1 and "lost the coordinator" in err and "Traceback" not in err, err[-3000:]
+    assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))
+
+
+@pytest.mark.timeout(300)
+def test_a_machine_that_joins_is_taken_in_while_training_goes_on(tmp_path):
+    """The run starts on the first host alone; the cluster file then gets a group on the second host
+    and a call with --node-rank 1 starts there: node slot 0's launcher replans, that call starts the
+    new plan's rank as a joiner while the first trains on, and both reshard in-process, with the
+    losses of a run that changed nothing."""
+    steps, lr = 220, 1e-3   # the joiner starts in about 6 s here (step ~140 of the first host alone)
+    cluster = write_yaml(tmp_path, "alone.yaml", local_cluster(devices=(1, 0), slowdown=None, hosts=HOSTS,
+                                                               name="loop"))
+    grown = write_yaml(tmp_path, "grown.yaml", local_cluster(devices=1, slowdown=None, hosts=HOSTS, name="loop"))
+    # the second host's call starts with the grown cluster file (its slot is in it) and waits to be taken
+    # in; the first host's file grows once its run trains (replaced whole, as an editor saving it does)
+    procs = _calls(tmp_path, steps, lr=lr, clusters=(cluster, grown), plan={
+        "global_batch_size": 8, "micro_batch_size": 2,
+        "pipelines": [{"micro_batches": 4, "stages": [{"group": "fast", "layers": [0, 4]}]}]})
+
+    def grow():
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "run0" / "attempt0" / "rank0.ready").exists():
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].stderr.read()[-3000:]
+            time.sleep(0.05)
+        edit = tmp_path / "edit.yaml"
+        shutil.copyfile(grown, edit)
+        os.replace(edit, cluster)
+
+    outs = _outputs(tmp_path, procs, grow)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    summary = json.loads((tmp_path / "s0.json").read_text())
+    (rc,) = summary["reconfigurations"]
+    assert rc["path"] == "in-process" and rc["world_size_before"] == 1 and rc["world_size_after"] == 2, rc
+    assert rc["devices_added"] == 1 and rc["joiners"] == 1 and 0 < rc["step"] < steps, rc
+    assert summary["losses"] == pytest.approx(_reference(steps, lr), rel=1e-3)
     assert not processes_naming(str(tmp_path / "run0")) and not processes_naming(str(tmp_path / "run1"))

@@ -101,7 +101,7 @@ class RunOptions:
     batch, and training goes on from that step (:mod:`hetero.runtime.elastic`); devices join or leave on
     purpose by editing the cluster file while the run trains (the ranks pause at a step boundary and go on
     under a new plan). Native engine; one machine launching every node slot, or one ``--node-rank`` call per
-    machine (a lost worker or machine survived, no joins: docs/elastic.md); with ZeRO only the deliberate
+    machine (a lost worker or machine survived, machines join: docs/elastic.md); with ZeRO only the deliberate
     changes (a failure ends the run)."""
     machine_lost_after_s: float = 2.0
     """Elastic runs over several machines: a machine whose launcher's heartbeat (every 0.2 s) has stood still

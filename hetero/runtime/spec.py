@@ -39,7 +39,11 @@ class RunSpec:
     @classmethod
     def load(cls, path: str) -> "RunSpec":
         with open(path) as f:
-            d = json.load(f)
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSpec":
+        """The run file's content as :meth:`save` writes it (sent over the store to another machine)."""
         opts = d["options"]
         if opts.get("inject_failure") is not None:
             opts["inject_failure"] = tuple(opts["inject_failure"])

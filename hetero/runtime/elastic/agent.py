@@ -12,11 +12,15 @@ only watches and reports, through that store:
   :class:`~.remote.RemoteWorker`);
 
 and does what the coordinator asks: a signal to one of its workers (the lost-peer signal, a kill).
+A call whose node slot the running plan does not have is a machine that joins: it beats and waits
+for the coordinator to put ranks there (:func:`~.protocol.join_key`, :mod:`.joiners`), then starts
+them as joining workers of the new plan.
 It returns when the coordinator says the run is over, ending its workers; when the coordinator's
 store is gone without saying so (node slot 0's machine was lost), it ends its workers and fails.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -25,7 +29,8 @@ import time
 
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.processes import start_worker
-from hetero.runtime.elastic.protocol import RUN_OVER_KEY, SUMMARY_KEY, agent_key, worker_key
+from hetero.runtime.elastic.protocol import (INITIAL_SLOTS_KEY, JOIN_ENV, RUN_OVER_KEY, SUMMARY_KEY, agent_key,
+                                             generation_dir, join_key, worker_key)
 
 BEAT_S = 0.2
 """How often this launcher raises its heartbeat counter."""
@@ -35,11 +40,13 @@ POLL_S = 0.01
 class NodeAgent:
     """Node slot ``slot``'s launcher (see the module docstring)."""
 
-    def __init__(self, launch, slot: int, host: str, port: int, print_fn=print):
+    def __init__(self, launch, slot: int, host: str, port: int, print_fn=print, options=None, model=None):
+        """``launch``: this slot's prepared launch, or None for a machine that may join (then
+        ``options`` and ``model`` prepare the new plan's launch once the coordinator names it)."""
         from hetero.runtime.reshard.live import connect
 
-        self.launch, self.slot, self.print_fn = launch, slot, print_fn
-        self.options = launch.spec.options
+        self.launch, self.slot, self.print_fn, self.model = launch, slot, print_fn, model
+        self.options = launch.spec.options if launch is not None else options
         self.host, self.port = host, port
         self.store = connect(port, max(60.0, self.options.timeout_s), host)
         self.procs: dict = {}            # wid -> Popen
@@ -52,7 +59,10 @@ class NodeAgent:
 
         previous = catch_termination()
         try:
-            self._start()
+            if self.launch is None or self.slot not in self._initial_slots():
+                self._join()
+            else:
+                self._start()
             self._serve()
         finally:
             teardown_then_restore(previous, self._teardown)
@@ -63,6 +73,43 @@ class NodeAgent:
         for local in range(cmd.num_ranks):
             wid = cmd.first_rank + local
             self.procs[wid] = start_worker(cmd, local, world, self.launch.spec_path, self.options.extra, self.port,
+                                           host=self.host)
+            self.store.set(worker_key(wid, "pid"), str(self.procs[wid].pid))
+
+    def _initial_slots(self) -> list[int]:
+        self.store.wait([INITIAL_SLOTS_KEY])
+        return json.loads(self.store.get(INITIAL_SLOTS_KEY))
+
+    def _join(self) -> None:
+        """A machine that joins: beat while waiting (up to ``--timeout``) for a change of the cluster
+        file that puts ranks on this node slot, then start them as joining workers of the new plan,
+        prepared here from the plan the coordinator sends."""
+        import hetero
+        from hetero.runtime.launcher import prepare
+
+        self.print_fn(f"elastic: node slot {self.slot} joins the running run; waiting for the cluster file to "
+                      f"put ranks here")
+        key, beat, deadline = join_key(self.slot), 0, time.monotonic() + self.options.timeout_s
+        while not self.store.check([key]):
+            if self.store.check([RUN_OVER_KEY]):
+                raise HeteroError("elastic: the run ended before this machine was taken in")
+            if time.monotonic() > deadline:
+                raise HeteroError(f"elastic: node slot {self.slot} was not taken in within --timeout "
+                                  f"{self.options.timeout_s:g} s (fix: add its node to the cluster file that node "
+                                  f"slot 0's launcher watches, with a device the planner uses)")
+            beat += 1
+            self.store.set(agent_key(self.slot, "beat"), str(beat))
+            time.sleep(BEAT_S)
+        join = json.loads(self.store.get(key))
+        cluster = hetero.load_cluster(join["cluster"], "the coordinator's cluster")
+        plan = hetero.load_plan(join["plan"], cluster, self.model)
+        self.options = dataclasses.replace(self.options, inject_failure=None, load=None)   # as the joiners there
+        self.launch = prepare(cluster, self.model, plan, self.options, master_addr=self.host,
+                              run_dir=generation_dir(self.options.run_dir, join["gen"]), separate=True)
+        cmd = self.launch.nodes[self.slot]
+        for local, wid in ((int(k), v) for k, v in join["ids"].items()):
+            self.procs[wid] = start_worker(cmd, local, self.launch.layout.world_size, self.launch.spec_path,
+                                           self.options.extra, self.port, {JOIN_ENV: f"{join['gen']}:{wid}"},
                                            host=self.host)
             self.store.set(worker_key(wid, "pid"), str(self.procs[wid].pid))
 

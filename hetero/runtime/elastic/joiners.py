@@ -22,6 +22,10 @@ launcher's :class:`~hetero.runtime.elastic.live.LiveRun` holds the pause request
    them reshard in-process as after a failure, the joiners holding no state
    (:func:`hetero.runtime.elastic.joining.join_run`).
 
+Over several machines (``--node-rank`` calls) a joining rank on another machine than node slot
+0's is started by that machine's call (:mod:`.agent`, asked through :func:`~.protocol.join_key`)
+and seen through :class:`~.remote.RemoteWorker`.
+
 A joiner that dies before it is ready, or a change replaced meanwhile, drops the joiners: the
 pause is then asked for at once and the change goes through the handoff and a restart. The
 ``reconfigurations`` entry gets the fields of a leave plus ``joiner_start_s`` (start -> every joiner
@@ -102,7 +106,7 @@ class Joiners:
                 # boundary, which they all-reduce, so that they pause after the same update
                 (p,) = run.now.procs.values()
                 if p.poll() is None:
-                    send_signal(p.pid, getattr(signal, PEER_LOST_SIGNAL))
+                    _signal(p, getattr(signal, PEER_LOST_SIGNAL))
 
     def id(self, new_rank: int) -> int:
         return self.run.now.layout.world_size + new_rank
@@ -127,24 +131,49 @@ class Joiners:
                          f"their state and every worker restarts")
             self.asked_at = time.time()
             return False
-        if live_applies(change.result.plan, opts, launch) is not None:
+        # over several machines (run.slots) the new plan's slots are on other machines too: their ranks are
+        # started there, by a call of that machine that joins (.agent)
+        if run.slots is None and live_applies(change.result.plan, opts, launch) is not None:
             self.asked_at = time.time()
             return False
         self.layout, self.members = layout, members
         self.started_at = time.time()
+        here = run.launch.nodes[0].machine
         for cmd in launch.nodes:
-            for local in range(cmd.num_ranks):
-                nr = cmd.first_rank + local
-                if nr not in joining:
-                    continue
+            local_ranks = [(local, cmd.first_rank + local) for local in range(cmd.num_ranks)
+                           if cmd.first_rank + local in joining]
+            if run.slots is not None and cmd.machine != here and local_ranks:
+                self._start_remote(cmd, local_ranks, change)
+                continue
+            for local, nr in local_ranks:
                 self.procs[nr] = start_worker(cmd, local, layout.world_size, launch.spec_path, opts.extra,
                                               run.coordinator.port, {JOIN_ENV: f"{self.gen}:{self.id(nr)}"})
+        with open(launch.spec_path) as f:   # its content, not its path: running ranks on other machines read it
+            spec = json.load(f)
         for old, nr in members.items():   # the running ranks prepare their new regions while they train
-            run.coordinator.store.set(prepare_key(self.gen, old), json.dumps({"spec": launch.spec_path, "rank": nr,
+            run.coordinator.store.set(prepare_key(self.gen, old), json.dumps({"spec": spec, "rank": nr,
                                                                              "at": self.started_at}))
         run.print_fn(f"elastic: starting {len(self.procs)} process(es) for the joining devices while training goes "
                      f"on; the ranks pause once they are ready")
         return True
+
+    def _start_remote(self, cmd, local_ranks, change) -> None:
+        """Ask the launcher of node slot ``cmd.slot``'s machine (a call that joins) to start these
+        ranks; they are seen through the coordinator's store (:class:`~.remote.RemoteWorker`), its
+        launcher given ``--timeout`` to be there."""
+        from hetero.runtime.elastic.protocol import join_key
+        from hetero.runtime.elastic.remote import RemoteWorker
+
+        run = self.run
+        run.coordinator.store.set(join_key(cmd.slot), json.dumps({
+            "gen": self.gen, "cluster": change.cluster.to_dict(), "plan": change.result.plan.to_dict(),
+            "ids": {str(local): self.id(nr) for local, nr in local_ranks}}))
+        for _, nr in local_ranks:
+            self.procs[nr] = RemoteWorker(run.coordinator.store, self.id(nr), cmd.slot,
+                                          lost_after_s=run.options.machine_lost_after_s,
+                                          first_beat_s=run.options.timeout_s)
+        if cmd.slot not in run.joined_slots:
+            run.joined_slots.append(cmd.slot)
 
     def drop(self) -> None:
         """End the joiners (the change went away, or one of them failed to start)."""
@@ -211,8 +240,16 @@ class Joiners:
 
 
 def _kill(p) -> None:
-    send_signal(p.pid, signal.SIGKILL)
+    _signal(p, signal.SIGKILL)
     try:
         p.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _signal(p, sig) -> None:
+    """``sig`` to a worker: a process here by its id, one on another machine through its launcher."""
+    if isinstance(p, subprocess.Popen):
+        send_signal(p.pid, sig)
+    else:
+        p.send_signal(sig)

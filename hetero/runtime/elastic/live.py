@@ -76,6 +76,8 @@ class LiveRun:
         self._pending: dict | None = None
         self._plan_after_reshard = False
         self.joiners = None
+        self.joined_slots: list[int] = []
+        """Node slots of machines that joined (their launchers are told when the run is over too)."""
         if watch is not None:   # devices that join get their processes before the ranks pause
             from hetero.runtime.elastic.joiners import Joiners
 
@@ -87,6 +89,10 @@ class LiveRun:
         from hetero.runtime.elastic.remote import RemoteWorker
 
         world = self.launch.layout.world_size
+        if self.slots is not None:   # a call with another --node-rank is a machine that joins (.agent)
+            from hetero.runtime.elastic.protocol import INITIAL_SLOTS_KEY
+
+            self.coordinator.store.set(INITIAL_SLOTS_KEY, json.dumps([n.slot for n in self.launch.nodes]))
         for cmd in self.launch.nodes:
             for local in range(cmd.num_ranks):
                 rank = cmd.first_rank + local
@@ -205,7 +211,7 @@ class LiveRun:
 
         store = self.coordinator.store
         store.set(RUN_OVER_KEY, self.outcome)
-        others = [n.slot for n in self.launch.nodes if n.slot not in self.slots]
+        others = [n.slot for n in self.launch.nodes if n.slot not in self.slots] + self.joined_slots
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check([agent_key(s, "bye") for s in others]):
             time.sleep(0.01)

@@ -98,3 +98,15 @@ def worker_key(wid: int, what: str) -> str:
     status), ``report`` (its error report, when it left one), ``signals`` (how many signals were
     asked for) and ``signal/<n>`` (the n-th, a number)."""
     return f"hetero/agents/worker{wid}/{what}"
+
+
+INITIAL_SLOTS_KEY = "hetero/agents/initial"
+"""The node slots of the run as it started (JSON list), set by the coordinator's launcher: a call
+whose ``--node-rank`` is not one of them is a machine that joins (:mod:`.agent`)."""
+
+
+def join_key(slot: int) -> str:
+    """What node slot ``slot``'s joining launcher starts, set by the coordinator's launcher once a
+    change of the cluster file puts ranks there (:mod:`.joiners`): JSON ``{"gen", "cluster", "plan",
+    "ids"}`` (the new plan's cluster and plan as dicts; ``ids``: local rank -> worker id)."""
+    return agent_key(slot, "join")

@@ -250,7 +250,7 @@ class LiveReconfig:
 
         what = json.loads(told)
         self.prepared = None   # another change's: freed before the new one is allocated
-        regions = regions_in(self.space, RunSpec.load(what["spec"]), what["rank"])
+        regions = regions_in(self.space, RunSpec.from_dict(what["spec"]), what["rank"])
         self.prepared = (self.gen + 1, told, prepare_regions(regions, trainer.ctx.device))
         self.store.set(prepared_key(self.gen + 1, self.rank), told)
 

@@ -22,8 +22,11 @@ from hetero.runtime.elastic.protocol import agent_key, worker_key
 class RemoteWorker:
     """The worker process ``wid`` (its rank in generation 0) of node slot ``slot`` on another machine."""
 
-    def __init__(self, store, wid: int, slot: int, lost_after_s: float):
+    def __init__(self, store, wid: int, slot: int, lost_after_s: float, first_beat_s: float | None = None):
+        """``first_beat_s``: how long its machine's launcher may take to send a first heartbeat (a
+        machine that joins is started by hand; default ``lost_after_s``)."""
         self.store, self.wid, self.slot, self.lost_after_s = store, wid, slot, lost_after_s
+        self.first_beat_s = lost_after_s if first_beat_s is None else first_beat_s
         self.returncode: int | None = None
         self.lost_at: float | None = None
         """When its machine was last heard from (wall time), once the machine is found lost."""
@@ -80,4 +83,4 @@ class RemoteWorker:
         if beat != self._beat:
             self._beat, self._beat_seen = beat, now
             return False
-        return now - self._beat_seen > self.lost_after_s
+        return now - self._beat_seen > (self.lost_after_s if beat is not None else self.first_beat_s)

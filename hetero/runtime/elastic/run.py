@@ -68,7 +68,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     (:func:`run_machine`)."""
     if node_rank is not None:
         return run_machine(cluster, model, plan, options, node_rank, master_addr=master_addr,
-                           master_port=master_port, print_fn=print_fn, run_dir=run_dir)
+                           master_port=master_port, print_fn=print_fn, run_dir=run_dir, cluster_path=cluster_path)
     from hetero.runtime.elastic.live import LiveRun
     from hetero.runtime.elastic.plans import live_applies
     from hetero.runtime.grads import param_holders
@@ -351,13 +351,16 @@ def _merge(summary: dict | None, done: list[dict], reconfigurations: list[dict])
 
 
 def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: str | None,
-                master_port: int | None, print_fn=print, run_dir: str | None = None) -> dict:
+                master_port: int | None, print_fn=print, run_dir: str | None = None,
+                cluster_path: str | None = None) -> dict:
     """This machine's part of an elastic run over several machines (``--elastic --node-rank R`` on
     each): node slot 0's call runs the in-process controller for every machine
     (:class:`~.live.LiveRun`, hosting the coordinator's store at the rendezvous address, port
     + :data:`~.protocol.COORDINATOR_PORT_OFFSET`); every other call starts and watches its own
-    workers (:class:`~.agent.NodeAgent`). Returns the merged summary on node slot 0's machine (written
-    to ``options.summary``), an empty one elsewhere."""
+    workers (:class:`~.agent.NodeAgent`). With ``cluster_path``, node slot 0's call watches that file
+    as on one machine; a call whose node slot the running plan does not have is a machine that joins
+    (its agent waits for a change that puts ranks there). Returns the merged summary on node slot
+    0's machine (written to ``options.summary``), an empty one elsewhere."""
     from hetero.runtime.elastic.agent import NodeAgent
     from hetero.runtime.elastic.live import LiveRun
     from hetero.runtime.elastic.protocol import COORDINATOR_PORT_OFFSET
@@ -369,18 +372,35 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
     try:
         launch = prepare(cluster, model, plan, opts, master_addr=master_addr, master_port=master_port,
                          run_dir=os.path.join(base, "attempt0"), separate=True)
-        check_node_rank(launch, node_rank)
-        check_devices_here(launch, [node_rank])
         port = launch.master_port + COORDINATOR_PORT_OFFSET
         if node_rank != 0:
+            joins = node_rank >= len(launch.nodes)   # a slot the running plan has not: it may join
+            if not joins:
+                check_node_rank(launch, node_rank)
+                check_devices_here(launch, [node_rank])
             print_fn(f"elastic: node slot {node_rank} takes part in the run coordinated at "
                      f"{launch.master_addr}:{port}")
-            NodeAgent(launch, node_rank, launch.master_addr, port, print_fn).run()
+            NodeAgent(None if joins else launch, node_rank, launch.master_addr, port, print_fn, options=opts,
+                      model=model).run()
             return {"reconfigurations": [], "steps": 0, "losses": []}
+        check_node_rank(launch, node_rank)
+        check_devices_here(launch, [node_rank])
         _import_recovery_modules(cluster, model, plan)
         reconfigurations: list[dict] = []
-        live = LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port)
-        live.run()
+        watch = None
+        if cluster_path:   # machines that join, devices that come and go: the file is watched here
+            from hetero.runtime.elastic.watch import ClusterWatch
+
+            watch = ClusterWatch(cluster_path, cluster, model, plan, print_fn=print_fn).start()
+            watch.attach(launch.spec.options.run_dir, cluster, plan)
+        live = LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port,
+                       watch=watch, on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
+                       else None)
+        try:
+            live.run()
+        finally:
+            if watch:
+                watch.stop()
         summary = live.remote_summary   # rank 0 finished on another machine: its launcher sent the summary
         if os.path.exists(opts.summary):
             with open(opts.summary) as f:
