@@ -406,6 +406,12 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
             with open(opts.summary) as f:
                 summary = json.load(f)
         merged = _merge(summary, [], reconfigurations)
+        if merged["steps"] < options.steps:
+            # the ranks handed off for a change the in-process path could not take (a joiner that ended
+            # while starting): a restart from that state is the one-machine path's, not built across machines
+            raise HeteroError(f"elastic: the run stopped after {merged['steps']} of {options.steps} steps for a "
+                              f"change of the cluster file it could not take in in-process (see the lines above) "
+                              f"(fix: restart from a --save checkpoint on the new cluster)")
         if options.summary:
             write_text_atomic(options.summary, json.dumps(merged, indent=2), "--summary")
         return merged
