@@ -143,10 +143,14 @@ def test_a_machine_that_joins_is_taken_in_while_training_goes_on(tmp_path):
     and a call with --node-rank 1 starts there: node slot 0's launcher replans, that call starts the
     new plan's rank as a joiner while the first trains on, and both reshard in-process, with the
     losses of a run that changed nothing."""
-    steps, lr = 220, 1e-3   # the joiner starts in about 6 s here (step ~140 of the first host alone)
-    cluster = write_yaml(tmp_path, "alone.yaml", local_cluster(devices=(1, 0), slowdown=None, hosts=HOSTS,
+    # The join must land while the run trains: the joiner starts in about 6 s on a loaded machine,
+    # less on an idle one, where the steps are faster too. Both devices compute 3x slower (the
+    # waits are not compute: the losses are unchanged), so the join lands near step 50 of 160
+    # whatever the machine's speed, rather than near the end.
+    steps, lr, slow = 160, 1e-3, (3.0, 3.0)
+    cluster = write_yaml(tmp_path, "alone.yaml", local_cluster(devices=(1, 0), slowdown=slow, hosts=HOSTS,
                                                                name="loop"))
-    grown = write_yaml(tmp_path, "grown.yaml", local_cluster(devices=1, slowdown=None, hosts=HOSTS, name="loop"))
+    grown = write_yaml(tmp_path, "grown.yaml", local_cluster(devices=1, slowdown=slow, hosts=HOSTS, name="loop"))
     # the second host's call starts with the grown cluster file (its slot is in it) and waits to be taken
     # in; the first host's file grows once its run trains (replaced whole, as an editor saving it does)
     procs = _calls(tmp_path, steps, lr=lr, clusters=(cluster, grown), plan={
