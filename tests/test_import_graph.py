@@ -21,6 +21,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 import pytest
+from helpers.imports import from_source, literal_import
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the folders setup.py maps into the one ``hetero`` namespace
@@ -69,11 +70,7 @@ def _scan(module: Module, known: dict[str, Module]) -> None:
                 if a.asname:
                     aliases[a.asname] = a.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = from_source(node, package)
             for a in node.names:
                 sub = f"{source}.{a.name}"
                 if sub in known:
@@ -83,10 +80,8 @@ def _scan(module: Module, known: dict[str, Module]) -> None:
                     module.imports.append((node.lineno, source))
                     if _private(a.name):
                         module.private.append((node.lineno, source, a.name))
-        elif (isinstance(node, ast.Call)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            module.imports.append((node.lineno, node.args[0].value))
+        elif (literal := literal_import(node)) is not None:
+            module.imports.append((node.lineno, literal))
     # ``import hetero.runtime.zero as z; z._name``: a private name reached through a module alias
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr)

@@ -11,6 +11,7 @@ import ast
 import pathlib
 
 import pytest
+from helpers.imports import from_source, literal_import
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOWER = {"hetero.predictor": ROOT / "predictor", "hetero.planner": ROOT / "planner"}
@@ -27,17 +28,11 @@ def imported_modules(path: pathlib.Path, package: str) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = from_source(node, package)
             out.append((node.lineno, module))
             out += [(node.lineno, f"{module}.{a.name}") for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)):
-            out.append((node.lineno, node.args[0].value))
+        elif (literal := literal_import(node)) is not None:
+            out.append((node.lineno, literal))
     return out
 
 
