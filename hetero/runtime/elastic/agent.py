@@ -24,11 +24,10 @@ import dataclasses
 import glob
 import json
 import os
-import signal
 import time
 
 from hetero.errors import HeteroError
-from hetero.runtime.elastic.processes import start_worker
+from hetero.runtime.elastic.processes import end_processes, start_worker
 from hetero.runtime.elastic.protocol import (INITIAL_SLOTS_KEY, JOIN_ENV, RUN_OVER_KEY, SUMMARY_KEY, agent_key,
                                              generation_dir, join_key, worker_key)
 
@@ -171,13 +170,4 @@ class NodeAgent:
         self.reported.add(wid)
 
     def _teardown(self, grace_s: float = 3.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline and any(p.poll() is None for p in self.procs.values()):
-            time.sleep(0.02)
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        end_processes(self.procs.values(), grace_s)

@@ -44,7 +44,7 @@ from hetero.runtime.elastic.plans import Ahead, keep_devices, live_applies
 from hetero.runtime.elastic.processes import start_worker
 from hetero.runtime.elastic.protocol import (JOIN_ENV, PEER_LOST_SIGNAL, generation_dir, prepare_key, prepared_key,
                                              ready_key)
-from hetero.runtime.launcher import prepare, send_signal
+from hetero.runtime.launcher import prepare
 
 PREPARE_WAIT_S = 30.0
 """How long the pause waits, once every joiner is ready, for the running ranks to prepare their new
@@ -106,7 +106,7 @@ class Joiners:
                 # boundary, which they all-reduce, so that they pause after the same update
                 (p,) = run.now.procs.values()
                 if p.poll() is None:
-                    _signal(p, getattr(signal, PEER_LOST_SIGNAL))
+                    p.send_signal(getattr(signal, PEER_LOST_SIGNAL))
 
     def id(self, new_rank: int) -> int:
         return self.run.now.layout.world_size + new_rank
@@ -240,16 +240,10 @@ class Joiners:
 
 
 def _kill(p) -> None:
-    _signal(p, signal.SIGKILL)
+    """SIGKILL to a worker: a process here, or one on another machine through its launcher
+    (:class:`~.remote.RemoteWorker`); ``Popen.send_signal`` is a no-op for a process already gone."""
+    p.send_signal(signal.SIGKILL)
     try:
         p.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
-
-
-def _signal(p, sig) -> None:
-    """``sig`` to a worker: a process here by its id, one on another machine through its launcher."""
-    if isinstance(p, subprocess.Popen):
-        send_signal(p.pid, sig)
-    else:
-        p.send_signal(sig)

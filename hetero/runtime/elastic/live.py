@@ -45,7 +45,7 @@ import time
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.plans import Ahead, Generation, assign_ranks
 from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
-from hetero.runtime.elastic.processes import start_worker
+from hetero.runtime.elastic.processes import end_processes, start_worker
 from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, generation_dir, timing_key
 from hetero.runtime.elastic.report import replanned, seconds_cell
 from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
@@ -180,19 +180,7 @@ class LiveRun:
         if self.joiners is not None:
             procs += self.joiners.all_procs()
             self.watch.set_hold(None)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.02)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        end_processes(procs, grace_s)
         if self.slots is not None:   # the other machines' launchers end their workers and return
             self._tell_agents()
         self.coordinator.close()

@@ -7,8 +7,10 @@ is one process per rank, in a session of its own, told the coordinator's port
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from hetero.runtime.elastic.protocol import RECONFIG_ENV
 from hetero.runtime.lifeline import child_env
@@ -27,3 +29,22 @@ def start_worker(node, local: int, world: int, spec_path: str, extra, port: int,
                  **(env or {}), **child_env()}
     argv = [sys.executable, "-m", WORKER_MODULE, "--spec", spec_path, *extra]
     return subprocess.Popen(argv, env=variables, start_new_session=True)
+
+
+def end_processes(procs, grace_s: float = 3.0) -> None:
+    """End every process of ``procs`` still running (a ``subprocess.Popen``, or a worker on another
+    machine, :class:`~.remote.RemoteWorker`): SIGTERM, ``grace_s`` to exit, then SIGKILL."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
