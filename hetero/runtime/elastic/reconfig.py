@@ -161,7 +161,7 @@ class LiveReconfig:
     dropped_groups: list | None = None
     """The broken world's process groups, kept referenced from leaving it until the first step under
     the new plan ends: freeing Gloo groups joins their threads and tears down their connections
-    (0.05-0.1 s for the seven groups of a rank here), work the downtime need not wait for; their
+    (docs/elastic.md gives the time), work the downtime need not wait for; their
     connections are broken already, so nothing waits on them meanwhile."""
 
     updated = False

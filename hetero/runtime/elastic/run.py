@@ -191,8 +191,8 @@ def _failed_attempt_trace(run_dir: str, layout, path: str) -> None:
 
 def _import_recovery_modules(cluster, model, plan) -> None:
     """Import the planner and load the predictor's operator model (one prediction) before training
-    starts, so their 0.5-1 s do not count into the downtime after a failure (a cold first replan
-    took 0.28 s, a warm one 0.02 s). The handoff's modules are imported where that path is taken
+    starts, so they do not count into the downtime after a failure (docs/elastic.md gives their
+    time). The handoff's modules are imported where that path is taken
     (:func:`_import_handoff_modules`): the in-process path never holds a tensor in the launcher,
     and torch.distributed.checkpoint would add 30 MB to its memory for nothing."""
     import hetero
