@@ -82,11 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 "phase": step_box["phase"],
                 "kind": "injected" if injected else "exception", "where": describe_rank(info),
                 "message": msg, "traceback": "" if injected else traceback.format_exc()[-4000:]}))
-        if spec.options.elastic and live is None and not injected and lost_connection(msg):
-            # a survivor of a lost device: the launcher's 'elastic:' lines tell the story once
+        lost_peer = spec.options.elastic and live is None and not injected and lost_connection(msg)
+        if lost_peer:   # a survivor of a lost device: the launcher's 'elastic:' lines tell the story once
             msg = f"lost a peer at step {step_box['step'] + 1} (its process ended); state handed off"
-            print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
-        elif not base:   # with an error file the launcher reports it: printing it here too said it twice
+        if lost_peer or not base:   # with an error file the launcher reports it: printing it here too said it twice
             print(f"[hetero worker] {describe_rank(info)}: {msg}", file=sys.stderr, flush=True)
         if injected:
             os._exit(17)  # die like a crashed process: no clean shutdown of the process group
