@@ -102,7 +102,7 @@ def run(args) -> int:
     from rich.table import Table
 
     ub = results.upper_bound_tokens_per_s   # no plan predicts more (hetero.planner.bound)
-    alone = getattr(results, "alone_by_group", None) or {}
+    alone = results.alone_by_group
     cannot = [g for g, v in alone.items() if not v]
     table = Table(title=f"{cluster.name} / {model.name}, global batch {args.global_batch_size}", title_justify="left")
     table.add_column("", no_wrap=True)
