@@ -20,11 +20,12 @@ SEED_SALT = 0x5EED
 def step_prompts(seed: int, step: int, per_step: int, count: int) -> list[int]:
     """Indices into the prompts file of the ``per_step`` groups of ``step``: the file in a seeded
     order, epoch after epoch (every prompt once per epoch)."""
-    out = []
+    out, orders = [], {}   # one permutation per epoch the step spans, not one per prompt
     for k in range(step * per_step, (step + 1) * per_step):
         epoch, at = divmod(k, count)
-        order = np.random.default_rng([seed, SEED_SALT, epoch]).permutation(count)
-        out.append(int(order[at]))
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng([seed, SEED_SALT, epoch]).permutation(count)
+        out.append(int(orders[epoch][at]))
     return out
 
 
