@@ -15,7 +15,6 @@ relative error over the points (a grid), printed with that error, to carry into 
     python benchmarks/gpu/decode_model_cuda.py benchmarks/data/h200/decode_model.json [--catalog H200]
 Without CUDA it says so and exits 0. ``--device cpu --quick`` runs a tiny model on the CPU against
 the catalog's ``cpu`` device (a check that the script works, not a measurement to keep)."""
-import argparse
 import dataclasses
 import json
 import sys
@@ -29,21 +28,15 @@ sys.path.insert(0, str(REPO))
 import hetero  # noqa: E402
 from hetero.predictor import generation as gen  # noqa: E402
 from hetero.rl.generate import generate  # noqa: E402
-from hetero.runtime.model import StageModel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate_cuda import timed as wall  # noqa: E402  (the same synchronised median timer)
+from generate_cuda import build, quick_spec, start  # noqa: E402  (the same model, command line and timer)
+from generate_cuda import timed as wall  # noqa: E402
 
 FULL = {"layers": 8, "batches": (1, 4, 16, 64, 256), "contexts": (128, 1024, 3072), "new": 64, "warm": 2, "reps": 5}
 QUICK = {"layers": 2, "batches": (1, 8), "contexts": (16, 48), "new": 8, "warm": 1, "reps": 3}
 TARGET = 0.15
 CATALOG_BY_NAME = (("H200", "H200"), ("H100", "H100-SXM5-80GB"), ("A100", "A100-SXM4-80GB"), ("MI300X", "MI300X"))
-
-
-def quick_spec():
-    return hetero.load_model({"name": "quick-llama", "architecture": "llama", "num_layers": 2, "hidden_size": 128,
-                              "num_attention_heads": 4, "num_kv_heads": 2, "vocab_size": 512, "seq_length": 128,
-                              "dtype": "fp32"})   # a CPU has no fast bf16 matrix products
 
 
 @torch.no_grad()
@@ -91,17 +84,11 @@ def fit(cluster, spec, points, new):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--catalog", help="the catalog device this GPU is (default: from its name)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model and two sizes of each (checks the script)")
-    args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("decode_model_cuda: no CUDA device here; nothing measured (--device cpu --quick checks the script)")
+    started = start("decode_model_cuda", __doc__.split("\n\n")[0], FULL, QUICK, lambda ap: ap.add_argument(
+        "--catalog", help="the catalog device this GPU is (default: from its name)"))
+    if started is None:
         return 0
-    device = torch.device(args.device)
-    cfg = {**FULL, **QUICK} if args.quick else FULL
+    args, device, cfg = started
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     catalog = args.catalog or ("cpu" if device.type == "cpu" else
                                next((c for key, c in CATALOG_BY_NAME if key in name), None))
@@ -109,7 +96,7 @@ def main() -> int:
         print(f"decode_model_cuda: {name} is not a known catalog device (fix: --catalog NAME from configs/devices.yaml)")
         return 1
     if args.quick:
-        spec = quick_spec()
+        spec = quick_spec("fp32")   # a CPU has no fast bf16 matrix products
     else:
         spec = hetero.load_model(str(REPO / "configs" / "models" / "llama2-7b.yaml"))
         spec = dataclasses.replace(spec, num_layers=cfg["layers"], dtype="bf16",
@@ -117,9 +104,7 @@ def main() -> int:
     torch.manual_seed(0)
     if device.type == "cpu":
         torch.set_num_threads(1)   # as the rollout ranks run, and as CPU_DISPATCH was measured
-    with torch.device(device):
-        m = StageModel(spec, (0, spec.num_layers), True, True)
-    m = m.to(torch.bfloat16 if spec.dtype == "bf16" else torch.float32).eval()
+    m = build(spec, device)
     cluster = one_group_cluster(catalog)
     result = {"device": name, "catalog": catalog, "torch": torch.__version__, "model": spec.name,
               "layers": spec.num_layers, "config": cfg, "method": __doc__.split("\n\n")[1:3], "points": []}

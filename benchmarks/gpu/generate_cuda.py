@@ -42,10 +42,27 @@ FULL = {"model": "llama2-7b", "layers": 8, "batches": (1, 8, 32, 128), "contexts
 QUICK = {"layers": 2, "batches": (1, 4), "contexts": (16, 64), "new": 8, "warm": 1, "reps": 3, "no_cache_new": 4}
 
 
-def quick_spec():
+def quick_spec(dtype="bf16"):
+    """The tiny Llama that ``--quick`` runs (a check of the script, not a model to measure)."""
     return hetero.load_model({"name": "quick-llama", "architecture": "llama", "num_layers": 2, "hidden_size": 128,
                               "num_attention_heads": 4, "num_kv_heads": 2, "vocab_size": 512, "seq_length": 128,
-                              "dtype": "bf16"})
+                              "dtype": dtype})
+
+
+def start(prog, description, full, quick, add_args=None):
+    """Parse the command line these decode benchmarks share: (args, device, config), or None when CUDA
+    is asked for and absent (said on stdout; the caller exits 0). ``add_args`` adds a script's own options."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    if add_args:
+        add_args(ap)
+    ap.add_argument("--quick", action="store_true", help="a tiny model and two sizes of each (checks the script)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: no CUDA device here; nothing measured (--device cpu --quick checks the script)")
+        return None
+    return args, torch.device(args.device), ({**full, **quick} if args.quick else full)
 
 
 def build(spec, device):
@@ -124,16 +141,10 @@ def no_cache(m, spec, device, batch, context, cfg):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", help="JSON file to write (default: print only)")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--quick", action="store_true", help="a tiny model and two sizes of each (checks the script)")
-    args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("generate_cuda: no CUDA device here; nothing measured (--device cpu --quick checks the script)")
+    started = start("generate_cuda", __doc__.split("\n\n")[0], FULL, QUICK)
+    if started is None:
         return 0
-    device = torch.device(args.device)
-    cfg = {**FULL, **QUICK} if args.quick else FULL
+    args, device, cfg = started
     if args.quick:
         spec = quick_spec()
     else:
