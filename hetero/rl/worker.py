@@ -35,7 +35,7 @@ STAT_FIELDS = ("tokens", "loss_sum", "kl_sum", "clipped", "reward_sum", "samples
 
 def main(spec_path: str) -> int:
     """Run this process's part; its pid / ready / done / error files as the training worker's."""
-    from hetero.runtime.spec import RunSpec, describe_rank
+    from hetero.runtime.spec import RunSpec
     from hetero.runtime.spec import derive_rank
     from hetero.runtime.spec import write_rank_file as _write
 
@@ -53,14 +53,23 @@ def main(spec_path: str) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the launcher
         from hetero.errors import HeteroError
 
-        where = describe_rank(spec.rank_layout().ranks[rank]) if rank < len(spec.layout) else \
-            f"rank {rank} (rollout, group {cfg['rollout'][rank - len(spec.layout)]['group']})"
+        where = describe_rl_rank(spec, cfg, rank)
         msg = str(e) if isinstance(e, HeteroError) else f"{type(e).__name__}: {e}"
         _write(base + ".error.json", json.dumps({
             "rank": rank, "time": time.time(), "step": 0, "phase": phase["phase"], "kind": "exception",
             "where": where, "message": msg, "traceback": traceback.format_exc()[-4000:]}))
         print(f"[hetero rl] {where}: {msg}", file=sys.stderr, flush=True)
         return 1
+
+
+def describe_rl_rank(spec, cfg: dict, rank: int) -> str:
+    """How errors name world rank ``rank``: an actor rank as the training runtime does, a rollout rank by its group."""
+    from hetero.runtime.spec import describe_rank
+
+    actors = len(spec.layout)
+    if rank < actors:
+        return describe_rank(spec.rank_layout().ranks[rank])
+    return f"rank {rank} (rollout, group {cfg['rollout'][rank - actors]['group']})"
 
 
 class RLProcess:
@@ -124,11 +133,7 @@ class RLProcess:
             self._build_rollout()
 
     def describe(self, r: int) -> str:
-        from hetero.runtime.spec import describe_rank
-
-        if r < self.A:
-            return describe_rank(self.layout.ranks[r])
-        return f"rank {r} (rollout, group {self.cfg['rollout'][r - self.A]['group']})"
+        return describe_rl_rank(self.spec, self.cfg, r)
 
     # ------------------------------------------------------------------ roles
     def _build_actor(self) -> None:
