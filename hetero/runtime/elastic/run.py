@@ -373,18 +373,16 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
         launch = prepare(cluster, model, plan, opts, master_addr=master_addr, master_port=master_port,
                          run_dir=os.path.join(base, "attempt0"), separate=True)
         port = launch.master_port + COORDINATOR_PORT_OFFSET
+        joins = node_rank >= len(launch.nodes)   # a slot the running plan has not: it may join
+        if not joins:
+            check_node_rank(launch, node_rank)
+            check_devices_here(launch, [node_rank])
         if node_rank != 0:
-            joins = node_rank >= len(launch.nodes)   # a slot the running plan has not: it may join
-            if not joins:
-                check_node_rank(launch, node_rank)
-                check_devices_here(launch, [node_rank])
             print_fn(f"elastic: node slot {node_rank} takes part in the run coordinated at "
                      f"{launch.master_addr}:{port}")
             NodeAgent(None if joins else launch, node_rank, launch.master_addr, port, print_fn, options=opts,
                       model=model).run()
             return {"reconfigurations": [], "steps": 0, "losses": []}
-        check_node_rank(launch, node_rank)
-        check_devices_here(launch, [node_rank])
         _import_recovery_modules(cluster, model, plan)
         reconfigurations: list[dict] = []
         watch = None
