@@ -401,7 +401,7 @@ class _Job:
                 _signal_group(p.pid, signal.SIGTERM)
         pids = [pid for r in self.ranks if (pid := self.worker_pid(r)) and _alive_worker(pid)]
         for pid in pids:
-            send_signal(pid, signal.SIGTERM)
+            _send_signal(pid, signal.SIGTERM)
         deadline = time.time() + grace_s
         while time.time() < deadline and (any(p.poll() is None for p in self.procs.values())
                                           or any(_alive_worker(pid) for pid in pids)):
@@ -411,7 +411,7 @@ class _Job:
                 _signal_group(p.pid, signal.SIGKILL)
         for pid in pids:
             if _alive_worker(pid):
-                send_signal(pid, signal.SIGKILL)
+                _send_signal(pid, signal.SIGKILL)
         for p in self.procs.values():
             try:
                 p.wait(timeout=5)
@@ -437,7 +437,7 @@ def _alive_worker(pid: int) -> bool:
             return False
 
 
-def send_signal(pid: int, sig) -> None:
+def _send_signal(pid: int, sig) -> None:
     """``os.kill``, where a process already gone is no error."""
     try:
         os.kill(pid, sig)
@@ -449,7 +449,7 @@ def _signal_group(pid: int, sig) -> None:
     try:
         os.killpg(pid, sig)  # the node launcher leads its own session
     except OSError:
-        send_signal(pid, sig)
+        _send_signal(pid, sig)
 
 
 def check_node_rank(launch: Launch, node_rank: int | None) -> None:
