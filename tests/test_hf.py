@@ -21,6 +21,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from helpers import CLUSTER, ROOT, assert_no_leftover, leftover as _leftover   # CLUSTER: 2 vendors x 2 CPUs
+from helpers.hf import assert_logits_equal_transformers
 
 VOCAB = 300
 PP2_TP2 = {"global_batch_size": 2, "micro_batch_size": 1,
@@ -148,16 +149,7 @@ def test_the_imported_checkpoint_loads_like_a_saved_one(models, tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2", "mistral"])
 def test_runtime_logits_equal_transformers(models, kind):
     """Rotary rows, Conv1D transposes and fused q/k/v converted exactly: same logits."""
-    from hetero.hf.config import read_hf_config
-    from hetero.hf.weights import load_stage_weights
-    from hetero.runtime.model import build_stage
-
-    spec = read_hf_config(str(models[kind])).spec
-    ours = build_stage(spec, (0, spec.num_layers), True, True, seed=5)
-    load_stage_weights(str(models[kind]), ours, spec)
-    x = torch.randint(0, VOCAB, (2, spec.seq_length), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), _hf_model(models[kind])(x).logits, rtol=1e-5, atol=1e-5)
+    assert_logits_equal_transformers(models[kind], VOCAB)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.hf import assert_logits_equal_transformers
+
 pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers")
 
@@ -70,17 +72,8 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe_norm"])
 def test_runtime_logits_equal_transformers(models, kind):
-    from hetero.hf.config import read_hf_config
-    from hetero.hf.weights import load_stage_weights
-    from hetero.runtime.model import build_stage
-
-    spec = read_hf_config(str(models[kind])).spec
+    spec = assert_logits_equal_transformers(models[kind], VOCAB)
     assert spec.moe_layers() == ((0, 1) if kind == "mixtral" else (1, 2))
-    ours = build_stage(spec, (0, spec.num_layers), True, True, seed=5)
-    load_stage_weights(str(models[kind]), ours, spec)
-    x = torch.randint(0, VOCAB, (2, spec.seq_length), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(x), _hf_model(models[kind])(x).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])

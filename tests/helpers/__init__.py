@@ -37,6 +37,10 @@ Processes (:mod:`helpers.processes`): ``with_communicator(fn, vendors=[...], arg
 Checkpoints (:mod:`helpers.checkpoints`): ``random_state_checkpoint(path, model)`` writes a
 plan-independent checkpoint at step 3 with every value random (the reshard tests' reference).
 
+Hugging Face (:mod:`helpers.hf`, imported as ``from helpers.hf import ...``):
+``assert_logits_equal_transformers(path, vocab)`` builds an HF checkpoint as one runtime stage and
+asserts its logits equal transformers' (returns the spec).
+
 How to run the tiers and the rules for tests that start processes: docs/testing.md.
 """
 from _spawn import SpawnError, end_launcher, free_port, run_launcher, spawn
