@@ -432,8 +432,8 @@ class RLProcess:
             self._save(self.cfg["save"])
         if self.rank != 0:
             return
-        match, compared = checksums_match([g["sync"] for g in gathered])
         logs = [g["sync"] for g in gathered]
+        match, compared = checksums_match(logs)
         syncs = len({k[0] for log in logs for k in log.received})
         evals = {}
         for when in ("before", "after"):
