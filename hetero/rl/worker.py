@@ -215,7 +215,7 @@ class RLProcess:
         from hetero.runtime.pipeline import Timings
 
         rows = []
-        params = lambda: self._params()  # noqa: E731
+        params = self._params
         for t in range(self.steps):
             self.phase["phase"] = f"step {t + 1}"
             t0 = time.perf_counter()
