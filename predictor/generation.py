@@ -276,10 +276,9 @@ def total_params(model) -> float:
 
 
 CHECKSUM_BYTES_PER_S = 0.95e9
-"""Bytes per second of the sync's checksum of a piece (a host copy and CRC32, one core): measured on
-this machine's CPU at load 1.6 (``bench_decode_floor.py --checksum-only``, the JSON's
-``sync_checksum``; 0.4 GB/s while other jobs held both cores). Every piece is checksummed where it
-is sent from and where it lands."""
+"""Bytes per second of the sync's checksum of a piece (a host copy and CRC32, one core), measured on
+this machine's CPU (``bench_decode_floor.py --checksum-only``, the JSON's ``sync_checksum``; the
+figures are in docs/rl.md). Every piece is checksummed where it is sent from and where it lands."""
 
 
 WHOLE_COPY_PER_TENSOR_S = 19.8e-6
