@@ -66,11 +66,6 @@ def run(args) -> int:
         print(describe(job, cluster, args.load), flush=True)
     if args.dry_run:
         return 0
-    import importlib.util
-
-    if importlib.util.find_spec("hetero.rl.run") is None:
-        raise HeteroError("hetero rl: the RL runtime (hetero.rl.run) is not available in this installation "
-                          "(fix: install a hetero that has it; --dry-run checks a job without it)")
     from hetero.rl.run import run_rl
 
     args.timeout_s = args.timeout
