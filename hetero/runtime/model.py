@@ -353,7 +353,7 @@ def apply_tensor_parallel(module: StageModel, mesh, src_data_rank: int | None = 
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if module.spec.moe is not None and any(module.spec.is_moe_layer(int(i)) for i in module.layers):
+    if any(module.spec.is_moe_layer(int(i)) for i in module.layers):
         from hetero.errors import HeteroError
 
         raise HeteroError(f"model {module.spec.name}: tensor parallelism (tp > 1) of mixture-of-experts layers is "
