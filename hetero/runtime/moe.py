@@ -26,8 +26,8 @@ generation) routes dropless.
 Expert compute: ``torch._grouped_mm`` over the tokens sorted by expert where the device's backend
 has a grouped GEMM for the compute dtype (:meth:`hetero.backends.base.Backend.has_grouped_gemm`:
 Hopper CUDA in bf16, i.e. bf16 models), a loop over the experts elsewhere (CPU, A100, ROCm, fp32).
-The MoE MLP runs eagerly inside a compiled block (its shapes depend on the routing). The outputs are placed back per (token, k) and summed over k, so the
-result does not depend on atomic adds' order.
+The MoE MLP runs eagerly inside a compiled block (its shapes depend on the routing). The outputs are
+placed back per (token, k) and summed over k, so the result does not depend on atomic adds' order.
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ class MoEMLP(nn.Module):
         if moe.balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
         self.expert_compute: str | None = None
+        """``grouped`` or ``loop``; None: the device's backend decides (:func:`uses_grouped_gemm`)."""
         self.expert_group = None
         """Expert parallelism: the :class:`hetero.runtime.expert_parallel.ExpertGroup` that runs the experts
         (this rank holds only its own); None: every expert here."""
-        """``grouped`` or ``loop``; None: the device's backend decides (:func:`uses_grouped_gemm`)."""
         self.aux_scale = 0.0
         """The aux loss's gradient weight per forward: ``aux_loss_coef`` x (the loss scale, the
         micro-batch's share of the step): set by the engine (:func:`set_aux_scale`); 0: not trained."""
