@@ -102,8 +102,8 @@ class ExpertPlacement:
 
     def held(self, rank: int) -> dict[int, int]:
         """MoE layer -> the number of routed experts ``rank`` holds (layers it runs only)."""
-        return {layer: (lambda r: r[1] - r[0])(self.experts_of(layer, rank))
-                for layer, gs in self.groups.items() if any(rank in g for g in gs)}
+        ranges = {layer: self.experts_of(layer, rank) for layer, gs in self.groups.items() if any(rank in g for g in gs)}
+        return {layer: stop - start for layer, (start, stop) in ranges.items()}
 
     def rank_sets(self) -> list[tuple[int, ...]]:
         """Every expert group (the process groups the exchanges need)."""
