@@ -29,9 +29,11 @@ Where no survivor holds a region (a stage without a replica) the ranks go on fro
 run was ``--load``-ed from or the ``--save`` directory, if one is there, and the lost steps are
 printed; without one the run ends naming the layers. A ZeRO plan (``zero_stage`` 1 or 2) keeps each
 optimizer slice on one rank: a change of the cluster file is resharded in-process (every rank gathers
-its stage's moments whole before the exchange, :meth:`~hetero.runtime.elastic.reconfig.LiveReconfig.pause`),
-but after a lost rank the survivors' slices cannot be made whole, so the ranks go on from that
-checkpoint, or the run ends naming the fix.
+its stage's moments whole before the exchange, :meth:`~hetero.runtime.elastic.reconfig.LiveReconfig.pause`);
+after a lost rank the survivors rebuild its slices from the copy a peer keeps in host memory
+(:mod:`hetero.runtime.elastic.slice_copies`). A loss those copies cannot cover (a rank and the peer
+holding its copy, or a rank lost before its copy of the step's update arrived) goes on from that
+checkpoint, or the run ends naming why and the fix.
 """
 from __future__ import annotations
 
@@ -120,10 +122,9 @@ class LiveRun:
                 table.setdefault(frozenset([info.rank]), ahead)
             except Exception:  # noqa: BLE001 - made again (and its error said) when that loss happens
                 pass
-        # a ZeRO run goes on from a checkpoint after a loss, and so does a loss that leaves some region
-        # without a copy: no exchange, nothing to reserve or resolve (said all the same, so that the
-        # ranks stop looking)
-        aheads = [] if now.plan.zero_stage else [a for a in table.values() if not a.transition.missing]
+        # a loss that leaves some region without a copy goes on from a checkpoint: no exchange, nothing
+        # to reserve or resolve (said all the same, so that the ranks stop looking)
+        aheads = [a for a in table.values() if not a.transition.missing]
         self._publish_reserves(gen, now, aheads)
         self._publish_decisions(gen, now, aheads)
 
@@ -305,8 +306,15 @@ class LiveRun:
         if not survivors:
             raise HeteroError(f"elastic: no rank survived {reason} (fix: restart from a --save checkpoint)")
         steps = {got[r]["applied_step"] for r in survivors}
-        lost_slices = bool(now.plan.zero_stage)   # ZeRO: a lost rank's optimizer slices have no copy
-        if lost_slices:   # the state comes from the checkpoint, whatever step each survivor reached
+        # ZeRO: the lost ranks' optimizer slices are rebuilt from their peers' copies, or (why not, in
+        # words) the state comes from the checkpoint, whatever step each survivor reached
+        if now.plan.zero_stage:
+            from hetero.runtime.elastic.slice_copies import uncovered
+
+            lost_slices = uncovered(got, lost_ranks) or False
+        else:
+            lost_slices = False
+        if lost_slices:
             steps = {max(steps)}
         if len(steps) > 1:
             by = ", ".join(f"rank {r}: {got[r]['applied_step']}" for r in survivors)
@@ -319,7 +327,7 @@ class LiveRun:
         members = assign_ranks(now.layout, ahead.layout, survivors)
         checkpoint = self._checkpoint()
         if lost_slices and not checkpoint:
-            refuse_lost_slices(now.plan, reason)
+            refuse_lost_slices(now.plan, reason, lost_slices)
         transition = (ahead.transition if ahead.survivors == tuple(survivors)
                       else self.transition(now, ahead, members, survivors))
         if transition.missing and not checkpoint:

@@ -21,20 +21,19 @@ def check_elastic(plan, options, node_rank: int | None) -> str | None:
         raise HeteroError("--elastic with --engine deepspeed: only the native engine hands off its live state "
                           "(fix: --engine native)")
     if plan.zero_stage:
-        return (f"elastic with zero_stage {plan.zero_stage}: devices that join or leave through the cluster file "
-                f"are taken in, but after a device lost to a failure the run goes on only from a --save "
-                f"checkpoint, since ZeRO keeps each slice of the optimizer state on one rank only (a plan with "
-                f"zero_stage: 0 survives failures too)")
+        return (f"elastic with zero_stage {plan.zero_stage}: each rank's optimizer slices are copied to a peer's "
+                f"host memory after every update, so a lost rank's are rebuilt in-process; a loss the copies "
+                f"cannot cover (a rank lost with the peer holding its copy, or before its copy of an update "
+                f"arrived): then the run goes on only from a --save checkpoint")
     return None
 
 
-def refuse_lost_slices(plan, reason: str) -> None:
-    """Raise HeteroError when ``plan`` keeps each optimizer slice on one rank (ZeRO): a lost rank's
-    slice has no copy, so the run cannot go on from the survivors' state."""
+def refuse_lost_slices(plan, reason: str, why: str = "the lost rank's slice of the optimizer state has no copy") -> None:
+    """Raise HeteroError when ``plan`` keeps each optimizer slice on one rank (ZeRO) and the lost rank's
+    slices cannot be rebuilt (``why``, in words), so the run cannot go on from the survivors' state."""
     if plan.zero_stage:
-        raise HeteroError(f"elastic: {reason}; with zero_stage {plan.zero_stage} the lost rank's slice of the "
-                          f"optimizer state has no copy, so the run cannot go on (fix: a plan with zero_stage: 0, "
-                          f"or restart from a checkpoint written by --save)")
+        raise HeteroError(f"elastic: {reason}; with zero_stage {plan.zero_stage} {why}, so the run cannot go on "
+                          f"(fix: a plan with zero_stage: 0, or restart from a checkpoint written by --save)")
 
 
 def replan(cluster, model, plan):

@@ -29,8 +29,11 @@ pause every rank is alive, so after the decision each gathers its stage's moment
 model's fp32 masters) whole with a collective in the old world
 (:func:`~hetero.runtime.reshard.transfer.sharded_live_state`): its live state is then what a ``zero_stage: 0`` rank holds, and the exchange is unchanged. Where the
 new plan shards too, the rebuilt engine's optimizer takes its slices of the exchanged states as
-from a checkpoint. After a lost peer no gather is possible (it would wait on the lost rank): the
-survivors serve nothing and take their state from the last checkpoint, which the launcher names
+from a checkpoint. After a lost peer no gather is possible (it would wait on the lost rank): each
+rank's slices have a copy in the next rank's host memory instead, refreshed after every update
+(:mod:`~hetero.runtime.elastic.slice_copies`), and in the new world the survivors rebuild their
+stages' whole state from their slices and those copies, then exchange as above. A loss the copies
+cannot cover goes on from the last checkpoint, which the launcher names
 (:mod:`hetero.runtime.elastic.live`).
 """
 from __future__ import annotations
@@ -192,12 +195,15 @@ class LiveReconfig:
         train_step, optimizer_step = engine.train_step, optimizer.step
 
         sharded = engine.sharded is not None
+        self.copies = self._slice_copies(engine)
 
         def guarded_optimizer_step(*args, **kwargs):
             self.critical = True   # until the step is counted as applied (below)
             out = optimizer_step(*args, **kwargs)
             if sharded:   # ZeRO: the slices are updated; the parameters' all-gather after it may be cut
-                # (after a lost peer a ZeRO run's state comes from the checkpoint, never from them)
+                # (after a lost peer the state is rebuilt from the slices and their copies, never from them)
+                if self.copies is not None:   # posted before anything may interrupt: all of them or none
+                    self.copies.start()
                 self.critical, self.updated = False, True
             return out
 
@@ -228,6 +234,30 @@ class LiveReconfig:
         # are never collected, so a dropped world would keep its connections open and a survivor
         # blocked on this rank would wait for the group timeout (every round of the 109M benchmark
         # on an idle machine did).
+
+    copies = None
+    """A ZeRO rank's :class:`~hetero.runtime.elastic.slice_copies.SliceCopies` (its slices copied to a
+    peer after every update, its predecessor's kept), or None."""
+
+    def _slice_copies(self, engine):
+        """ZeRO with peers: the copies of this rank's slices (:mod:`.slice_copies`), waited for right
+        before each update (outside the timed update, so an emulated device's slowdown does not
+        stretch the wait) and started right after it; a copy of the state there is now (loaded, or
+        just rebuilt) is started at once, so a loss before the first update is covered too."""
+        from hetero.runtime.elastic import slice_copies
+
+        if engine.sharded is None or self.world < 2 or not slice_copies.enabled():
+            return None
+        copies = slice_copies.SliceCopies(engine.sharded, self.rank, self.world, self.timeout_s)
+        step = engine.optimizer_step
+
+        def optimizer_step(*args, **kwargs):
+            copies.wait()   # the last copy must be whole before the update changes what it sent
+            return step(*args, **kwargs)
+
+        engine.optimizer_step = optimizer_step
+        copies.start()
+        return copies
 
     prepared: tuple[int, bytes, dict] | None = None
     """(generation, the announcement, state tensors) allocated and touched ahead for the regions this
@@ -333,9 +363,12 @@ class LiveReconfig:
         def interruptible_train(*args, **kwargs):
             self.interruptible = True
             try:
-                return train(*args, **kwargs)
+                out = train(*args, **kwargs)
             finally:
                 self.interruptible = False
+            if self.copies is not None:   # the run's last copies (every rank is here), nothing left in flight
+                self.copies.wait()
+            return out
 
         interruptible_train.__wrapped_train__ = train
         return interruptible_train
@@ -361,6 +394,8 @@ class LiveReconfig:
         from hetero.runtime.reshard.live import await_decision, report_alive
 
         gen, paused_at = self.gen + 1, time.time()
+        if self.copies is not None:   # every rank is alive: the copies under way complete
+            self.copies.wait()
         if trainer.engine.sharded is not None:
             # ZeRO: the moments are gathered whole for this rank's regions now, while every rank is
             # in the old world (after a failure they cannot be), and before the check-in: the
@@ -397,16 +432,20 @@ class LiveReconfig:
         self.recovering = True
         engine = trainer.engine
         live, self.gathered = self.gathered, None
+        copies, self.copies = self.copies, None
+        lost_peer = live is None and engine.sharded is not None and self.world > 1
         if live is None:
             # a ZeRO rank that lost a peer holds slices only, and a gather would wait on the lost
-            # rank: it serves nothing (the launcher's decision goes on from the last checkpoint);
+            # rank: its whole state is rebuilt in the new world, from the slices and their copies
+            # (slice_copies.whole_state), unless the launcher's decision goes on from a checkpoint;
             # a lone rank (stopped for devices that join) has no peer to gather from
-            live = ({} if engine.sharded is not None and self.world > 1
-                    else self._live(trainer))
+            live = {} if lost_peer else self._live(trainer)
         scale = engine.scaler.scale if getattr(engine, "scaler", None) else None
         if decision is None and self.world == 1:   # a lone rank is stopped at once for devices that join
             self._leave_history(trainer, self.gen + 1)
         self.break_world()   # first: the peers blocked on this rank wake now, not after the teardown
+        # ZeRO: every copy still under way settles now (the connections are broken: a pending one fails)
+        slices = copies.settle() if lost_peer and copies is not None else None
         self.dropped_groups = _drop_world(trainer)
         self.gen += 1
         gen, me = self.gen, self.rank
@@ -414,11 +453,18 @@ class LiveReconfig:
         fail = os.environ.get(FAIL_IN_RESHARD_ENV)
         prepared = self.prepared[2] if self.prepared is not None and self.prepared[0] == gen else None
         self.prepared = None
+        whole = None
+        if slices is not None:
+            from hetero.runtime.elastic.slice_copies import whole_state
+
+            def whole(world_rank, survivors, describe, copies=copies, module=engine.module, regions=self.regions):
+                return whole_state(copies, module, regions, world_rank, survivors, describe)
         place = reconfigure(self.store, gen, me, live, timeout_s=self.timeout_s, applied_step=trainer.applied_step,
                             detected_at=detected_at, meshes=False, space=self.space, decision=decision,
-                            prepared=prepared,
+                            prepared=prepared, checkin={"slices": slices} if lost_peer else None,
+                            whole_state=whole,
                             on_checked_in=(lambda: os._exit(19)) if fail is not None and int(fail) == me else None)
-        del live, prepared
+        del live, prepared, copies, whole
         t0 = time.perf_counter()
         timing = {"detected_at": detected_at, "leave_s": leave_s, **place.timings, "bytes_sent": place.stats.bytes_sent,
                   "bytes_received": place.stats.bytes_received, "bytes_local": place.stats.bytes_local,

@@ -119,14 +119,14 @@ def regroup(store, gen: int, rank: int, world: int, timeout_s: float, prefix: st
 
 def decision_for(model: dict, old: tuple[dict, dict], new: tuple[dict, dict], survivors: list[int],
                  step: int, checkpoint: str | None = None, transport: str = "p2p",
-                 pids: dict[int, int] | None = None, lost_slices: bool = False) -> dict:
+                 pids: dict[int, int] | None = None, lost_slices: bool | str = False) -> dict:
     """What the coordinator publishes besides the members: the model, the (cluster, plan) before and
     after as dicts, every survivor (old ranks: one the new plan leaves out still serves its state
     in the exchange, then leaves), the step the state is at, the last ``--save`` checkpoint (the
     fallback when no survivor holds some region), the exchange's transport (:func:`choose_transport`)
     and the process id of every process in it (the launcher's; a same-host exchange watches its
-    peers by them). ``lost_slices``: a ZeRO run lost a rank, whose optimizer slices exist nowhere
-    else: every region comes from ``checkpoint``."""
+    peers by them). ``lost_slices``: a ZeRO run lost a rank whose optimizer slices the survivors'
+    copies cannot rebuild (True, or the reason in words): every region comes from ``checkpoint``."""
     return {"model": model, "old": {"cluster": old[0], "plan": old[1]}, "new": {"cluster": new[0], "plan": new[1]},
             "survivors": sorted(survivors), "step": step, "checkpoint": checkpoint, "transport": transport,
             "pids": {str(k): v for k, v in (pids or {}).items()}, "lost_slices": lost_slices}
@@ -247,7 +247,7 @@ class NewPlace:
 def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0, max_bytes: int | None = None,
                 applied_step: int = 0, detected_at: float | None = None, meshes: bool = True,
                 on_checked_in=None, space=None, decision: dict | None = None,
-                prepared: dict | None = None) -> NewPlace:
+                prepared: dict | None = None, checkin: dict | None = None, whole_state=None) -> NewPlace:
     """Everything a survivor (rank ``me`` of the broken world, holding ``live``:
     :func:`hetero.runtime.reshard.transfer.live_state`) does after a failure, up to its new state:
     check in, take the coordinator's decision, rebuild the world, exchange the intersections. The
@@ -258,13 +258,16 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
     model's :class:`~hetero.runtime.reshard.space.ParameterSpace`, made before the failure;
     ``decision``: the coordinator's, already taken (a pause: checked in before leaving the world);
     ``prepared``: state tensors allocated (and touched) ahead for the regions this process expects
-    to hold (:func:`~hetero.runtime.reshard.transfer.exchange`)."""
+    to hold (:func:`~hetero.runtime.reshard.transfer.exchange`); ``checkin``: more of this rank's
+    check-in (a ZeRO rank's slices and copies); ``whole_state(world_rank, survivors, describe)``: a
+    ZeRO rank that lost a peer, whose ``live`` is empty, makes its whole live state with it in the
+    new world before the exchange (:func:`hetero.runtime.elastic.slice_copies.whole_state`)."""
     from hetero.runtime.reshard.transfer import DEFAULT_MAX_BYTES, exchange
 
     t0 = time.perf_counter()
     if decision is None:
         report_alive(store, gen, me, applied_step=applied_step, detected_at=detected_at or time.time(),
-                     host_memory=host_memory(live))
+                     host_memory=host_memory(live), **(checkin or {}))
         if on_checked_in:
             on_checked_in()
     d = decision or await_decision(store, gen, timeout_s)
@@ -284,8 +287,9 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
             _, region = transition.missing[0]
             what = f"no survivor holds {region.name} (and {len(transition.missing) - 1} more regions)"
             fix = "a plan whose stages have data-parallel replicas, or run with --save"
-        else:   # ZeRO: a lost rank's optimizer slices have no copy, and the survivors hold slices only
-            what = f"zero_stage {plans[0].zero_stage}: the lost rank's optimizer slices have no copy"
+        else:   # ZeRO: the lost rank's optimizer slices cannot be rebuilt (the launcher says why)
+            why = d["lost_slices"] if isinstance(d["lost_slices"], str) else "the lost rank's optimizer slices have no copy"
+            what = f"zero_stage {plans[0].zero_stage}: {why}"
             fix = "run with --save, or a plan with zero_stage: 0"
         if not d.get("checkpoint"):
             raise ReconfigurationError(f"reconfiguration {gen}: {what}: the live state cannot be rebuilt (fix: {fix})")
@@ -303,6 +307,8 @@ def reconfigure(store, gen: int, me: int, live: dict, *, timeout_s: float = 30.0
                                                            "transfer_s": time.perf_counter() - t2})
     old_of = {v: k for k, v in world_rank.items()}
     describe = lambda r: f"rank {r} (rank {old_of.get(r, '?')} before)"   # noqa: E731
+    if whole_state is not None:   # ZeRO after a loss: the stage's whole state from slices and copies
+        live = whole_state(world_rank, d["survivors"], describe)
     same_host = None
     if d.get("transport") == "same-host":   # every peer's process id: the launcher's, else its check-in's
         pids = {world_rank[int(k)]: v for k, v in d.get("pids", {}).items() if int(k) in world_rank}

@@ -1,0 +1,308 @@
+"""ZeRO slices that survive a lost rank: a copy of each rank's optimizer slices in a peer's host memory.
+
+ZeRO (:mod:`hetero.runtime.zero`) keeps the AdamW state of each slice of a holder set on one rank
+only, so a lost rank's slices would have no other copy. As Gemini (SOSP'23) keeps checkpoints in
+peers' CPU memory, every rank of an in-process elastic run sends what its slices own and no other
+rank holds, after every optimizer update, to its *buddy*: the next rank of the holder set in ring
+order (``ranks[(i + 1) % k]``), which keeps it in host memory. What is copied, per slice: the fp32
+master values (the rank's own part of the parameters, which its peers get only through the
+all-gather that follows the update), both AdamW moments and the step counter.
+
+Off the critical path. The sends and receives are posted, non-blocking, on a Gloo group of their
+own right after the update (:meth:`SliceCopies.start`) and waited for right before the next update
+(:meth:`SliceCopies.wait`), the first moment the sent tensors change. By then every rank has passed
+the next step's gradient-norm all-reduce, which it enters only after posting its own side, so the
+wait is for the bytes alone, moved while the gather, the next forward and backward ran. A rank keeps
+two buffers per peer: the copy of the step under way lands in the one not holding the last complete
+copy, so a loss during a transfer leaves the previous copy whole.
+
+Which copy. Every member of a holder set updates its slice in the same steps (each update follows
+one global gradient norm), so a copy matches the survivors' state when its step counter equals the
+buddy's own counter for that holder set: the buddy decides alone, once its world's connections are
+broken (every transfer still pending then fails at once; one that completed stays complete).
+
+After a loss. Each survivor says in its check-in which holder sets it is a member of and whether it
+holds its predecessor's slices at its own step (:meth:`SliceCopies.report`); the launcher goes on
+in-process only when every lost rank's slices have such a copy on a survivor and every survivor
+stopped at one step (:func:`uncovered` names what is missing otherwise: a rank lost together with its
+buddy, or a rank lost between the gradient-norm all-reduce of a step, after which its peers update,
+and the arrival of its copy of that update). Then, in the exchange's new world, every survivor
+rebuilds its stage's whole state from its own slices, the other survivors' and the copies, point to
+point (:func:`whole_state`): the live state a ``zero_stage: 0`` rank holds, so the exchange that
+follows is unchanged, and a rebuilt ZeRO optimizer takes its slices of it as after a checkpoint load.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+SLICE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+"""What a slice owns besides its step counter: the master values (``param``) and both moments."""
+
+COPIES_ENV = "HETERO_ZERO_SLICE_COPIES"
+"""``0``: an elastic ZeRO run keeps no copies (no host memory for them, no transfers; a lost rank's
+slices then have no copy, and the run goes on from a ``--save`` checkpoint or ends)."""
+
+WITHHOLD_ENV = "HETERO_TEST_WITHHOLD_SLICE_COPIES"
+"""Testing: ``<rank>``: that rank never sends its copies (its buddy holds none, as after a loss in
+the middle of a transfer), so losing it takes the path of a loss the copies cannot cover."""
+
+_TAG_BASE = 1 << 30
+"""Tags of :func:`whole_state`'s messages: apart from the exchange's that follow on the same group."""
+
+
+def enabled() -> bool:
+    """Whether an elastic ZeRO run keeps the copies (:data:`COPIES_ENV`)."""
+    return os.environ.get(COPIES_ENV, "1") != "0"
+
+
+def shard_key(shard) -> str:
+    """A holder set's slices, named alike on every member: its ranks and its first tensor."""
+    return f"{','.join(map(str, shard.ranks))}:{shard.bucket.names[0]}"
+
+
+def holder_of(ranks, index: int, survivors) -> int | None:
+    """The rank that holds slice ``index`` of a holder set sharded over ``ranks`` after a loss: its
+    owner while it survives, else the owner's buddy if that survives, else None."""
+    owner, buddy = ranks[index], ranks[(index + 1) % len(ranks)]
+    return owner if owner in survivors else (buddy if buddy in survivors else None)
+
+
+def uncovered(checkins: dict[int, dict], lost) -> str | None:
+    """Launcher side: why the survivors' slices and copies (their check-ins, old rank -> check-in
+    with ``applied_step`` and :meth:`SliceCopies.report`'s ``slices``) cannot rebuild the lost ranks'
+    slices exactly, or None when they can."""
+    steps = {c["applied_step"] for c in checkins.values()}
+    if len(steps) > 1:
+        by = ", ".join(f"rank {r}: {c['applied_step']}" for r, c in sorted(checkins.items()))
+        return f"the surviving ranks stopped at different steps ({by}), so their slices are not of one step"
+    step = steps.pop() if steps else 0
+    if any(c.get("slices") is None for c in checkins.values()):
+        return f"the ranks keep no copies of their optimizer slices ({COPIES_ENV}=0)"
+    for r, c in sorted(checkins.items()):
+        for _key, ranks, held in c["slices"]:
+            for j, owner in enumerate(ranks):
+                buddy = ranks[(j + 1) % len(ranks)]
+                if owner in lost and buddy in lost:
+                    return (f"rank {owner} was lost together with rank {buddy}, which kept the only copy of its "
+                            f"optimizer slices")
+            source = ranks[ranks.index(r) - 1]
+            if source in lost and not held:
+                return (f"rank {r} holds no copy of lost rank {source}'s optimizer slices as of step {step} (rank "
+                        f"{source} was lost after the gradient norm of a step, before its copy of that update "
+                        f"arrived)")
+    return None
+
+
+@dataclass
+class _Link:
+    """One holder set of this rank: its buddy (who keeps this rank's slice) and its source (whose
+    slice this rank keeps, in two buffers)."""
+
+    key: str
+    shard: object
+    buddy: int
+    source: int
+    buffers: list = field(default_factory=lambda: [None, None])
+    """Two copies of the source's slice: kind -> host tensor, and ``step``."""
+    steps: list = field(default_factory=lambda: [None, None])
+    """Each buffer's step counter when it holds a complete copy, else None."""
+
+
+class SliceCopies:
+    """One ZeRO rank's copies (see the module docstring): ``sharded`` its
+    :class:`~hetero.runtime.zero.ShardedAdamW`, ``rank`` its rank in a world of ``world``. Makes the
+    copies' Gloo group: every rank of the world constructs it at the same point."""
+
+    def __init__(self, sharded, rank: int, world: int, timeout_s: float):
+        self.sharded, self.rank = sharded, rank
+        self.group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.links = sorted((_Link(shard_key(s), s, s.ranks[(s.index + 1) % len(s.ranks)], s.ranks[s.index - 1])
+                             for s in sharded.shards if len(s.ranks) > 1), key=lambda link: link.key)
+        self.withheld = os.environ.get(WITHHOLD_ENV)
+        self._works: list = []
+        self.sent_bytes = 0
+        """Bytes sent to the buddies so far (each update's slices, once)."""
+
+    def _state(self, shard) -> dict | None:
+        """The AdamW state of ``shard``'s slice (None before its first update)."""
+        st = self.sharded.optimizer.state.get(shard.master, {})
+        return st if "exp_avg" in st else None
+
+    def _tags(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Link key -> its tag base, for the sends and for the receives: the position of the holder set
+        among those this rank shares with that peer in that direction, which both ends list alike."""
+        sends: dict[int, int] = {}
+        recvs: dict[int, int] = {}
+        out: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for link in self.links:
+            out[0][link.key] = 8 * sends.setdefault(link.buddy, 0)
+            sends[link.buddy] += 1
+            out[1][link.key] = 8 * recvs.setdefault(link.source, 0)
+            recvs[link.source] += 1
+        return out
+
+    def start(self) -> None:
+        """Post this update's copies (right after it): each slice to its buddy, the source's slice into
+        the buffer that does not hold the last complete copy."""
+        self.wait()
+        send_tags, recv_tags = self._tags()
+        for link in self.links:
+            st = self._state(link.shard)
+            if st is None:   # no update yet: every member alike, nothing to copy
+                continue
+            b = 0 if link.steps[0] is None else (1 if link.steps[1] is None else int(link.steps[1] < link.steps[0]))
+            if link.buffers[b] is None:
+                n = link.shard.slice_len
+                link.buffers[b] = {**{k: torch.empty(n, dtype=torch.float32) for k in SLICE_KINDS},
+                                   "step": torch.empty(1, dtype=torch.float32)}
+            link.steps[b] = None   # until the whole copy has arrived
+            buf = link.buffers[b]
+            if self.withheld != str(link.source):
+                for i, kind in enumerate((*SLICE_KINDS, "step")):
+                    work = dist.irecv(buf[kind], link.source, group=self.group, tag=recv_tags[link.key] + i)
+                    self._works.append((work, link, b))
+            if self.withheld == str(self.rank):
+                continue
+            mine = {"param": link.shard.master.detach(), "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
+                    "step": torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()}
+            for i, kind in enumerate((*SLICE_KINDS, "step")):
+                t = mine[kind].detach()
+                t = t if t.device.type == "cpu" else t.to("cpu")   # Gloo carries host memory
+                self._works.append((dist.isend(t, link.buddy, group=self.group, tag=send_tags[link.key] + i),
+                                    None, None))
+                self.sent_bytes += t.numel() * t.element_size()
+
+    def wait(self, quiet: bool = False) -> None:
+        """Complete the copies under way (right before the next update): a received copy is marked
+        complete with its step counter; a transfer that failed (a peer lost) leaves its buffer marked
+        empty and, unless ``quiet``, raises once every transfer is settled."""
+        works, self._works = self._works, []
+        received: dict[tuple[int, int], list] = {}
+        error = None
+        for work, link, b in works:
+            ok = True
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - a peer lost: said once everything is settled
+                error, ok = error or e, False
+            if link is not None:   # a receive: its buffer is complete once all its parts are
+                entry = received.setdefault((id(link), b), [link, b, True])
+                entry[2] = entry[2] and ok
+        for link, b, ok in received.values():
+            link.steps[b] = float(link.buffers[b]["step"][0]) if ok else None
+        if error is not None and not quiet:
+            raise error
+
+    def settle(self) -> list:
+        """After a loss, once this rank's connections are broken: every transfer settled (a pending one
+        fails at once), and :meth:`report`."""
+        self.wait(quiet=True)
+        return self.report()
+
+    def _copy_at(self, link: _Link, step) -> dict | None:
+        for b in (0, 1):
+            if link.steps[b] is not None and link.steps[b] == float(step):
+                return link.buffers[b]
+        return None
+
+    def report(self) -> list:
+        """For the check-in: ``[key, ranks, held]`` per holder set of this rank, ``held`` whether it holds
+        its source's slice as of its own state's step (before any update: the parameters themselves,
+        where it holds its source's part of them without a tp gather)."""
+        out = []
+        for link in self.links:
+            st = self._state(link.shard)
+            held = (link.shard.flat is not None or link.shard.own) if st is None else \
+                self._copy_at(link, torch.as_tensor(st["step"]).item()) is not None
+            out.append([link.key, list(link.shard.ranks), held])
+        return out
+
+    def _slice(self, shard, index: int, st) -> dict[str, torch.Tensor]:
+        """Slice ``index`` of ``shard`` as this rank holds it: its own, or its source's copy."""
+        if shard.ranks[index] == self.rank:
+            own = {"param": shard.master.detach()}
+            if st is not None:
+                own.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
+            return {k: v.detach().to("cpu") for k, v in own.items()}
+        if st is None:   # before any update every member's parameters are whole and alike
+            from hetero.runtime.zero import ShardedAdamW
+
+            whole = shard.flat if shard.flat is not None else ShardedAdamW._flat_params(shard)
+            lo = index * shard.slice_len
+            return {"param": whole[lo:lo + shard.slice_len].detach().to("cpu")}
+        link = next(lk for lk in self.links if lk.key == shard_key(shard))
+        copy = self._copy_at(link, torch.as_tensor(st["step"]).item())
+        if copy is None:
+            raise RuntimeError(f"no copy of rank {shard.ranks[index]}'s slices at this step (the launcher checks)")
+        return copy
+
+
+def whole_state(copies: SliceCopies, module, regions: dict, world_rank: dict[int, int], survivors,
+                describe=lambda r: f"rank {r}") -> dict:
+    """This survivor's stage state, whole (:func:`hetero.runtime.reshard.transfer.live_state`'s form:
+    name -> TensorState for ``regions``), from its slices, the other survivors' and the copies of the
+    lost ranks' slices, in the exchange's world (``world_rank``: old rank -> rank there; every survivor
+    calls it). A slice goes from its holder (:func:`holder_of`) to every other surviving member of its
+    holder set, point to point."""
+    from hetero.runtime.grads import local_part
+    from hetero.runtime.reshard import ReconfigurationError
+    from hetero.runtime.reshard.transfer import TensorState
+
+    sharded, me = copies.sharded, copies.rank
+    survivors = set(survivors)
+    counters: dict[tuple[int, int], int] = {}
+    works, flats = [], []
+    for shard in sorted(sharded.shards, key=shard_key):
+        st = copies._state(shard)
+        kinds = SLICE_KINDS if st is not None else ("param",)
+        flat = {k: torch.zeros(shard.padded, dtype=torch.float32) for k in SLICE_KINDS}
+        for i in range(len(shard.ranks)):
+            holder = holder_of(shard.ranks, i, survivors)
+            part = slice(i * shard.slice_len, (i + 1) * shard.slice_len)
+            data = copies._slice(shard, i, st) if holder == me else None
+            if data is not None:
+                for k in kinds:
+                    flat[k][part].copy_(data[k])
+            for m in shard.ranks:
+                if m == holder or m not in survivors or me not in (holder, m):
+                    continue
+                for k in kinds:   # both ends count the messages of their pair alike
+                    tag = _TAG_BASE + counters.get((holder, m), 0)
+                    counters[(holder, m)] = counters.get((holder, m), 0) + 1
+                    if me == holder:
+                        works.append((dist.isend(data[k].contiguous(), world_rank[m], tag=tag), m))
+                    else:
+                        works.append((dist.irecv(flat[k][part], world_rank[holder], tag=tag), holder))
+        flats.append((shard, flat, None if st is None else torch.as_tensor(st["step"]).detach().to("cpu").clone()))
+    for work, peer in works:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - named
+            raise ReconfigurationError(f"reshard: {describe(world_rank[peer])} was lost while the survivors rebuilt "
+                                       f"the lost ranks' optimizer slices ({str(e).splitlines()[0][:200]})") from None
+    out = {}
+    for shard, flat, step in flats:
+        for name, p, shape, lo, hi in zip(shard.bucket.names, shard.params, shard.shapes, shard.offsets,
+                                          shard.offsets[1:]):
+            box = regions[name]
+            idx = tuple(slice(a, b) for a, b in box)   # a full tensor (not own) is cut to the region
+            tensors = {k: (flat[k][lo:hi].view(shape) if shard.own else flat[k][lo:hi].view(shape)[idx]).contiguous()
+                       for k in SLICE_KINDS}
+            out[name] = TensorState(box, tensors, step)
+    names = {id(p): n for n, p in module.named_parameters()}
+    for p in sharded.local:   # held by this rank alone: as a zero_stage 0 rank holds them
+        name, st = names[id(p)], sharded.optimizer.state.get(p, {})
+        local = local_part(p.detach())
+        tensors = {"param": local, **{k: local_part(st[k]) if k in st else torch.zeros_like(local)
+                                      for k in SLICE_KINDS[1:]}}
+        out[name] = TensorState(regions[name], tensors,
+                                torch.as_tensor(st["step"]).detach().cpu() if "step" in st else None)
+    missing = sorted(set(regions) - set(out))
+    if missing:
+        raise RuntimeError(f"the rebuilt ZeRO state lacks {missing[:3]} ({len(missing)} tensors)")
+    return out
