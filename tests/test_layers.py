@@ -192,3 +192,24 @@ def test_the_caching_replay_records_through_the_registered_recorder():
             allocator.simulated_trace(model, plan, 0, 0)
     finally:
         allocator.register_stage_recorder(hetero._record_stage)
+
+
+def test_the_launcher_checks_and_lays_out_a_run_without_importing_torch(tmp_path):
+    """The launcher only checks the plan and starts node launchers: importing torch there (about 1 s
+    of CPU, 2 with dynamo) would delay every launch before its first worker starts."""
+    import subprocess
+    import sys
+
+    moe = tmp_path / "moe.yaml"   # an MoE model: its refusals are checked too
+    moe.write_text((ROOT / "configs" / "models" / "tiny.yaml").read_text()
+                   + "moe: {num_experts: 4, top_k: 2}\n")
+    code = ("import sys\n"
+            "from hetero.cli import main\n"
+            f"for model in ({str(ROOT / 'configs' / 'models' / 'tiny.yaml')!r}, {str(moe)!r}):\n"
+            f"    rc = main(['launch', '--cluster', {str(ROOT / 'configs' / 'clusters' / 'local-cpu.yaml')!r},\n"
+            f"               '--model', model, '--plan', {str(ROOT / 'configs' / 'plans' / 'local-cpu-tiny.yaml')!r},\n"
+            f"               '--dry-run', '--run-dir', {str(tmp_path / 'run')!r}])\n"
+            "    assert rc in (0, None), rc\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -255,7 +255,7 @@ def test_a_launch_refuses_what_the_runtime_does_not_run_for_moe():
     from types import SimpleNamespace
 
     from hetero.errors import HeteroError
-    from hetero.runtime.moe import check_moe_run
+    from hetero.runtime.moe_checks import check_moe_run
 
     spec = moe_model(dense_layers=[0, 1])
     stages = [SimpleNamespace(layers=(0, 2), tp=2), SimpleNamespace(layers=(2, 4), tp=1)]

@@ -217,7 +217,7 @@ def prepare(cluster, model, plan, options: RunOptions, *, master_addr: str | Non
         raise HeteroError(f"pipelines[{pi}].stages[{si}]: tp={tp} spans {nodes} nodes, which hetero predict and "
                           f"validate model but this runtime does not run: its tensor parallelism stays inside a "
                           f"node (fix: tp of at most devices_per_node, with more pipeline stages)")
-    from hetero.runtime.moe import check_moe_run
+    from hetero.runtime.moe_checks import check_moe_run
 
     check_moe_run(plan, model, options.engine)
     if options.engine == "deepspeed":

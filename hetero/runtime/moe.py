@@ -58,6 +58,10 @@ class _AuxLossGradient(torch.autograd.Function):
 class MoEMLP(nn.Module):
     """Router, routed experts and optional shared expert of one MoE layer (see the module docstring)."""
 
+    eager_under_compile = True
+    """Data-dependent shapes and host-side counts: :func:`hetero.runtime.model.compile_blocks` keeps
+    this layer eager inside its compiled block."""
+
     def __init__(self, spec: ModelSpec, mlp: type[nn.Module]):
         """``mlp``: the model's dense MLP class, built as ``mlp(spec, width)`` for each expert."""
         super().__init__()
@@ -110,7 +114,6 @@ class MoEMLP(nn.Module):
         f = torch.bincount(index.reshape(-1), minlength=self.num_experts).to(probs.dtype) / n
         return self.num_experts * (f * probs.mean(0)).sum()
 
-    @torch.compiler.disable   # data-dependent shapes and host-side counts: eager inside a compiled block
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -190,30 +193,6 @@ class MoEMLP(nn.Module):
             a = project("w1", xs)
             a = F.gelu(a, approximate="tanh") if first.act == "gelu" else F.relu(a)
         return project("w2", a)
-
-
-def check_moe_run(plan, model: ModelSpec, engine: str) -> None:
-    """Refuse, before any process starts, what this runtime does not run for an MoE model: tensor
-    parallelism of a stage holding MoE layers, expert parallelism with ZeRO, and the DeepSpeed engine
-    (whose loss has no aux term)."""
-    from hetero.errors import HeteroError
-
-    ep = getattr(plan, "expert_parallel", None)
-    if ep is not None and ep.degree > 1 and plan.zero_stage:   # the rest: hetero.runtime.expert_parallel
-        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
-                          f"(fix: zero_stage: 0, or drop expert_parallel)")
-    if model.moe is None:
-        return
-    if engine == "deepspeed":
-        raise HeteroError(f"--engine deepspeed: model {model.name} is a mixture of experts, whose aux loss and "
-                          f"expert biases the native engine trains (fix: --engine native)")
-    for i, pipeline in enumerate(plan.pipelines):
-        for j, stage in enumerate(pipeline.stages):
-            moe = [layer for layer in range(*stage.layers) if model.is_moe_layer(layer)]
-            if stage.tp > 1 and moe:
-                raise HeteroError(f"pipelines[{i}].stages[{j}]: tp {stage.tp} with MoE layers {moe}: tensor "
-                                  f"parallelism of mixture-of-experts layers is not supported (fix: tp 1 on the "
-                                  f"stages holding MoE layers)")
 
 
 def uses_grouped_gemm(device: torch.device, dtype: torch.dtype) -> bool:
