@@ -286,16 +286,24 @@ class LocalOpModel:
 
 
     # ---------------------------------------------------------------- block probes
+    def _block_sums(self, model, b: int, s: int) -> tuple[float, float, float, float]:
+        """This model's operator-sum predictions (seconds) of one layer's forward and backward and of
+        the edges' (embedding + final norm + head + loss) forward and backward, at ``b`` x ``s`` rows."""
+        from .ops import (embedding_backward_ops, embedding_forward_ops, head_backward_ops, head_forward_ops,
+                          layer_backward_ops, layer_forward_ops)
+
+        t = lambda ops: sum(self.predict(o.op, o.dims_dict()) for o in ops)  # noqa: E731
+        return (t(layer_forward_ops(model, b, s, 1, "fp32")), t(layer_backward_ops(model, b, s, 1, "none", "fp32")),
+                t(embedding_forward_ops(model, b, s, 1, "fp32") + head_forward_ops(model, b, s, 1, "fp32")),
+                t(embedding_backward_ops(model, b, s, 1, "fp32") + head_backward_ops(model, b, s, 1, "fp32")))
+
     def _probe_ratios(self, attention: str = "unfused") -> list:
-        """Per probe: (architecture, point, forward ratio, backward ratio, edge ratios or None),
-        ratio = measured time / this model's operator-sum prediction at the probe's shape (edges:
-        embedding + final norm + head + loss), the operators decomposed with ``attention`` as the
-        model the ratio is applied to is, so ratio x that model's sum is the measured block either way."""
+        """Per probe: (architecture, point, forward, backward, edge pairs or None), each a pair
+        (measured seconds, this model's operator-sum prediction at the probe's shape; edges: embedding
+        + final norm + head + loss), the operators decomposed with ``attention`` as the model the
+        correction is applied to is, so the corrected sum is the measured block either way."""
         if attention not in self._ratios:
             from hetero.specs.model import load_model
-
-            from .ops import (embedding_backward_ops, embedding_forward_ops, head_backward_ops, head_forward_ops,
-                              layer_backward_ops, layer_forward_ops)
 
             out = []
             for pb in self.blocks:
@@ -304,17 +312,13 @@ class LocalOpModel:
                 except Exception:  # noqa: BLE001 - a probe we cannot rebuild is skipped
                     continue
                 b, s = int(pb["micro_batch_size"]), int(pb["seq_length"])
-                t = lambda ops: sum(self.predict(o.op, o.dims_dict()) for o in ops)  # noqa: E731
-                of = t(layer_forward_ops(spec, b, s, 1, "fp32"))
-                ob = t(layer_backward_ops(spec, b, s, 1, "none", "fp32"))
-                ef = t(embedding_forward_ops(spec, b, s, 1, "fp32") + head_forward_ops(spec, b, s, 1, "fp32"))
-                eb = t(embedding_backward_ops(spec, b, s, 1, "fp32") + head_backward_ops(spec, b, s, 1, "fp32"))
+                of, ob, ef, eb = self._block_sums(spec, b, s)
                 if of > 0 and ob > 0:
                     edges = None
                     if float(pb.get("edges_forward_ms") or 0) > 0 and float(pb.get("edges_backward_ms") or 0) > 0:
-                        edges = (pb["edges_forward_ms"] * 1e-3 / ef, pb["edges_backward_ms"] * 1e-3 / eb)
+                        edges = ((pb["edges_forward_ms"] * 1e-3, ef), (pb["edges_backward_ms"] * 1e-3, eb))
                     out.append((pb["architecture"], self._probe_point(spec.hidden_size, b * s),
-                                pb["forward_ms"] * 1e-3 / of, pb["backward_ms"] * 1e-3 / ob, edges))
+                                (pb["forward_ms"] * 1e-3, of), (pb["backward_ms"] * 1e-3, ob), edges))
             self._ratios[attention] = out
         return self._ratios[attention]
 
@@ -322,8 +326,29 @@ class LocalOpModel:
     def _probe_point(hidden: float, rows: float) -> tuple[float, float]:
         return (math.log2(max(hidden, 1.0)), math.log2(max(rows, 1.0)))
 
+    @staticmethod
+    def _fixed_part(pairs: list[tuple[float, float]]) -> float:
+        """Seconds a block spends whatever its operators' sizes (Python, module and autograd dispatch
+        around a fixed number of kernels): the intercept of measured = fixed + k x operator sum over
+        the probes, fitted in relative error, at least 0 and at most 0.9 of the smallest measured
+        block (0 with fewer than two probes: then the correction is a ratio alone)."""
+        if len(pairs) < 2:
+            return 0.0
+        # least squares of (c + k x_i) / y_i = 1: the normal equations of the 2 x 2 system
+        a11 = sum(1 / (y * y) for y, _ in pairs)
+        a12 = sum(x / (y * y) for y, x in pairs)
+        a22 = sum(x * x / (y * y) for y, x in pairs)
+        b1 = sum(1 / y for y, _ in pairs)
+        b2 = sum(x / y for y, x in pairs)
+        det = a11 * a22 - a12 * a12
+        if det <= 0:
+            return 0.0
+        c = (b1 * a22 - b2 * a12) / det
+        return min(max(c, 0.0), 0.9 * min(y for y, _ in pairs))
+
     def _ratio(self, which: str, model, mbs: int, seq: int) -> tuple[float, float]:
-        key = (which, model.architecture, model.attention, model.hidden_size, mbs * seq)
+        key = (which, model.architecture, model.attention, model.hidden_size, model.num_attention_heads,
+               model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, model.moe, mbs, seq)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
@@ -336,22 +361,32 @@ class LocalOpModel:
         if not same:
             out = (1.0, 1.0)
         else:
+            sums = self._block_sums(model, mbs, seq)
+            sums = sums[2:] if which == "edges" else sums[:2]
             x = self._probe_point(model.hidden_size, mbs * seq)
-            ds = sorted((math.dist(x, p[1]), p[2], p[3]) for p in same)[:3]
-            if ds[0][0] < 1e-9:
-                out = (ds[0][1], ds[0][2])
-            else:
-                w = [1.0 / (d * d) for d, _, _ in ds]
-                out = (sum(wi * f for wi, (_, f, _) in zip(w, ds)) / sum(w),
-                       sum(wi * b for wi, (_, _, b) in zip(w, ds)) / sum(w))
+            ds = sorted((math.dist(x, p[1]), i) for i, p in enumerate(same))[:3]
+            out = []
+            for d in (2, 3):   # forward, backward
+                fixed = self._fixed_part([p[d] for p in same])
+                r = [(same[i][d][0] - fixed) / same[i][d][1] for _, i in ds]
+                if ds[0][0] < 1e-9:
+                    ratio = r[0]
+                else:
+                    w = [1.0 / (dist * dist) for dist, _ in ds]
+                    ratio = sum(wi * ri for wi, ri in zip(w, r)) / sum(w)
+                own = sums[d - 2]
+                out.append((fixed + ratio * own) / own if own > 0 else ratio)
+            out = tuple(out)
         self._memo[key] = out
         return out
 
     def layer_ratio(self, model, mbs: int, seq: int) -> tuple[float, float]:
         """(forward, backward) multipliers from the operator sum of one layer of ``model`` to the
-        runtime's measured block time: inverse-distance weighting of the nearest block probes of the
-        same architecture (any architecture when none), in (log2 hidden, log2 rows). (1, 1) without
-        probes."""
+        runtime's measured block time. The block probes of the same architecture (any architecture
+        when none) say it as fixed + k x operator sum: the fixed seconds fitted over all of them
+        (:meth:`_fixed_part`: dispatch that does not shrink with the operators, which matters for
+        small models), k by inverse-distance weighting of the nearest probes in (log2 hidden, log2
+        rows); returned as one multiplier of ``model``'s own operator sum. (1, 1) without probes."""
         return self._ratio("layer", model, mbs, seq)
 
     def edge_ratio(self, model, mbs: int, seq: int) -> tuple[float, float]:

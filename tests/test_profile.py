@@ -183,6 +183,40 @@ def _probe(arch, h, b, s, model):
             "grad_norm_ms": 1e-6 * 1_000_000 * h // 256, "adamw_kernel": "fused"}
 
 
+def test_a_block_is_a_fixed_dispatch_part_plus_a_multiple_of_its_operators():
+    """Probes measured as fixed + k x operator sum (0.5 ms forward, 0.8 ms backward of dispatch):
+    a model at a probe's own point but with narrower operators (more heads, a smaller MLP) keeps the
+    fixed part, where a plain ratio would shrink it with the operators."""
+    import hetero
+    from hetero.predictor import ops as O
+    from hetero.predictor import profiles
+    from hetero.predictor.profiles import probe_model_dict
+
+    plain = profiles.LocalOpModel(_synthetic())
+    shapes = ((128, 1, 128), (256, 2, 128), (512, 2, 256))
+    probes = []
+    for h, b, s in shapes:
+        pb = {"architecture": "llama", "hidden_size": h, "num_attention_heads": h // 64, "micro_batch_size": b,
+              "seq_length": s, "num_layers": 4, "vocab_size": 4096}
+        spec = hetero.load_model(probe_model_dict(pb))
+        t = lambda ops: sum(plain.predict(o.op, o.dims_dict()) for o in ops) * 1e3  # noqa: E731
+        probes.append({**pb, "forward_ms": 0.5 + 1.4 * t(O.layer_forward_ops(spec, b, s, 1)),
+                       "backward_ms": 0.8 + 1.2 * t(O.layer_backward_ops(spec, b, s, 1))})
+    local = profiles.LocalOpModel(_synthetic(), meta={"blocks": probes})
+    narrow = hetero.load_model({"name": "n", "architecture": "llama", "num_layers": 2, "hidden_size": 128,
+                                "num_attention_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 256,
+                                "vocab_size": 512, "seq_length": 64})
+    fwd = sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_forward_ops(narrow, 2, 64, 1)) * 1e3
+    bwd = sum(plain.predict(o.op, o.dims_dict()) for o in O.layer_backward_ops(narrow, 2, 64, 1)) * 1e3
+    rf, rb = local.layer_ratio(narrow, 2, 64)
+    assert rf * fwd == pytest.approx(0.5 + 1.4 * fwd, rel=1e-6)
+    assert rb * bwd == pytest.approx(0.8 + 1.2 * bwd, rel=1e-6)
+    # one probe alone says nothing of a fixed part: its plain ratio
+    one = profiles.LocalOpModel(_synthetic(), meta={"blocks": probes[:1]})
+    assert one.layer_ratio(narrow, 2, 64)[0] == pytest.approx(probes[0]["forward_ms"] / (
+        (probes[0]["forward_ms"] - 0.5) / 1.4))
+
+
 def test_block_probes_correct_layer_edge_and_optimizer_times(tmp_path, monkeypatch):
     import hetero
     from hetero.predictor import optime, profiles

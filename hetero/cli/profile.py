@@ -107,7 +107,7 @@ def run(args) -> int:
         progress.update(task, description="done")
     meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
-            "statistic": "fastest block of repeated calls",
+            "statistic": "operators: fastest block of repeated calls; blocks: median of repeated rounds",
             "load_average": {"before": list(load_before) if load_before else None,
                              "after": list(os.getloadavg()) if load_before else None},
             "blocks": blocks}
