@@ -12,7 +12,6 @@ step ``t`` (``k``: the job's staleness), so at most ``k + 1`` steps of groups ar
 """
 from __future__ import annotations
 
-import copy
 
 import torch
 
@@ -44,8 +43,7 @@ class Channel:
     rank. ``owners[g]``: the rank that generates group ``g`` of every step."""
 
     def __init__(self, comm, rank: int, plan, layout, owners: list[int], group_size: int, seq_length: int):
-        self.comm = copy.copy(comm)   # its own list of sends in flight (the pipeline waits for its own)
-        self.comm._pending = []
+        self.comm = comm.with_own_sends()   # the pipeline waits for its own sends, not the channel's
         self.rank, self.owners, self.G = rank, owners, group_size
         self.width = row_width(seq_length)
         self.readers = [readers(plan, layout, g, group_size) for g in range(len(owners))]
@@ -59,14 +57,12 @@ class Channel:
                 self.inbox[(step, group)] = rows
             else:
                 self.comm.send(rows, dst, tag=CHANNEL_TAG)
-        self.sent.setdefault(step, []).extend(self.comm._pending)
-        self.comm._pending = []
+        self.sent.setdefault(step, []).extend(self.comm.take_sends())
 
     def wait_sent(self, up_to_step: int) -> None:
         """Complete the sends of every step up to ``up_to_step`` (their readers have taken them)."""
         for step in sorted(s for s in self.sent if s <= up_to_step):
-            self.comm._pending = self.sent.pop(step)
-            self.comm.wait_sends()
+            self.comm.wait_sends(self.sent.pop(step))
 
     def group(self, step: int, group: int) -> torch.Tensor:
         """Group ``group`` of ``step``, received from its owner if it is not here yet."""

@@ -122,7 +122,7 @@ class RLProcess:
         self.channel = Channel(self.comm, rank, self.plan, self.layout, owners, G, self.model.seq_length)
         self.sync = WeightSync(self.model, self.plan, self.layout, self.gen_ranks,
                                dict(enumerate(vendors)), cfg.get("bucket_mb", 25.0))
-        self.sync_comm = _own_sends(self.comm)
+        self.sync_comm = self.comm.with_own_sends()
         self.steps = cfg["steps"]
         self.staleness = job["staleness"] if self.disaggregated else 0
         self.eval_results: dict[str, list] = {"before": [], "after": []}
@@ -143,7 +143,7 @@ class RLProcess:
 
         self.phase["phase"] = "building the actor"
         ctx = RunContext(self.spec, self.rank)
-        acomm = _own_sends(self.comm)
+        acomm = self.comm.with_own_sends()
         acomm.world_size = self.A   # the engine's run-wide collectives are the actor's
         self.engine = NativeEngine(ctx, acomm)
         if self.spec.options.load:
@@ -466,8 +466,3 @@ class RLProcess:
             dcp.save({}, checkpoint_id=staging_dir(path))
 
 
-def _own_sends(comm):
-    """A view of ``comm`` with its own list of sends in flight (waited for apart from the others)."""
-    view = copy.copy(comm)
-    view._pending = []
-    return view

@@ -23,6 +23,8 @@ here. DTensor meshes over accelerator ranks get groups of the vendor library
 """
 from __future__ import annotations
 
+import copy
+
 import datetime
 import os
 import time
@@ -292,10 +294,24 @@ class Collectives:
             tensor.copy_(t)
         return tensor
 
-    def wait_sends(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, dst in pending:
+    def wait_sends(self, sends: list | None = None) -> None:
+        """Complete the sends in flight (or ``sends``, a list :meth:`take_sends` returned)."""
+        if sends is None:
+            sends, self._pending = self._pending, []
+        for work, dst in sends:
             self._run(work.wait, "send", (dst,))
+
+    def take_sends(self) -> list:
+        """The sends in flight, handed to the caller to complete later (:meth:`wait_sends`)."""
+        sends, self._pending = self._pending, []
+        return sends
+
+    def with_own_sends(self) -> "Collectives":
+        """A view of these collectives (same groups and peers) with its own list of sends in flight,
+        completed apart from this one's: a channel's sends must not be waited for by the pipeline's."""
+        view = copy.copy(self)
+        view._pending = []
+        return view
 
     # ------------------------------------------------------------------ errors
     def _run(self, fn, what: str, peers: tuple[int, ...]) -> None:
