@@ -173,16 +173,17 @@ LIVE_KEYS = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s
              "predicted_downtime_s")
 
 
-def _gpt109_files(tmp: Path) -> tuple[Path, Path, Path]:
-    """The 109M GPT's model file, and local-cpu.yaml cut to one ``fast`` device with the plan that
-    puts the whole model on it (the one-device reference, and the join's start), under ``tmp``."""
+def _gpt109_files(tmp: Path, model_d: dict = GPT109) -> tuple[Path, Path, Path]:
+    """The 109M GPT's model file (or ``model_d``'s), and local-cpu.yaml cut to one ``fast`` device
+    with the plan that puts the whole model on it (the one-device reference, and the join's start),
+    under ``tmp``."""
     model, one_c, one_p = tmp / "gpt109.yaml", tmp / "one.yaml", tmp / "one-plan.yaml"
-    model.write_text(yaml.safe_dump(GPT109))
+    model.write_text(yaml.safe_dump(model_d))
     cluster = yaml.safe_load(CLUSTER.read_text())
     cluster["groups"] = [{**cluster["groups"][0], "devices_per_node": 1}]
     one_c.write_text(yaml.safe_dump(cluster))
     one_p.write_text(yaml.safe_dump({**PLAN109, "pipelines": [{"micro_batches": 8, "stages": [
-        {"group": "fast", "layers": [0, 8]}]}]}))
+        {"group": "fast", "layers": [0, model_d["num_layers"]]}]}]}))
     return model, one_c, one_p
 
 

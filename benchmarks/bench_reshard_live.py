@@ -55,7 +55,8 @@ LOST = 3
 TIMES = ("detect_s", "agree_replan_s", "regroup_s", "transfer_s", "rebuild_s", "downtime_s", "dcp_s", "dcp_save_s")
 
 
-def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: int) -> None:
+def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: int, model_d: dict = MODEL,
+            plan_d: dict = PLAN, lost: tuple[int, ...] = (LOST,)) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -72,9 +73,10 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: in
     torch.set_num_threads(1)
     keep_freed_host_memory()   # as the runtime's workers on a CPU device: for both paths below alike
     store = L.connect(port, 120)
-    L.regroup(store, 0, rank, 4, 120)
-    model, plan = hetero.load_model(MODEL), hetero.load_plan(PLAN)
-    info = build_layout(hetero.load_cluster(cluster), plan).ranks[rank]
+    model, plan = hetero.load_model(model_d), hetero.load_plan(plan_d)
+    layout = build_layout(hetero.load_cluster(cluster), plan)
+    L.regroup(store, 0, rank, layout.world_size, 120)
+    info = layout.ranks[rank]
     module = build_stage(model, info.layers, *info.holds_ends(plan), seed=0, chunks=info.chunk_layers(plan))
     optimizer = make_optimizer(module.parameters(), 1e-3, 0.0)
     for name, p in module.named_parameters():   # one step: the same "gradient" on every replica
@@ -88,11 +90,12 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: in
     # exchange writes into mapped memory
     torch.empty(reserve, dtype=torch.uint8).fill_(0)
     dist.barrier()
-    if rank == LOST:
-        store.set("died_at", repr(time.time()))
+    if rank in lost:
+        if rank == lost[0]:
+            store.set("died_at", repr(time.time()))
         os._exit(1)
     try:   # the survivors' next message from the lost rank never comes: its connection closes
-        dist.recv(torch.empty(1), src=LOST)
+        dist.recv(torch.empty(1), src=lost[0])
     except RuntimeError:
         pass
     t_detect = time.time()
@@ -148,8 +151,9 @@ def _worker(rank: int, port: int, cluster: dict, out: str, shm: str, reserve: in
 
 
 def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
-    """Old rank -> the most state its exchange allocates after any single loss planned ``ahead``
-    (what the runtime's launcher publishes for its ranks to reserve)."""
+    """Old rank -> the most state its exchange allocates after any loss planned ``ahead`` (the lost
+    ranks, a frozenset -> the cluster left and its plan; what the runtime's launcher publishes for its
+    ranks to reserve)."""
     from hetero.layout import build_layout
     from hetero.runtime.elastic.plans import assign_ranks
     from hetero.runtime.reshard.live import exchange_ranks, transition_between
@@ -160,7 +164,7 @@ def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
     losses = []
     for lost, (left, result) in ahead.items():
         new_layout = build_layout(left, result.plan)
-        survivors = [r for r in range(len(layout.ranks)) if r != lost]
+        survivors = [r for r in range(len(layout.ranks)) if r not in lost]
         members = assign_ranks(layout, new_layout, survivors)
         transition = transition_between(space, plan, layout, space.layout_regions(result.plan, new_layout),
                                         exchange_ranks(members, survivors), new_layout)
@@ -169,7 +173,11 @@ def _reserves(cluster, layout, model, plan, ahead: dict) -> dict[int, int]:
     return reserve_bytes(space, space.layout_regions(plan, layout), losses)
 
 
-def one_round(i: int, tmp: Path) -> dict:
+def one_round(i: int, tmp: Path, cluster_d: dict | None = None, model_d: dict = MODEL, plan_d: dict = PLAN,
+              lost: tuple[int, ...] = (LOST,)) -> dict:
+    """One round of the module docstring's steps; by default local-cpu.yaml and :data:`PLAN` losing rank
+    :data:`LOST`; ``cluster_d``, ``model_d``, ``plan_d``: another cluster, model and plan (dicts),
+    ``lost``: the ranks lost at once (the first one's death times the detection)."""
     import yaml
 
     import hetero
@@ -183,39 +191,41 @@ def one_round(i: int, tmp: Path) -> dict:
     from hetero.runtime.reshard.transition import plan_transition
     from hetero.specs.cluster import without_devices
 
-    cluster_d = yaml.safe_load((ROOT / "configs/clusters/local-cpu.yaml").read_text())
-    cluster, model, plan = hetero.load_cluster(cluster_d), hetero.load_model(MODEL), hetero.load_plan(PLAN)
+    if cluster_d is None:
+        cluster_d = yaml.safe_load((ROOT / "configs/clusters/local-cpu.yaml").read_text())
+    cluster, model, plan = hetero.load_cluster(cluster_d), hetero.load_model(model_d), hetero.load_plan(plan_d)
     layout = build_layout(cluster, plan)
+    world_size = layout.world_size
     out, shm = tmp / f"round{i}", f"/dev/shm/hetero-bench-reshard-{os.getpid()}-{i}"
     out.mkdir()
-    # the plan for each single loss, made while the workers set up and train (the coordinator's
-    # replan after a failure is then a look-up)
+    # the plan for each single loss (and for ``lost``), made while the workers set up and train (the
+    # coordinator's replan after a failure is then a look-up)
     t0 = time.perf_counter()
     ahead = {}
-    for r in range(4):
-        left = without_devices(cluster, [layout.ranks[r]])
-        ahead[r] = (left, replan(left, model, plan))
+    for gone in {*(frozenset([r]) for r in range(world_size)), frozenset(lost)}:
+        left = without_devices(cluster, [layout.ranks[r] for r in sorted(gone)])
+        ahead[gone] = (left, replan(left, model, plan))
     plan_ahead_s = time.perf_counter() - t0
     reserve = _reserves(cluster, layout, model, plan, ahead)
     coordinator = Coordinator(timeout_s=120)
     ctx = mp.get_context("spawn")
     # the workers start with the environment the runtime's launcher gives a CPU device's (huge pages)
     os.environ.update(huge_pages_env())
-    procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm, reserve.get(r, 0)),
-                         daemon=True)
-             for r in range(4)]
+    procs = [ctx.Process(target=_worker, args=(r, coordinator.port, cluster_d, str(out), shm, reserve.get(r, 0),
+                                               model_d, plan_d, tuple(lost)), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     try:
-        while procs[LOST].is_alive():          # the launcher sees the lost worker's process end
+        while any(procs[r].is_alive() for r in lost):   # the launcher sees the lost workers' processes end
             time.sleep(0.002)
-        alive = [r for r in range(4) if procs[r].is_alive()]
+        alive = [r for r in range(world_size) if procs[r].is_alive()]
         got = coordinator.await_survivors(1, alive, timeout_s=60)
         t0 = time.perf_counter()
-        left, result = ahead[LOST]
+        left, result = ahead[frozenset(lost)]
         new_layout = build_layout(left, result.plan)
         members = assign_ranks(layout, new_layout, sorted(got))
-        coordinator.publish(1, members, decision_for(MODEL, (cluster_d, PLAN), (left.to_dict(), result.plan.to_dict()),
+        coordinator.publish(1, members, decision_for(model_d, (cluster_d, plan_d), (left.to_dict(), result.plan.to_dict()),
                                                      sorted(got), step=3, transport=choose_transport(got)))
         replan_s = time.perf_counter() - t0
         # the same transition as the workers compute it, for the prediction (survivors the plan leaves
@@ -245,7 +255,7 @@ def one_round(i: int, tmp: Path) -> dict:
            "bytes_moved": sum(r["bytes_sent"] for r in ranks), "bytes_received": sum(r["bytes_received"] for r in ranks),
            "intersection_bytes": ranks[0]["intersection_bytes"], "bytes_kept_local": sum(r["bytes_local"] for r in ranks),
            "pids_kept": all(r["pid_before"] == r["pid_after"] for r in ranks)}
-    print(f"round {i}: 4 -> {len(members)} ranks, downtime {row['downtime_s']:.2f} s (detect {row['detect_s']:.3f}, "
+    print(f"round {i}: {world_size} -> {len(members)} ranks, downtime {row['downtime_s']:.2f} s (detect {row['detect_s']:.3f}, "
           f"agree+replan {row['agree_replan_s']:.2f}, regroup {row['regroup_s']:.2f}, transfer {row['transfer_s']:.2f} "
           f"[predicted {predicted:.2f}], rebuild {row['rebuild_s']:.2f}); {row['bytes_moved'] / 1e6:.0f} MB moved "
           f"(intersection {row['intersection_bytes'] / 1e6:.0f} MB, kept {row['bytes_kept_local'] / 1e6:.0f} MB); "
