@@ -42,6 +42,7 @@ def test_a_lost_ranks_slices_are_rebuilt_bitwise_from_the_copy_its_buddy_keeps(o
     copies = SliceCopies(sharded, rank=0, world=1, timeout_s=10)
     (link,) = copies.links
     assert (link.buddy, link.source) == (1, 1)   # a ring of two: each keeps the other's copy
+    assert [set(b) for b in link.buffers] == [{"param", "exp_avg", "exp_avg_sq", "step"}] * 2   # made at once
     link.buffers[1] = {**{k: v[9:].clone() for k, v in whole.items()}, "step": torch.tensor([3.0])}
     link.steps[1] = 3.0
     link.buffers[0], link.steps[0] = {k: torch.full_like(v, float("nan")) for k, v in link.buffers[1].items()}, 2.0

@@ -93,7 +93,7 @@ def uncovered(checkins: dict[int, dict], lost) -> str | None:
             source = ranks[ranks.index(r) - 1]
             if source in lost and not held:
                 return (f"rank {r} holds no copy of lost rank {source}'s optimizer slices as of step {step} (rank "
-                        f"{source} was lost after the gradient norm of a step, before its copy of that update "
+                        f"{source} was lost after that step's gradient norm and before its copy of the step's update "
                         f"arrived)")
     return None
 
@@ -107,7 +107,7 @@ class _Link:
     shard: object
     buddy: int
     source: int
-    buffers: list = field(default_factory=lambda: [None, None])
+    buffers: list = field(default_factory=list)
     """Two copies of the source's slice: kind -> host tensor, and ``step``."""
     steps: list = field(default_factory=lambda: [None, None])
     """Each buffer's step counter when it holds a complete copy, else None."""
@@ -123,10 +123,11 @@ class SliceCopies:
         self.group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.links = sorted((_Link(shard_key(s), s, s.ranks[(s.index + 1) % len(s.ranks)], s.ranks[s.index - 1])
                              for s in sharded.shards if len(s.ranks) > 1), key=lambda link: link.key)
+        for link in self.links:   # written once now, so that no copy lands in fresh pages during a step
+            link.buffers = [{**{k: torch.zeros(link.shard.slice_len, dtype=torch.float32) for k in SLICE_KINDS},
+                             "step": torch.zeros(1, dtype=torch.float32)} for _ in range(2)]
         self.withheld = os.environ.get(WITHHOLD_ENV)
-        self._works: list = []
-        self.sent_bytes = 0
-        """Bytes sent to the buddies so far (each update's slices, once)."""
+        self._pending: _Transfers | None = None
 
     def _state(self, shard) -> dict | None:
         """The AdamW state of ``shard``'s slice (None before its first update)."""
@@ -151,21 +152,18 @@ class SliceCopies:
         the buffer that does not hold the last complete copy."""
         self.wait()
         send_tags, recv_tags = self._tags()
+        works = []   # receives first: the thread that waits for them records them before any send's end
         for link in self.links:
             st = self._state(link.shard)
             if st is None:   # no update yet: every member alike, nothing to copy
                 continue
             b = 0 if link.steps[0] is None else (1 if link.steps[1] is None else int(link.steps[1] < link.steps[0]))
-            if link.buffers[b] is None:
-                n = link.shard.slice_len
-                link.buffers[b] = {**{k: torch.empty(n, dtype=torch.float32) for k in SLICE_KINDS},
-                                   "step": torch.empty(1, dtype=torch.float32)}
             link.steps[b] = None   # until the whole copy has arrived
             buf = link.buffers[b]
             if self.withheld != str(link.source):
                 for i, kind in enumerate((*SLICE_KINDS, "step")):
                     work = dist.irecv(buf[kind], link.source, group=self.group, tag=recv_tags[link.key] + i)
-                    self._works.append((work, link, b))
+                    works.insert(0, (work, link, b))
             if self.withheld == str(self.rank):
                 continue
             mine = {"param": link.shard.master.detach(), "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
@@ -173,35 +171,31 @@ class SliceCopies:
             for i, kind in enumerate((*SLICE_KINDS, "step")):
                 t = mine[kind].detach()
                 t = t if t.device.type == "cpu" else t.to("cpu")   # Gloo carries host memory
-                self._works.append((dist.isend(t, link.buddy, group=self.group, tag=send_tags[link.key] + i),
-                                    None, None))
-                self.sent_bytes += t.numel() * t.element_size()
+                works.append((dist.isend(t, link.buddy, group=self.group, tag=send_tags[link.key] + i), None, None))
+        if works:
+            self._pending = _Transfers(works)
 
-    def wait(self, quiet: bool = False) -> None:
-        """Complete the copies under way (right before the next update): a received copy is marked
-        complete with its step counter; a transfer that failed (a peer lost) leaves its buffer marked
-        empty and, unless ``quiet``, raises once every transfer is settled."""
-        works, self._works = self._works, []
-        received: dict[tuple[int, int], list] = {}
-        error = None
-        for work, link, b in works:
-            ok = True
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001 - a peer lost: said once everything is settled
-                error, ok = error or e, False
-            if link is not None:   # a receive: its buffer is complete once all its parts are
-                entry = received.setdefault((id(link), b), [link, b, True])
-                entry[2] = entry[2] and ok
-        for link, b, ok in received.values():
-            link.steps[b] = float(link.buffers[b]["step"][0]) if ok else None
-        if error is not None and not quiet:
-            raise error
+    def wait(self) -> None:
+        """Complete the copies under way (right before the next update, and when the run ends or
+        pauses): a received copy is marked complete with its step counter. A transfer that failed (a
+        peer lost) leaves its buffer marked empty and raises. Waited in slices, so the launcher's
+        lost-peer signal stops it (:class:`_Transfers`)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            while not pending.done.wait(0.05):
+                pass
+            pending.record()
+            if pending.error is not None:
+                raise pending.error
 
-    def settle(self) -> list:
-        """After a loss, once this rank's connections are broken: every transfer settled (a pending one
-        fails at once), and :meth:`report`."""
-        self.wait(quiet=True)
+    def settle(self, grace_s: float = 0.1) -> list:
+        """After a loss, once this rank's connections are broken (what is still under way then fails at
+        once, but a receive whose sender died in the middle of it may wait for the group's timeout):
+        what arrived within ``grace_s`` is recorded, the rest counts as missing; returns :meth:`report`."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.done.wait(grace_s)
+            pending.record()
         return self.report()
 
     def _copy_at(self, link: _Link, step) -> dict | None:
@@ -240,6 +234,42 @@ class SliceCopies:
         if copy is None:
             raise RuntimeError(f"no copy of rank {shard.ranks[index]}'s slices at this step (the launcher checks)")
         return copy
+
+
+class _Transfers:
+    """One update's copies in flight, waited for by a thread of their own: in Gloo a receive whose
+    sender died in the middle of it ends only at the group's timeout, and a signal's handler does not
+    run while the main thread is inside that wait, so the main thread waits for this thread instead,
+    in slices. A wait with a timeout is no way out: the buffer it times out is unusable after."""
+
+    def __init__(self, works: list):
+        import threading
+
+        self.works = works   # (work, link, buffer) for a receive, (work, None, None) for a send
+        self.ok: list[bool | None] = [None] * len(works)
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, name="hetero-slice-copies", daemon=True).start()
+
+    def _run(self) -> None:
+        for i, (work, _, _) in enumerate(self.works):
+            try:
+                work.wait()
+                self.ok[i] = True
+            except Exception as e:  # noqa: BLE001 - a peer lost: the main thread raises it
+                self.ok[i], self.error = False, self.error or e
+        self.done.set()
+
+    def record(self) -> None:
+        """Mark each receiving buffer complete (its step counter) when every part of it arrived, else
+        empty (a part failed, or is still waited for)."""
+        received: dict[tuple[int, int], list] = {}
+        for (_, link, b), ok in zip(self.works, list(self.ok)):
+            if link is not None:
+                entry = received.setdefault((id(link), b), [link, b, True])
+                entry[2] = entry[2] and ok is True
+        for link, b, ok in received.values():
+            link.steps[b] = float(link.buffers[b]["step"][0]) if ok else None
 
 
 def whole_state(copies: SliceCopies, module, regions: dict, world_rank: dict[int, int], survivors,
