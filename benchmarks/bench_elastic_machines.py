@@ -219,6 +219,10 @@ def _print_row(name: str, r: dict) -> None:
           f"downtime, {ratio} the live transition; same new plan {r['same_new_plan_as_dcp']})", flush=True)
 
 
+def _cell(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def _dcp_round(i: int, tmp: Path, setup: Cluster, lost: tuple[int, ...]) -> dict:
     """bench_reshard_live's round of the same transition, its exchange over torch.distributed."""
     from hetero.runtime.reshard.live import TRANSPORT_ENV
@@ -254,12 +258,16 @@ def run(rounds: int, model_d: dict, lost_after_s: float) -> dict:
     keys = (*KEYS, "transition_s", "dcp_s", "dcp_save_s", "dcp_over_downtime", "standalone_downtime_s",
             "standalone_transition_s")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in rows.items()}
+    for name, rs in rows.items():   # none where nothing moved and no world was formed
+        ratios = [r["dcp_over_transition"] for r in rs if r["dcp_over_transition"] is not None]
+        med[name]["dcp_over_transition"] = statistics.median(ratios) if ratios else None
+    keys = (*keys, "dcp_over_transition")
     print(f"\nacross two machines (127.0.0.1, 127.0.0.2), medians over {rounds} rounds ({model_d['name']}, one "
           f"two-stage pipeline per machine; a worker: rank {LOST_WORKER} at step {FAIL_AT}; the machine: node slot 1 "
           f"killed after step {KILL_AFTER_STEP}, --machine-lost-after {lost_after_s:g} s):")
     print(f"    {'':28s} {'lost worker':>12s} {'lost machine':>13s}")
     for k in keys:
-        print(f"    {k:28s} {med['worker'][k]:12.3f} {med['machine'][k]:13.3f}")
+        print(f"    {k:28s} {_cell(med['worker'][k]):>12s} {_cell(med['machine'][k]):>13s}")
     everything = rows["worker"] + rows["machine"]
     checks = {"in_process": all(r["path"] == "in-process" for r in everything),
               "bytes_exact": all(r["bytes_moved"] == r["intersection_bytes"] for r in everything),
