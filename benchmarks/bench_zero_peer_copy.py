@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     m = model(args.layers, args.hidden)
     params = _parameters(m)
     slice_elems = -(-params // 2)
-    t_start = time.time()
+    t_start, load_before = time.time(), os.getloadavg()
     rounds = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
         "median_step_without_copies_s": statistics.median(r["off_s"] for r in rounds),
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
         "losses_equal": all(r["losses_equal"] for r in rounds), "wall_s": time.time() - t_start,
-        "threads": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
           f"{result['median_step_without_copies_s']:.3f} s without; overhead (median of the rounds' ratios) "
           f"{(result['median_ratio'] - 1) * 100:+.1f}%; {result['copied_bytes_per_rank_and_step'] / 1e6:.0f} MB copied "
           f"per rank and step, {result['copy_host_bytes_per_rank'] / 1e6:.0f} MB of host memory kept per rank; "
-          f"losses equal: {result['losses_equal']}; {result['wall_s']:.0f} s -> {args.out}")
+          f"losses equal: {result['losses_equal']}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}; "
+          f"{result['wall_s']:.0f} s -> {args.out}")
     return 0
 
 
