@@ -124,3 +124,31 @@ def test_load_must_be_a_checkpoint(job_dir):
     (job_dir / "empty").mkdir()
     assert "is not a checkpoint" in _problems(_edit(job_dir, load="empty"))
     assert "has no config.json" in _problems(_edit(job_dir, load="hf:empty"))
+
+
+def test_prompt_lengths_are_counted_in_the_jobs_tokenizer(job_dir):
+    """A Hugging Face tokenizer's prompt is its tokens (special ones included, as the run encodes
+    it), not its bytes: five words are 6 tokens with the start token and fit; as many words as there is room do not."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(30)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder = job_dir / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    seq = yaml.safe_load((job_dir / "model.yaml").read_text())["seq_length"]
+    room = seq - yaml.safe_load((job_dir / "grpo-collocated.yaml").read_text())["max_new_tokens"]
+    words = " ".join(f"w{i % 30}" for i in range(room))          # room words + <s>: one token too many
+    (job_dir / "hf.jsonl").write_text(json.dumps({"prompt": "w1 w2 w3 w4 w5"}) + "\n"
+                                      + json.dumps({"prompt": words}) + "\n")
+    text = _problems(_edit(job_dir, tokenizer="tok", eval_prompts="hf.jsonl"))
+    assert f"hf.jsonl line 2: the prompt is {room + 1} tokens" in text, text
+    assert "hf.jsonl line 1" not in text

@@ -220,8 +220,8 @@ def load_rl_job(path_or_dict, cluster=None, source: str | None = None, base_dir:
     records = {}
     for name in ("prompts", "eval_prompts"):
         records[name] = tuple(read_prompts(updates[name], name, problems, name)) if updates[name] else ()
-    if model is not None and job.tokenizer == "bytes":
-        _check_lengths(records, job, model, problems)
+    if model is not None and (job.tokenizer == "bytes" or updates["tokenizer"]):
+        _check_lengths(records, job, model, updates.get("tokenizer") or job.tokenizer, problems)
     reward_ref = _check_reward(job.reward, base_dir, problems)
     plan = _check_placement(job, resolve, model, cluster, problems, extra)
     for name, value in updates.items():
@@ -322,18 +322,31 @@ def _load_model(path: str):
     return load_model(path)
 
 
-def _check_lengths(records: dict, job: RLJob, model, problems: Problems) -> None:
-    """With the bytes tokenizer a prompt is its UTF-8 bytes: it and max_new_tokens must fit the
-    model's seq_length."""
+def _check_lengths(records: dict, job: RLJob, model, tokenizer: str, problems: Problems) -> None:
+    """Every prompt, counted in ``tokenizer``'s tokens as the run encodes it (special tokens
+    included; the bytes tokenizer: its UTF-8 bytes), and max_new_tokens must fit the model's
+    seq_length."""
+    from hetero.errors import HeteroError
+    from hetero.tokenizer import load_text_tokenizer
+
     room = model.seq_length - job.max_new_tokens
     if room < 1:
         problems.add("max_new_tokens", f"{job.max_new_tokens} leaves no room for a prompt in the model's "
                                        f"seq_length {model.seq_length}", f"give at most {model.seq_length - 1}")
         return
+    if tokenizer == "bytes" and model.vocab_size < 256:
+        return   # said above
+    try:
+        tok = load_text_tokenizer(tokenizer, model.vocab_size)
+    except HeteroError as e:
+        message, _, fix = str(e).rpartition(" (fix: ")
+        problems.add("tokenizer", message or str(e), fix.rstrip(")"))
+        return
     for name, recs in records.items():
-        long = [r for r in recs if len(r.prompt.encode("utf-8")) > room]
+        lengths = {id(r): len(tok.encode(r.prompt, special=True)) for r in recs}
+        long = [r for r in recs if lengths[id(r)] > room]
         for r in long[:MAX_SHOWN]:
-            problems.add(name, f"{r.where()}: the prompt is {len(r.prompt.encode('utf-8'))} tokens; with "
+            problems.add(name, f"{r.where()}: the prompt is {lengths[id(r)]} tokens; with "
                                f"max_new_tokens {job.max_new_tokens} at most {room} fit the model's seq_length "
                                f"{model.seq_length}", "shorten the prompt, lower max_new_tokens or raise seq_length")
         if len(long) > MAX_SHOWN:
