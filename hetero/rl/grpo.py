@@ -28,7 +28,7 @@ Conventions (fixed here so every placement and plan computes the same numbers):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,18 +131,50 @@ def grpo_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
 class StepStats:
     """Sums over a step's completion tokens, added micro-batch by micro-batch (and summed over
     ranks by the runtime: :meth:`as_tensor` / :meth:`from_tensor`), then read as the means the run
-    summary reports."""
+    summary reports. :meth:`add` keeps the sums where the terms are (one tensor of four, no read
+    back per micro-batch: on an accelerator each read waits for the device); reading a field
+    settles them once."""
 
-    tokens: float = 0.0
-    loss_sum: float = 0.0
-    kl_sum: float = 0.0
-    clipped: float = 0.0
+    _tokens: float = 0.0
+    _loss_sum: float = 0.0
+    _kl_sum: float = 0.0
+    _clipped: float = 0.0
+    _pending: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def add(self, terms: TokenTerms) -> None:
-        self.tokens += float(terms.mask.sum())
-        self.loss_sum += float(terms.loss.detach().sum())
-        self.kl_sum += float(terms.kl.sum())
-        self.clipped += float(terms.clipped.sum())
+        sums = torch.stack([terms.mask.sum().double(), terms.loss.detach().sum().double(),
+                            terms.kl.detach().sum().double(), terms.clipped.sum().double()])
+        self._pending = sums if self._pending is None else self._pending + sums
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            tokens, loss, kl, clipped = self._pending.tolist()
+            self._pending = None
+            self._tokens += tokens
+            self._loss_sum += loss
+            self._kl_sum += kl
+            self._clipped += clipped
+
+    @property
+    def tokens(self) -> float:
+        """Completion tokens of the step."""
+        self._settle()
+        return self._tokens
+
+    @property
+    def loss_sum(self) -> float:
+        self._settle()
+        return self._loss_sum
+
+    @property
+    def kl_sum(self) -> float:
+        self._settle()
+        return self._kl_sum
+
+    @property
+    def clipped(self) -> float:
+        self._settle()
+        return self._clipped
 
     def as_tensor(self) -> torch.Tensor:
         """The four sums as one float64 tensor (for an all-reduce)."""
