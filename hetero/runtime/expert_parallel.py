@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hetero.errors import HeteroError
+from hetero.runtime.moe_checks import refuse_zero_with_experts
 
 #: ``all_to_all(output, input, output_splits, input_splits)`` over one expert group
 AllToAll = Callable[[torch.Tensor, torch.Tensor, list, list], torch.Tensor]
@@ -152,9 +153,7 @@ def check_supported(plan, layout, placement: ExpertPlacement, engine: str = "nat
     layers, micro-batch count and size)."""
     if engine != "native":
         raise HeteroError(f"plan: expert_parallel runs on the native engine only (fix: drop --engine {engine})")
-    if plan.zero_stage:
-        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
-                          f"(fix: zero_stage: 0, or drop expert_parallel)")
+    refuse_zero_with_experts(plan)
     info = {r.rank: r for r in layout.ranks}
 
     def schedule(rank: int):

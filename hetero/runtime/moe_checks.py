@@ -14,9 +14,8 @@ def check_moe_run(plan, model: ModelSpec, engine: str) -> None:
     parallelism of a stage holding MoE layers, expert parallelism with ZeRO, and the DeepSpeed engine
     (whose loss has no aux term)."""
     ep = getattr(plan, "expert_parallel", None)
-    if ep is not None and ep.degree > 1 and plan.zero_stage:   # the rest: hetero.runtime.expert_parallel
-        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
-                          f"(fix: zero_stage: 0, or drop expert_parallel)")
+    if ep is not None and ep.degree > 1:   # the rest: hetero.runtime.expert_parallel.check_supported
+        refuse_zero_with_experts(plan)
     if model.moe is None:
         return
     if engine == "deepspeed":
@@ -29,3 +28,10 @@ def check_moe_run(plan, model: ModelSpec, engine: str) -> None:
                 raise HeteroError(f"pipelines[{i}].stages[{j}]: tp {stage.tp} with MoE layers {moe}: tensor "
                                   f"parallelism of mixture-of-experts layers is not supported (fix: tp 1 on the "
                                   f"stages holding MoE layers)")
+
+
+def refuse_zero_with_experts(plan) -> None:
+    """Expert parallelism with ZeRO is not run: say so, naming the field and the fix."""
+    if plan.zero_stage:
+        raise HeteroError(f"plan: expert_parallel with zero_stage {plan.zero_stage} is not supported "
+                          f"(fix: zero_stage: 0, or drop expert_parallel)")
