@@ -90,14 +90,10 @@ def job_sizes(job) -> rlpred.RLSizes:
 
 
 def mean_prompt_tokens(job) -> float:
-    """Mean tokens of the job's prompts (begin token included, as the rollout encodes them)."""
-    from hetero.tokenizer import load_text_tokenizer
-
-    records = job.prompt_records
-    if not records:
-        return 1.0
-    tok = load_text_tokenizer(job.tokenizer, job.model_spec.vocab_size, "tokenizer")
-    return sum(len(tok.encode(r.prompt, special=True)) for r in records) / len(records)
+    """Mean tokens of the job's prompts (begin token included, as the rollout encodes them: the job's
+    :attr:`~hetero.rl.job.RLJob.prompt_lengths`)."""
+    lengths = job.prompt_lengths
+    return sum(lengths) / len(lengths) if lengths else 1.0
 
 
 # ---------------------------------------------------------------------------- sub-clusters and plans

@@ -50,6 +50,8 @@ def test_shipped_jobs_load_and_describe_their_placement(cluster):
     assert (job.algorithm, job.group_size, job.prompts_per_step, job.stop) == ("grpo", 8, 8, "\n")
     assert job.samples_per_step == job.actor_plan.global_batch_size == 64
     assert job.model == str(RL / "model.yaml") and job.model_spec.vocab_size == 256
+    # each prompt's tokens, counted once while loading (the bytes tokenizer: UTF-8 bytes)
+    assert job.prompt_lengths == tuple(len(r.prompt.encode("utf-8")) for r in job.prompt_records)
     assert len(job.prompt_records) == 320 and len(job.eval_records) == 80
     first = job.prompt_records[0]
     assert first.line == 1 and set(first.fields) == {"answer"}
@@ -131,19 +133,9 @@ def test_prompt_lengths_are_counted_in_the_jobs_tokenizer(job_dir):
     it), not its bytes: five words are 6 tokens with the start token and fit; as many words as there is room do not."""
     import json
 
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from tokenizers.processors import TemplateProcessing
+    from helpers.hf import word_tokenizer
 
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(30)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    folder = job_dir / "tok"
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    word_tokenizer(job_dir / "tok", 30)
     seq = yaml.safe_load((job_dir / "model.yaml").read_text())["seq_length"]
     room = seq - yaml.safe_load((job_dir / "grpo-collocated.yaml").read_text())["max_new_tokens"]
     words = " ".join(f"w{i % 30}" for i in range(room))          # room words + <s>: one token too many

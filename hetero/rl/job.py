@@ -121,6 +121,9 @@ class RLJob:
     """The training prompts, :class:`~hetero.rl.prompts.PromptRecord` each (file line kept)."""
     eval_records: tuple = _derived(())
     """The eval prompts (empty without ``eval_prompts``)."""
+    prompt_lengths: tuple = _derived(())
+    """Tokens of each training prompt in the job's tokenizer, special ones included, as the run
+    encodes it (the bytes tokenizer: its UTF-8 bytes)."""
     reward_ref: object = _derived()
     """The :class:`~hetero.rl.rewards.RewardRef` (imported once while loading: it imports)."""
 
@@ -220,8 +223,8 @@ def load_rl_job(path_or_dict, cluster=None, source: str | None = None, base_dir:
     records = {}
     for name in ("prompts", "eval_prompts"):
         records[name] = tuple(read_prompts(updates[name], name, problems, name)) if updates[name] else ()
-    if model is not None and (job.tokenizer == "bytes" or updates["tokenizer"]):
-        _check_lengths(records, job, model, updates.get("tokenizer") or job.tokenizer, problems)
+    tokenizer = updates.get("tokenizer", job.tokenizer)   # None: a tokenizer path not found (said)
+    lengths = _check_lengths(records, job, model, tokenizer, problems) if model is not None and tokenizer else {}
     reward_ref = _check_reward(job.reward, base_dir, problems)
     plan = _check_placement(job, resolve, model, cluster, problems, extra)
     for name, value in updates.items():
@@ -230,6 +233,7 @@ def load_rl_job(path_or_dict, cluster=None, source: str | None = None, base_dir:
     object.__setattr__(job, "actor_plan", plan)
     object.__setattr__(job, "prompt_records", records["prompts"])
     object.__setattr__(job, "eval_records", records["eval_prompts"])
+    object.__setattr__(job, "prompt_lengths", tuple(lengths.get("prompts", ())))
     object.__setattr__(job, "reward_ref", reward_ref)
     if plan is not None and plan.global_batch_size != job.samples_per_step:
         problems.add("placement.actor.plan", f"the plan trains global_batch_size={plan.global_batch_size} samples "
@@ -322,10 +326,10 @@ def _load_model(path: str):
     return load_model(path)
 
 
-def _check_lengths(records: dict, job: RLJob, model, tokenizer: str, problems: Problems) -> None:
+def _check_lengths(records: dict, job: RLJob, model, tokenizer: str, problems: Problems) -> dict[str, list[int]]:
     """Every prompt, counted in ``tokenizer``'s tokens as the run encodes it (special tokens
     included; the bytes tokenizer: its UTF-8 bytes), and max_new_tokens must fit the model's
-    seq_length."""
+    seq_length. Returns each prompts file's token counts (empty where they cannot be counted)."""
     from hetero.errors import HeteroError
     from hetero.tokenizer import load_text_tokenizer
 
@@ -333,24 +337,31 @@ def _check_lengths(records: dict, job: RLJob, model, tokenizer: str, problems: P
     if room < 1:
         problems.add("max_new_tokens", f"{job.max_new_tokens} leaves no room for a prompt in the model's "
                                        f"seq_length {model.seq_length}", f"give at most {model.seq_length - 1}")
-        return
+        return {}
     if tokenizer == "bytes" and model.vocab_size < 256:
-        return   # said above
+        return {}   # said above
     try:
         tok = load_text_tokenizer(tokenizer, model.vocab_size)
     except HeteroError as e:
-        message, _, fix = str(e).rpartition(" (fix: ")
-        problems.add("tokenizer", message or str(e), fix.rstrip(")"))
-        return
+        _add_error(problems, "tokenizer", e)
+        return {}
+    counts = {}
     for name, recs in records.items():
-        lengths = {id(r): len(tok.encode(r.prompt, special=True)) for r in recs}
-        long = [r for r in recs if lengths[id(r)] > room]
-        for r in long[:MAX_SHOWN]:
-            problems.add(name, f"{r.where()}: the prompt is {lengths[id(r)]} tokens; with "
+        counts[name] = [len(tok.encode(r.prompt, special=True)) for r in recs]
+        long = [(r, n) for r, n in zip(recs, counts[name]) if n > room]
+        for r, n in long[:MAX_SHOWN]:
+            problems.add(name, f"{r.where()}: the prompt is {n} tokens; with "
                                f"max_new_tokens {job.max_new_tokens} at most {room} fit the model's seq_length "
                                f"{model.seq_length}", "shorten the prompt, lower max_new_tokens or raise seq_length")
         if len(long) > MAX_SHOWN:
             problems.add(name, f"... and {len(long) - MAX_SHOWN} more prompts too long", "")
+    return counts
+
+
+def _add_error(problems: Problems, field: str, error) -> None:
+    """A one-line error (``message (fix: ...)``) as ``field``'s problem, its fix apart."""
+    message, _, fix = str(error).rpartition(" (fix: ")
+    problems.add(field, message or str(error), fix.rstrip(")"))
 
 
 def _check_reward(spec: str, base_dir: str, problems: Problems):
@@ -361,8 +372,7 @@ def _check_reward(spec: str, base_dir: str, problems: Problems):
         load_reward(ref)
         return ref
     except RewardError as e:
-        message, _, fix = str(e).rpartition(" (fix: ")
-        problems.add("reward", message, fix.rstrip(")"))
+        _add_error(problems, "reward", e)
         return None
 
 

@@ -57,7 +57,7 @@ def run_rl(job, cluster, options=None) -> dict:
         placement = job.placement_dict()
         placement["actor"]["plan"] = plan.to_dict()
         cfg = {"job": {k: getattr(job, k) for k in JOB_FIELDS}, "steps": steps, "rollout": rollout, "rollout_groups": job.rollout_groups,
-               "prompts": [_record(r) for r in job.prompt_records], "prompt_lengths": prompt_lengths(job),
+               "prompts": [_record(r) for r in job.prompt_records], "prompt_lengths": list(job.prompt_lengths),
                "eval_prompts": [_record(r) for r in job.eval_records],
                "reward": dataclasses.asdict(job.reward_ref), "placement": placement,
                "summary_path": os.path.join(run_dir, "rl-summary.json"), "save": opt("save"),
@@ -123,15 +123,6 @@ def plan_actor(job, cluster):
                           f"the model for {job.samples_per_step} samples a step on them (fix: more groups, or "
                           f"give placement.actor.plan)")
     return results[0].plan
-
-
-def prompt_lengths(job) -> list[int]:
-    """Token counts of the job's prompts (the actor trims a step's rows to its longest prompt plus
-    max_new_tokens: :func:`hetero.rl.rollout.step_row_length`)."""
-    from hetero.tokenizer import load_text_tokenizer
-
-    tok = load_text_tokenizer(job.tokenizer, job.model_spec.vocab_size)
-    return [len(tok.encode(r.prompt, special=True)) for r in job.prompt_records]
 
 
 def _record(r) -> list:
