@@ -152,23 +152,12 @@ def test_a_hugging_face_tokenizer_adds_its_begin_token_to_the_prompt_and_its_end
     """--tokenizer: the prompt encoded with the tokenizer's special tokens (its post-processor's <s>), the
     completion without, then the end token tokenizer_config.json names; the launcher passes the tokenizer
     to the workers instead of caching token ids for a .jsonl."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from tokenizers.processors import TemplateProcessing
-
     from hetero.cli import main
     from hetero.runtime.data import IGNORE_INDEX, data_source
     from helpers import CLUSTER
+    from helpers.hf import word_tokenizer
 
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(20)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    folder = word_tokenizer(tmp_path / "tok", 20)
     data = _jsonl(tmp_path, [{"prompt": "w1 w2", "completion": "w3"}, {"text": "w4 w5 w6"}])
     src = data_source(64, 8, 0, data, str(folder))
     rows = {src.line_of(i).line: src.batch(i, 1) for i in range(2)}

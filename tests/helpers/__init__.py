@@ -39,7 +39,8 @@ plan-independent checkpoint at step 3 with every value random (the reshard tests
 
 Hugging Face (:mod:`helpers.hf`, imported as ``from helpers.hf import ...``):
 ``assert_logits_equal_transformers(path, vocab)`` builds an HF checkpoint as one runtime stage and
-asserts its logits equal transformers' (returns the spec).
+asserts its logits equal transformers' (returns the spec); ``word_tokenizer(folder, words)`` saves
+a word-level tokenizer folder (``<s>`` before each text, ``</s>`` its end token).
 
 How to run the tiers and the rules for tests that start processes: docs/testing.md.
 """

@@ -2,7 +2,7 @@
 (tests/test_hf.py, tests/test_hf_moe.py)."""
 from __future__ import annotations
 
-__all__ = ["assert_logits_equal_transformers"]
+__all__ = ["assert_logits_equal_transformers", "word_tokenizer"]
 
 
 def assert_logits_equal_transformers(path, vocab: int):
@@ -24,3 +24,25 @@ def assert_logits_equal_transformers(path, vocab: int):
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x).logits, rtol=1e-5, atol=1e-5)
     return spec
+
+
+def word_tokenizer(folder, words: int):
+    """Save a Hugging Face tokenizer folder at ``folder`` (made here): a word-level vocabulary of
+    ``[UNK]`` 0, ``<s>`` 1, ``</s>`` 2 and the words ``w0`` .. ``w{words - 1}`` (ids 3 on), split on
+    whitespace, ``<s>`` put before every text it encodes with special tokens, ``</s>`` its end token
+    (tokenizer_config.json). Returns the folder."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(words)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return folder
