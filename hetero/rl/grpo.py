@@ -28,7 +28,7 @@ Conventions (fixed here so every placement and plan computes the same numbers):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -131,58 +131,32 @@ def grpo_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, 
 class StepStats:
     """Sums over a step's completion tokens, added micro-batch by micro-batch (and summed over
     ranks by the runtime: :meth:`as_tensor` / :meth:`from_tensor`), then read as the means the run
-    summary reports. :meth:`add` keeps the sums where the terms are (one tensor of four, no read
-    back per micro-batch: on an accelerator each read waits for the device); reading a field
-    settles them once."""
+    summary reports. The four sums are one float64 tensor where the terms are: :meth:`add` reads
+    nothing back (on an accelerator each read waits for the device); a field reads its sum."""
 
-    _tokens: float = 0.0
-    _loss_sum: float = 0.0
-    _kl_sum: float = 0.0
-    _clipped: float = 0.0
-    _pending: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    sums: torch.Tensor | None = None
+    """Completion tokens, loss sum, KL sum and clipped tokens; None before the first :meth:`add`."""
 
     def add(self, terms: TokenTerms) -> None:
         sums = torch.stack([terms.mask.sum().double(), terms.loss.detach().sum().double(),
                             terms.kl.detach().sum().double(), terms.clipped.sum().double()])
-        self._pending = sums if self._pending is None else self._pending + sums
+        self.sums = sums if self.sums is None else self.sums + sums
 
-    def _settle(self) -> None:
-        if self._pending is not None:
-            tokens, loss, kl, clipped = self._pending.tolist()
-            self._pending = None
-            self._tokens += tokens
-            self._loss_sum += loss
-            self._kl_sum += kl
-            self._clipped += clipped
+    def _sum(self, i: int) -> float:
+        return float(self.sums[i]) if self.sums is not None else 0.0
 
-    @property
-    def tokens(self) -> float:
-        """Completion tokens of the step."""
-        self._settle()
-        return self._tokens
-
-    @property
-    def loss_sum(self) -> float:
-        self._settle()
-        return self._loss_sum
-
-    @property
-    def kl_sum(self) -> float:
-        self._settle()
-        return self._kl_sum
-
-    @property
-    def clipped(self) -> float:
-        self._settle()
-        return self._clipped
+    tokens = property(lambda self: self._sum(0), doc="Completion tokens of the step.")
+    loss_sum = property(lambda self: self._sum(1), doc="Sum of the token losses.")
+    kl_sum = property(lambda self: self._sum(2), doc="Sum of the token KL terms.")
+    clipped = property(lambda self: self._sum(3), doc="Completion tokens whose gradient the clip stopped.")
 
     def as_tensor(self) -> torch.Tensor:
-        """The four sums as one float64 tensor (for an all-reduce)."""
-        return torch.tensor([self.tokens, self.loss_sum, self.kl_sum, self.clipped], dtype=torch.float64)
+        """The four sums as one float64 CPU tensor (for an all-reduce)."""
+        return self.sums.cpu() if self.sums is not None else torch.zeros(4, dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepStats:
-        return cls(*(float(x) for x in t.tolist()))
+        return cls(t.to(torch.float64))
 
     @property
     def loss(self) -> float:
