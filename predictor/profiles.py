@@ -292,10 +292,15 @@ class LocalOpModel:
         from .ops import (embedding_backward_ops, embedding_forward_ops, head_backward_ops, head_forward_ops,
                           layer_backward_ops, layer_forward_ops)
 
-        t = lambda ops: sum(self.predict(o.op, o.dims_dict()) for o in ops)  # noqa: E731
-        return (t(layer_forward_ops(model, b, s, 1, "fp32")), t(layer_backward_ops(model, b, s, 1, "none", "fp32")),
+        key = ("sums", model, b, s)
+        hit = self._memo.get(key)
+        if hit is None:
+            t = lambda ops: sum(self.predict(o.op, o.dims_dict()) for o in ops)  # noqa: E731
+            hit = self._memo[key] = (
+                t(layer_forward_ops(model, b, s, 1, "fp32")), t(layer_backward_ops(model, b, s, 1, "none", "fp32")),
                 t(embedding_forward_ops(model, b, s, 1, "fp32") + head_forward_ops(model, b, s, 1, "fp32")),
                 t(embedding_backward_ops(model, b, s, 1, "fp32") + head_backward_ops(model, b, s, 1, "fp32")))
+        return hit
 
     def _probe_ratios(self, attention: str = "unfused") -> list:
         """Per probe: (architecture, point, forward, backward, edge pairs or None), each a pair
@@ -347,8 +352,7 @@ class LocalOpModel:
         return min(max(c, 0.0), 0.9 * min(y for y, _ in pairs))
 
     def _ratio(self, which: str, model, mbs: int, seq: int) -> tuple[float, float]:
-        key = (which, model.architecture, model.attention, model.hidden_size, model.num_attention_heads,
-               model.num_kv_heads, model.ffn_hidden_size, model.vocab_size, model.moe, mbs, seq)
+        key = (which, model, mbs, seq)   # every field can move the model's operator sum
         hit = self._memo.get(key)
         if hit is not None:
             return hit
