@@ -12,7 +12,6 @@ step ``t`` (``k``: the job's staleness), so at most ``k + 1`` steps of groups ar
 """
 from __future__ import annotations
 
-
 import torch
 
 from hetero.rl.rollout import row_width

@@ -24,7 +24,6 @@ here. DTensor meshes over accelerator ranks get groups of the vendor library
 from __future__ import annotations
 
 import copy
-
 import datetime
 import os
 import time
@@ -296,9 +295,7 @@ class Collectives:
 
     def wait_sends(self, sends: list | None = None) -> None:
         """Complete the sends in flight (or ``sends``, a list :meth:`take_sends` returned)."""
-        if sends is None:
-            sends, self._pending = self._pending, []
-        for work, dst in sends:
+        for work, dst in self.take_sends() if sends is None else sends:
             self._run(work.wait, "send", (dst,))
 
     def take_sends(self) -> list:
