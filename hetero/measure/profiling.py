@@ -285,8 +285,8 @@ def default_block_probes(quick: bool = False) -> list[dict]:
 def _time_stage(torch, module, tokens, targets, loss_fn, reps: int) -> tuple[float, float]:
     """Median forward (to the loss) and backward of ``module`` over ``reps`` timed rounds. The median,
     not the fastest round as for single operators: a block is what a training step repeats, and the
-    run's report compares the prediction with its median step (a block's fastest round ran 10-15%
-    under its median on the 2-core machine, which made small models predict that much too fast)."""
+    run's report compares the prediction with its median step (the fastest round made small models
+    predict too fast: docs/benchmarks.md gives the figures)."""
     fwd, bwd = [], []
     for i in range(reps + 2):   # two warm-up rounds (allocations, kernel selection)
         t0 = time.perf_counter()

@@ -279,9 +279,9 @@ def compile_blocks(module: StageModel, **options) -> int:
     DTensor operations and breaks the graph where it cannot (``fullgraph=False``), running those
     parts eagerly. A submodule that sets ``eager_under_compile`` (a mixture-of-experts layer: data-
     dependent shapes and host-side counts) runs eagerly inside its compiled block; it is marked here, not
-    with a decorator where it is defined, since ``torch.compiler.disable`` imports dynamo (about 1 s of
-    CPU) into every process that imports the module, the launcher included. Returns the number of
-    blocks compiled."""
+    with a decorator where it is defined, since ``torch.compiler.disable`` imports dynamo into every
+    process that imports the module, the launcher included (docs/testing.md gives the cost). Returns
+    the number of blocks compiled."""
     for block in module.layers.values():
         for sub in block.modules():
             if getattr(sub, "eager_under_compile", False):
