@@ -422,7 +422,7 @@ def test_zero_runs_take_in_devices_that_join(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}],
                  zero_stage=1)
     summary, out = _launch_then_edit(tmp_path, TWO_FAST, plan, CLUSTER, "--trace", str(tmp_path / "trace.json"))
-    _assert_matches(summary, GPT)
+    _assert_matches(summary, GPT, steps=EDIT_STEPS, lr=EDIT_LR)
     (rc,) = summary["reconfigurations"]
     assert (rc["devices_added"], rc["world_size_before"]) == (2, 2) and None not in summary["losses"]
     assert "the run goes on only from a" in " ".join(out.split())   # the caveat (wrapped to the terminal)
@@ -525,11 +525,20 @@ def test_a_cluster_file_that_no_plan_fits_is_said_and_ignored(tmp_path):
     assert any("no plan fits" in line and "goes on as it was" in line for line in printed), printed
 
 
+EDIT_STEPS, EDIT_LR = 100, 1e-3
+"""Steps of a run whose cluster file is edited once its first worker has started: the watch sees the
+edit within its poll (0.5 s) and plans for it while the run trains, so the run must train for
+seconds after its workers start (forked workers start within a second; steps take about 30 ms);
+and its learning rate, smaller than the suite's so that two layouts' reduction orders stay within
+the reference's tolerance over every step."""
+
+
 def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, *extra: str):
     """Launch on ``start``; once the launcher has prepared the first attempt, write ``edited`` over its
     cluster file. Returns the summary and the launcher's output."""
-    code, out, err = _launch_and_act(tmp_path, start, plan, STEPS, "rank0.pid",
-                                     lambda _run_dir, _output: _write(tmp_path, "cluster.yaml", edited), *extra)
+    code, out, err = _launch_and_act(tmp_path, start, plan, EDIT_STEPS, "rank0.pid",
+                                     lambda _run_dir, _output: _write(tmp_path, "cluster.yaml", edited), *extra,
+                                     lr=EDIT_LR)
     assert code == 0, out[-3000:] + err[-3000:]
     return json.loads((tmp_path / "summary.json").read_text()), out
 
@@ -584,7 +593,7 @@ def test_devices_that_join_are_taken_in_in_process_with_the_losses_of_a_run_that
 def test_a_device_removed_from_the_file_is_drained_without_losing_a_step(tmp_path):
     plan = _plan([{"replicas": 2, "micro_batches": 2, "stages": [{"group": "fast", "layers": [0, 4]}]}])
     summary, _ = _launch_then_edit(tmp_path, TWO_FAST, plan, ONE_FAST)
-    _assert_matches(summary, GPT)
+    _assert_matches(summary, GPT, steps=EDIT_STEPS, lr=EDIT_LR)
     (rc,) = summary["reconfigurations"]
     assert (rc["world_size_before"], rc["world_size_after"]) == (2, 1)
     assert (rc["devices_added"], rc["devices_removed"]) == (0, 1)

@@ -68,21 +68,26 @@ def launch_summary(tmp_path: Path, model: dict, plan: dict, *extra: str, **kwarg
 _REFERENCE: dict = {}
 
 
-def reference(model: dict, gbs: int = 8):
-    """``(losses, grad_norms)`` of :data:`STEPS` steps of ``model`` in one process on one device, the
-    batch of ``gbs`` samples whole (computed once per model name and batch size)."""
-    key = (model["name"], gbs)
+def reference(model: dict, gbs: int = 8, steps: int | None = None, lr: float = LR):
+    """``(losses, grad_norms)`` of ``steps`` (default :data:`STEPS`) steps of ``model`` at learning
+    rate ``lr`` in one process on one device, the batch of ``gbs`` samples whole (computed once per
+    model name, batch size, steps and rate)."""
+    steps = STEPS if steps is None else steps
+    key = (model["name"], gbs, steps, lr)
     if key not in _REFERENCE:
         from hetero.runtime.reference import reference_run
 
-        _REFERENCE[key] = reference_run(model, 0, STEPS, gbs, lr=LR)
+        _REFERENCE[key] = reference_run(model, 0, steps, gbs, lr=lr)
     return _REFERENCE[key]
 
 
-def assert_matches_reference(summary: dict, model: dict, gbs: int = 8) -> None:
-    """A launch's summary trained :data:`STEPS` steps with the reference's losses and gradient norms."""
-    losses, norms = reference(model, gbs)
-    assert summary["steps"] == STEPS
+def assert_matches_reference(summary: dict, model: dict, gbs: int = 8, steps: int | None = None,
+                             lr: float = LR) -> None:
+    """A launch's summary trained ``steps`` (default :data:`STEPS`) steps at ``lr`` with the
+    reference's losses and gradient norms."""
+    steps = STEPS if steps is None else steps
+    losses, norms = reference(model, gbs, steps, lr)
+    assert summary["steps"] == steps
     assert summary["losses"] == pytest.approx(losses, rel=RTOL), (summary["losses"], losses)
     assert summary["grad_norms"] == pytest.approx(norms, rel=RTOL), (summary["grad_norms"], norms)
 

@@ -27,7 +27,7 @@ import os
 import time
 
 from hetero.errors import HeteroError
-from hetero.runtime.elastic.processes import end_processes, start_worker
+from hetero.runtime.elastic.processes import WorkerStarter, end_processes
 from hetero.runtime.elastic.protocol import (INITIAL_SLOTS_KEY, JOIN_ENV, RUN_OVER_KEY, SUMMARY_KEY, agent_key,
                                              generation_dir, join_key, worker_key)
 
@@ -48,8 +48,12 @@ class NodeAgent:
         self.options = launch.spec.options if launch is not None else options
         self.host, self.port = host, port
         self.store = connect(port, max(60.0, self.options.timeout_s), host)
-        self.procs: dict = {}            # wid -> Popen
+        self.procs: dict = {}            # wid -> Popen (or a ForkedWorker)
+        self.starter = WorkerStarter(self.options.run_dir)
+        if launch is not None and slot < len(launch.nodes):   # the fork server imports while this call sets up
+            self.starter.prestart(launch.nodes[slot])
         self.signals_seen: dict[int, int] = {}
+        self.published: set[int] = set()   # workers whose process id the coordinator was told
         self.reported: set[int] = set()
 
     def run(self) -> None:
@@ -71,9 +75,8 @@ class NodeAgent:
         world = self.launch.layout.world_size
         for local in range(cmd.num_ranks):
             wid = cmd.first_rank + local
-            self.procs[wid] = start_worker(cmd, local, world, self.launch.spec_path, self.options.extra, self.port,
-                                           host=self.host)
-            self.store.set(worker_key(wid, "pid"), str(self.procs[wid].pid))
+            self.procs[wid] = self.starter.start(cmd, local, world, self.launch.spec_path, self.options.extra,
+                                                 self.port, host=self.host)
 
     def _initial_slots(self) -> list[int]:
         self.store.wait([INITIAL_SLOTS_KEY])
@@ -107,10 +110,9 @@ class NodeAgent:
                               run_dir=generation_dir(self.options.run_dir, join["gen"]), separate=True)
         cmd = self.launch.nodes[self.slot]
         for local, wid in ((int(k), v) for k, v in join["ids"].items()):
-            self.procs[wid] = start_worker(cmd, local, self.launch.layout.world_size, self.launch.spec_path,
-                                           self.options.extra, self.port, {JOIN_ENV: f"{join['gen']}:{wid}"},
-                                           host=self.host)
-            self.store.set(worker_key(wid, "pid"), str(self.procs[wid].pid))
+            self.procs[wid] = self.starter.start(cmd, local, self.launch.layout.world_size, self.launch.spec_path,
+                                                 self.options.extra, self.port, {JOIN_ENV: f"{join['gen']}:{wid}"},
+                                                 host=self.host)
 
     def _serve(self) -> None:
         beat, next_beat = 0, 0.0
@@ -128,6 +130,13 @@ class NodeAgent:
                         raise HeteroError("elastic: the run ended with a failure (see node slot 0's launcher)")
                     return
                 for wid, p in self.procs.items():
+                    # a forked worker's id is known once its fork server has its imports: told from
+                    # here, so that the heartbeat goes on meanwhile
+                    if wid not in self.published:
+                        if not getattr(p, "started", True):
+                            continue   # signals asked for meanwhile wait in the store
+                        self.store.set(worker_key(wid, "pid"), str(p.pid))
+                        self.published.add(wid)
                     self._forward_signals(wid, p)
                     if wid not in self.reported and p.poll() is not None:
                         self._report_exit(wid, p.returncode)
@@ -171,3 +180,4 @@ class NodeAgent:
 
     def _teardown(self, grace_s: float = 3.0) -> None:
         end_processes(self.procs.values(), grace_s)
+        self.starter.close()

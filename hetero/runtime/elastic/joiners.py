@@ -41,7 +41,6 @@ import time
 
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.plans import Ahead, keep_devices, live_applies
-from hetero.runtime.elastic.processes import start_worker
 from hetero.runtime.elastic.protocol import (JOIN_ENV, PEER_LOST_SIGNAL, generation_dir, prepare_key, prepared_key,
                                              ready_key)
 from hetero.runtime.launcher import prepare
@@ -146,8 +145,8 @@ class Joiners:
                 self._start_remote(cmd, local_ranks, change)
                 continue
             for local, nr in local_ranks:
-                self.procs[nr] = start_worker(cmd, local, layout.world_size, launch.spec_path, opts.extra,
-                                              run.coordinator.port, {JOIN_ENV: f"{self.gen}:{self.id(nr)}"})
+                self.procs[nr] = run.starter.start(cmd, local, layout.world_size, launch.spec_path, opts.extra,
+                                                   run.coordinator.port, {JOIN_ENV: f"{self.gen}:{self.id(nr)}"})
         with open(launch.spec_path) as f:   # its content, not its path: running ranks on other machines read it
             spec = json.load(f)
         for old, nr in members.items():   # the running ranks prepare their new regions while they train

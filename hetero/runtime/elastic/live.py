@@ -47,7 +47,7 @@ import time
 from hetero.errors import HeteroError
 from hetero.runtime.elastic.plans import Ahead, Generation, assign_ranks
 from hetero.runtime.elastic.policy import MAX_RECONFIGURATIONS, refuse_lost_slices, replan
-from hetero.runtime.elastic.processes import end_processes, start_worker
+from hetero.runtime.elastic.processes import WorkerStarter, end_processes
 from hetero.runtime.elastic.protocol import PEER_LOST_SIGNAL, generation_dir, timing_key
 from hetero.runtime.elastic.report import replanned, seconds_cell
 from hetero.runtime.launcher import LaunchError, catch_termination, teardown_then_restore
@@ -59,16 +59,22 @@ class LiveRun:
     """Run one launch with in-process reconfiguration; see the module docstring."""
 
     def __init__(self, launch, cluster, model, plan, reconfigurations: list, print_fn=print, on_new_plan=None,
-                 watch=None, slots: list[int] | None = None, coordinator_port: int = 0):
+                 watch=None, slots: list[int] | None = None, coordinator_port: int = 0, starter=None):
         """``slots``: the node slots whose workers this process starts (default: all); the others'
         launchers run on their machines (:mod:`.agent`) and their workers are seen through the
-        coordinator's store, which listens on ``coordinator_port`` (0: a free one)."""
+        coordinator's store, which listens on ``coordinator_port`` (0: a free one). ``starter``: the
+        :class:`~.processes.WorkerStarter` to start workers with, the caller's to close (default:
+        one of this run's own, closed at its teardown)."""
         from hetero.runtime.reshard.live import Coordinator
 
         self.launch, self.model, self.print_fn = launch, model, print_fn
         self.options = launch.spec.options
         self.reconfigurations, self.on_new_plan, self.watch = reconfigurations, on_new_plan, watch
         self.coordinator = Coordinator(coordinator_port, timeout_s=max(60.0, self.options.timeout_s))
+        self._own_starter = starter is None
+        self.starter = WorkerStarter(self.options.run_dir) if starter is None else starter
+        if slots is None or 0 in slots:   # the fork server imports while the rest is set up
+            self.starter.prestart(launch.nodes[0])
         self.slots, self.outcome = slots, "failed"
         self.gen_no = 0
         self.now = Generation(cluster, plan, launch.layout, self.options.run_dir, {})
@@ -99,8 +105,8 @@ class LiveRun:
             for local in range(cmd.num_ranks):
                 rank = cmd.first_rank + local
                 if self.slots is None or cmd.slot in self.slots:
-                    self.now.procs[rank] = start_worker(cmd, local, world, self.launch.spec_path, self.options.extra,
-                                                        self.coordinator.port)
+                    self.now.procs[rank] = self.starter.start(cmd, local, world, self.launch.spec_path,
+                                                              self.options.extra, self.coordinator.port)
                 else:   # started by its own machine's launcher
                     self.now.procs[rank] = RemoteWorker(self.coordinator.store, rank, cmd.slot,
                                                         lost_after_s=self.options.machine_lost_after_s)
@@ -182,6 +188,8 @@ class LiveRun:
             procs += self.joiners.all_procs()
             self.watch.set_hold(None)
         end_processes(procs, grace_s)
+        if self._own_starter:
+            self.starter.close()
         if self.slots is not None:   # the other machines' launchers end their workers and return
             self._tell_agents()
         self.coordinator.close()

@@ -71,11 +71,10 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                            master_port=master_port, print_fn=print_fn, run_dir=run_dir, cluster_path=cluster_path)
     from hetero.runtime.elastic.live import LiveRun
     from hetero.runtime.elastic.plans import live_applies
+    from hetero.runtime.elastic.processes import WorkerStarter
     from hetero.runtime.grads import param_holders
     from hetero.runtime.launcher import RankFailure, prepare, run
     from hetero.specs.io import write_text_atomic
-
-    _import_recovery_modules(cluster, model, plan)
 
     base = run_dir or tempfile.mkdtemp(prefix="hetero-elastic-")
     os.makedirs(base, exist_ok=True)
@@ -87,6 +86,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     attempt = _Attempt(cluster, plan, options, os.path.join(base, "attempt0"))
     summary = None
     watch = None
+    starter = WorkerStarter(base)   # every in-process attempt's workers
     if cluster_path:
         from hetero.runtime.elastic.watch import ClusterWatch
 
@@ -100,6 +100,10 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                                        trace=trace)
             launch = prepare(attempt.cluster, model, attempt.plan, opts, master_addr=master_addr,
                              master_port=master_port if k == 0 else None, run_dir=attempt.run_dir)
+            if k == 0:
+                if live_applies(attempt.plan, opts, launch) is None:   # the workers' fork server imports
+                    starter.prestart(launch.nodes[0])                  # while the planner loads here
+                _import_recovery_modules(cluster, model, plan)
             # which ranks hold each parameter: worked out before the run, not in the downtime after a failure
             holders = param_holders(model, attempt.plan, launch.layout)
             if reconfigurations:
@@ -112,7 +116,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 if why_not_live is None:   # survivors reshard in-process (hetero.runtime.elastic.live)
                     now = LiveRun(launch, attempt.cluster, model, attempt.plan, reconfigurations, print_fn,
                                   on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
-                                  else None, watch=watch).run()
+                                  else None, watch=watch, starter=starter).run()
                     attempt = dataclasses.replace(attempt, cluster=now.cluster, plan=now.plan, run_dir=now.run_dir)
                     launch.layout = now.layout
                     holders = param_holders(model, now.plan, now.layout)
@@ -162,12 +166,12 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
                 _failed_attempt_trace(*failed)
             present = [t if t and os.path.exists(t) else None for t in traces]
             labels = [f"attempt {k}" for k in range(len(present))]
-            for run_dir in sorted(glob.glob(os.path.join(base, "attempt*"))):
+            for attempt_dir in sorted(glob.glob(os.path.join(base, "attempt*"))):
                 # processes an in-process reconfiguration left out wrote their events as they left
-                for part in sorted(glob.glob(os.path.join(run_dir, LEFT_PART.format(gen="*", rank="*")))):
+                for part in sorted(glob.glob(os.path.join(attempt_dir, LEFT_PART.format(gen="*", rank="*")))):
                     gen = os.path.basename(part).split("-")[1][3:]
                     present.append(part)
-                    labels.append(f"{os.path.basename(run_dir)}, left at reconfiguration {gen}")
+                    labels.append(f"{os.path.basename(attempt_dir)}, left at reconfiguration {gen}")
             write_text_atomic(user_trace, json.dumps(merge_traces(present, reconfigurations, labels)), "--trace")
         merged = _merge(summary, done, reconfigurations)
         if user_summary:
@@ -176,6 +180,7 @@ def run_elastic(cluster, model, plan, options, *, master_addr: str | None, maste
     finally:
         if watch:
             watch.stop()
+        starter.close()
         if not run_dir:
             shutil.rmtree(base, ignore_errors=True)
 
@@ -363,6 +368,7 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
     0's machine (written to ``options.summary``), an empty one elsewhere."""
     from hetero.runtime.elastic.agent import NodeAgent
     from hetero.runtime.elastic.live import LiveRun
+    from hetero.runtime.elastic.processes import WorkerStarter
     from hetero.runtime.elastic.protocol import COORDINATOR_PORT_OFFSET
     from hetero.runtime.launcher import check_devices_here, check_node_rank, prepare
     from hetero.specs.io import write_text_atomic
@@ -383,6 +389,8 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
             NodeAgent(None if joins else launch, node_rank, launch.master_addr, port, print_fn, options=opts,
                       model=model).run()
             return {"reconfigurations": [], "steps": 0, "losses": []}
+        starter = WorkerStarter(launch.spec.options.run_dir)
+        starter.prestart(launch.nodes[0])   # the workers' fork server imports while the planner loads here
         _import_recovery_modules(cluster, model, plan)
         reconfigurations: list[dict] = []
         watch = None
@@ -393,12 +401,13 @@ def run_machine(cluster, model, plan, options, node_rank: int, *, master_addr: s
             watch.attach(launch.spec.options.run_dir, cluster, plan)
         live = LiveRun(launch, cluster, model, plan, reconfigurations, print_fn, slots=[0], coordinator_port=port,
                        watch=watch, on_new_plan=(lambda g: watch.attach(g.run_dir, g.cluster, g.plan)) if watch
-                       else None)
+                       else None, starter=starter)
         try:
             live.run()
         finally:
             if watch:
                 watch.stop()
+            starter.close()
         summary = live.remote_summary   # rank 0 finished on another machine: its launcher sent the summary
         if os.path.exists(opts.summary):
             with open(opts.summary) as f:
