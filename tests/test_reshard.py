@@ -378,6 +378,9 @@ def _survivor_worker(rank, world, ckpt, port, second_failure):
         L.report_alive(store, 1, rank)
         L.await_decision(store, 1, 30)
         L.regroup(store, 1, 1, 3, 10)
+        # after the others formed the world too: Gloo connects a full mesh, and a peer that exits while
+        # another still connects fails that one's join (a loss before joining) instead of its exchange
+        time.sleep(2.0)
         os._exit(1)
     try:
         place = L.reconfigure(store, 1, rank, live, timeout_s=30, max_bytes=1 << 20)

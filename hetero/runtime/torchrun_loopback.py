@@ -191,7 +191,7 @@ def _worker_args(argv: list[str]) -> list[str] | None:
     return None
 
 
-def _preload() -> None:
+def preload_worker_modules() -> None:
     """Import what every worker imports, once, before they are forked (no thread is started by it,
     and no device runtime is initialised)."""
     import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker_args = _worker_args(argv)
     if worker_args is not None:
-        _preload()
+        preload_worker_modules()
     addr, port = master_endpoint(argv)
     slot_text = torchrun_option(argv, "--node-rank") or "0"
     slot, nnodes = int(slot_text), int((torchrun_option(argv, "--nnodes") or "1").split(":")[-1])

@@ -145,18 +145,18 @@ class ForkServer:
                 continue
             with self.cond:
                 if "pid" in event:
-                    worker = self._waiting.pop(0) if self._waiting else None
-                    if worker is not None:
-                        worker._pid = event["pid"]
-                        self._by_pid[event["pid"]] = worker
+                    forked = self._waiting.pop(0) if self._waiting else None
+                    if forked is not None:
+                        forked._pid = event["pid"]
+                        self._by_pid[event["pid"]] = forked
                         if event["pid"] in self._early_exits:
-                            worker.returncode = self._early_exits.pop(event["pid"])
+                            forked.returncode = self._early_exits.pop(event["pid"])
                 elif "exit" in event:
-                    worker = self._by_pid.get(event["exit"])
-                    if worker is None:
+                    forked = self._by_pid.get(event["exit"])
+                    if forked is None:
                         self._early_exits[event["exit"]] = event["code"]
                     else:
-                        worker.returncode = event["code"]
+                        forked.returncode = event["code"]
                 elif "error" in event:
                     self.failure = event["error"]
                 self.cond.notify_all()
@@ -167,9 +167,9 @@ class ForkServer:
         yet forked never will be."""
         with self.cond:
             self.failure = self.failure or why
-            for worker in [*self._waiting, *self._by_pid.values()]:
-                if worker.returncode is None:
-                    worker.returncode = -signal.SIGKILL if worker._pid is not None else 1
+            for forked in [*self._waiting, *self._by_pid.values()]:
+                if forked.returncode is None:
+                    forked.returncode = -signal.SIGKILL if forked._pid is not None else 1
             self._waiting.clear()
             self.cond.notify_all()
 
@@ -177,9 +177,9 @@ class ForkServer:
 # ------------------------------------------------------------------------------------ the server
 def _preload() -> None:
     from hetero.runtime.elastic.reconfig import import_training_modules
-    from hetero.runtime.torchrun_loopback import _preload as node_preload
+    from hetero.runtime.torchrun_loopback import preload_worker_modules
 
-    node_preload()
+    preload_worker_modules()
     import_training_modules()
 
 
