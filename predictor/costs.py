@@ -145,6 +145,10 @@ class StageCostModel:
         """The ``DeviceType`` of ``group``."""
         return self._dev[group]
 
+    def op_model(self, group: str):
+        """The operator model that costs ``group``'s kernels (a profile, the learned model, a roofline)."""
+        return self._opm[group]
+
     def factors(self, group: str) -> CalibrationFactors:
         """The calibration factors applied to ``group`` (identity without a calibration)."""
         return self._factors[group]

@@ -87,6 +87,94 @@ def expert_times(cm, group: str, tp: int, assignments: float, experts: int) -> t
     return experts * cm.kernels_time(group, fwd), experts * cm.kernels_time(group, bwd)
 
 
+def router_ops(model: ModelSpec, tokens: int) -> tuple[list[Op], list[Op]]:
+    """(forward, backward) kernels of the router over ``tokens`` tokens: one ``h x E`` linear, a softmax."""
+    e = DTYPE_BYTES[model.dtype]
+    return _with_backward(model, [gemm("router", "linear", 1, tokens, model.moe.num_experts, model.hidden_size, e),
+                                  vec("router.softmax", "softmax", tokens, model.moe.num_experts, e)])
+
+
+# ------------------------------------------------------------------ the measured MoE layer (CPU profiles)
+_FITS: dict[int, tuple] = {}
+
+
+def _op_sums(opm, model: ModelSpec, tokens: int, experts: int, assignments: float) -> tuple[float, float]:
+    """The op model's raw (forward, backward) seconds of a router over ``tokens`` and ``experts``
+    experts sharing ``assignments`` rows: what a measured MoE layer is set against."""
+    rows = max(1, round(assignments / max(1, experts)))
+    ef, eb = _with_backward(model, mlp_forward_ops(model, rows, model.moe.expert_ffn_hidden_size))
+    rf, rb = router_ops(model, tokens)
+    t = lambda ops: sum(opm.predict(o.op, o.dims_dict(), o.dtype or "fp32") for o in ops)  # noqa: E731
+    return t(rf) + experts * t(ef), t(rb) + experts * t(eb)
+
+
+def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """``measured = fixed + per_expert x experts + k x op sum`` over ``(measured, experts, op sum)``,
+    least squares in relative error; a negative fixed or per-expert term is dropped and the rest
+    refitted (each is a cost the layer pays, never a saving). None without enough points."""
+    import numpy as np
+
+    y = np.array([p[0] for p in points])
+    cols = {"fixed": np.ones(len(points)), "per_expert": np.array([p[1] for p in points]),
+            "k": np.array([p[2] for p in points])}
+    keep = list(cols)
+    while keep:
+        if len(points) < len(keep):
+            return None
+        a = np.stack([cols[c] / y for c in keep], axis=1)
+        coef = dict(zip(keep, np.linalg.lstsq(a, np.ones(len(points)), rcond=None)[0]))
+        negative = [c for c in ("fixed", "per_expert") if c in coef and coef[c] < 0]
+        if not negative:
+            if coef.get("k", 0.0) <= 0:
+                return None
+            return coef.get("fixed", 0.0), coef.get("per_expert", 0.0), coef["k"]
+        keep.remove(min(negative, key=lambda c: coef[c]))
+    return None
+
+
+def moe_fit(opm, architecture: str) -> tuple[tuple, tuple] | None:
+    """The fitted (forward, backward) ``(fixed, per expert, k)`` seconds of the runtime's MoE layer
+    from ``opm``'s MoE probes (a CPU profile's ``moe_blocks``) of ``architecture`` (any, where it has
+    none): the router, the dispatch and combine and each expert's Python and autograd dispatch,
+    which the operator sum does not see. None without probes."""
+    from hetero.specs.model import load_model
+
+    from .profiles import moe_probe_model_dict
+
+    probes = getattr(opm, "moe_blocks", None) or []
+    key = (id(opm), architecture)
+    if key not in _FITS:
+        same = [p for p in probes if p.get("architecture") == architecture] or probes
+        pts_f, pts_b = [], []
+        for p in same:
+            try:
+                spec = load_model(moe_probe_model_dict(p))
+            except Exception:  # noqa: BLE001 - a probe we cannot rebuild is left out
+                continue
+            tokens = int(p.get("micro_batch_size") or 1) * int(p["seq_length"])
+            of, ob = _op_sums(opm, spec, tokens, spec.moe.num_experts, tokens * spec.moe.top_k)
+            pts_f.append((p["forward_ms"] * 1e-3, spec.moe.num_experts, of))
+            pts_b.append((p["backward_ms"] * 1e-3, spec.moe.num_experts, ob))
+        fits = (_fit(pts_f), _fit(pts_b))
+        _FITS[key] = (opm, fits if None not in fits else None)   # opm kept: its id stays its own
+    return _FITS[key][1]
+
+
+def moe_ratio(cm, group: str, tokens: int, experts: int, assignments: float) -> tuple[float, float]:
+    """(forward, backward) multipliers from the operator sum of a rank's router over ``tokens`` and its
+    ``experts`` experts over ``assignments`` rows to the runtime's measured MoE layer (:func:`moe_fit`),
+    at this shape, on the raw op model (the group's slowdown applies to the sum it multiplies);
+    (1, 1) where the op model has no MoE probes."""
+    opm = cm.op_model(group)
+    opm = getattr(opm, "source_model", opm)   # an emulated device's wrapper: the profile it scales
+    fit = moe_fit(opm, cm.model.architecture)
+    if fit is None or experts <= 0:
+        return 1.0, 1.0
+    sums = _op_sums(opm, cm.model, tokens, experts, assignments)
+    return tuple((fixed + per * experts + k * s) / s if s > 0 else 1.0
+                 for (fixed, per, k), s in zip(fit, sums))
+
+
 def all_to_all_bytes(model: ModelSpec, tokens: list[int], counts: list[int]) -> list[list[float]]:
     """Bytes rank ``i`` of an expert-parallel group sends rank ``j`` in one all-to-all (dispatch; the
     combine is the transpose) of one MoE layer and micro-batch: its ``tokens[i] x top_k``
@@ -148,26 +236,29 @@ def layer_delta(cm, plan, pipeline: int, stage, mbs: int, imbalance: float = 1.0
 def _layer_delta(cm, stage, mbs: int, imbalance: float, members: list[Member]) -> tuple[float, float]:
     model = cm.model
     moe, tp, T = model.moe, stage.tp, mbs * model.seq_length
-    e = DTYPE_BYTES[model.dtype]
     f_dense, b_dense = (cm.kernels_time(stage.group, o) for o in
                         _with_backward(model, mlp_forward_ops(model, T, model.ffn_hidden_size, tp)))
-    router_f, router_b = (cm.kernels_time(stage.group, o) for o in _with_backward(
-        model, [gemm("router", "linear", 1, T, moe.num_experts, model.hidden_size, e),
-                vec("router.softmax", "softmax", T, moe.num_experts, e)]))
     shared_f = shared_b = 0.0
     if moe.shared_expert_ffn_hidden_size:
         shared_f, shared_b = (cm.kernels_time(stage.group, o) for o in
                               _with_backward(model, mlp_forward_ops(model, T, moe.shared_expert_ffn_hidden_size, tp)))
+
+    def routed(group: str, member_tp: int, degree: int, experts: int) -> tuple[float, float]:
+        """The router over this rank's tokens and its experts over what it receives, as measured
+        where the profile has MoE probes (:func:`moe_ratio`)."""
+        got = received_assignments(model, T, degree, experts, imbalance)
+        rf, rb = (cm.kernels_time(group, o) for o in router_ops(model, T))
+        ef, eb = expert_times(cm, group, member_tp, got, experts)
+        kf, kb = moe_ratio(cm, group, T, experts, got)
+        return kf * (rf + ef), kb * (rb + eb)
+
     if not members:
-        ef, eb = expert_times(cm, stage.group, tp, received_assignments(model, T, 1, moe.num_experts, imbalance),
-                              moe.num_experts)
-    else:
-        times = [expert_times(cm, m.group, m.tp, received_assignments(model, T, len(members), m.experts, imbalance),
-                              m.experts) for m in members]
-        ef, eb = max(t[0] for t in times), max(t[1] for t in times)
-        comm_f, comm_b = all_to_all_time(cm, model, members, T, True), all_to_all_time(cm, model, members, T, False)
-        return router_f + shared_f + ef + comm_f - f_dense, router_b + shared_b + eb + comm_b - b_dense
-    return router_f + shared_f + ef - f_dense, router_b + shared_b + eb - b_dense
+        f, b = routed(stage.group, tp, 1, moe.num_experts)
+        return f + shared_f - f_dense, b + shared_b - b_dense
+    times = [routed(m.group, m.tp, len(members), m.experts) for m in members]
+    f, b = max(t[0] for t in times), max(t[1] for t in times)
+    comm_f, comm_b = all_to_all_time(cm, model, members, T, True), all_to_all_time(cm, model, members, T, False)
+    return f + shared_f + comm_f - f_dense, b + shared_b + comm_b - b_dense
 
 
 EXCHANGES = {True: 3, False: 2}

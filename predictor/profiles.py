@@ -201,6 +201,13 @@ def probe_model_dict(probe: Mapping, attention: str = "unfused") -> dict:
             "dtype": "fp32", "attention": attention}
 
 
+def moe_probe_model_dict(probe: Mapping) -> dict:
+    """The model file of an MoE probe: one MoE layer of ``num_experts`` routed experts, top-``top_k``."""
+    return {**probe_model_dict({**probe, "num_layers": 1}), "name": f"probe-moe-{probe['architecture']}",
+            "moe": {"num_experts": int(probe["num_experts"]), "top_k": int(probe["top_k"]),
+                    "expert_ffn_hidden_size": int(probe["expert_ffn_hidden_size"])}}
+
+
 # --------------------------------------------------------------------------------------- the model
 def _features(op: str, dims: Mapping, elem_bytes: int) -> tuple[tuple[float, ...], float]:
     """(point in feature space, log reference roofline seconds)."""
@@ -225,6 +232,10 @@ class LocalOpModel:
         self.blocks = [b for b in self.meta.get("blocks") or []
                        if all(float(b.get(key) or 0) > 0 for key in ("forward_ms", "backward_ms", "hidden_size",
                                                                     "micro_batch_size", "seq_length"))]
+        self.moe_blocks = [b for b in self.meta.get("moe_blocks") or []
+                           if all(float(b.get(key) or 0) > 0 for key in ("forward_ms", "backward_ms", "hidden_size",
+                                                                        "seq_length", "num_experts"))]
+        """The MoE layer probes (``hetero profile``; :func:`hetero.predictor.moe.moe_ratio` fits them)."""
         self._ratios: dict[str, list] = {}
         self.points: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
         self.devices: set[str] = set()

@@ -162,6 +162,63 @@ def test_quick_profile_records_threads_and_block_probes(quick_profile):
     # the profile timed the kernel the runtime runs on this CPU, the one the predictor reads
     assert b["adamw_kernel"] == profiles.RUNTIME_ADAMW_KERNEL == "fused"
     assert profiles.read_meta(profiles.cache_path("cpu").parent.parent.parent / "x.csv") == {}
+    # ... and the runtime's mixture-of-experts layer
+    assert {m["architecture"] for m in meta["moe_blocks"]} == {"gpt", "llama"}
+    assert all(m["forward_ms"] > 0 and m["backward_ms"] > 0 and m["num_experts"] >= 2 for m in meta["moe_blocks"])
+
+
+def _moe_law(opm, probe, fixed=(2e-3, 3e-3), per_expert=(4e-4, 7e-4), k=(1.5, 1.3)):
+    """A made-up machine's MoE layer: (forward, backward) = fixed + per_expert x experts + k x op sum."""
+    from hetero.predictor import moe as M
+    from hetero.predictor.profiles import moe_probe_model_dict
+    from hetero.specs.model import load_model
+
+    spec = load_model(moe_probe_model_dict(probe))
+    tokens = probe["micro_batch_size"] * probe["seq_length"]
+    sums = M._op_sums(opm, spec, tokens, spec.moe.num_experts, tokens * spec.moe.top_k)
+    return tuple(f + p * spec.moe.num_experts + kk * s for f, p, kk, s in zip(fixed, per_expert, k, sums))
+
+
+def test_the_moe_layer_is_predicted_as_its_probes_measured_it():
+    """MoE probes that follow fixed + per-expert + k x operator sum give that law back, and the
+    predictor's MoE layer at another shape (an expert count between the probes') is the law there:
+    what the operator sum misses (routing, dispatch and combine, each expert's own dispatch)."""
+    import hetero
+    from hetero.measure.profiling import default_moe_probes
+    from hetero.predictor import moe as M
+    from hetero.predictor import profiles
+
+    plain = profiles.LocalOpModel(_synthetic())
+    probes = [p for p in default_moe_probes() if p["architecture"] == "llama"]
+    for p in probes:
+        p["forward_ms"], p["backward_ms"] = (t * 1e3 for t in _moe_law(plain, p))
+    local = profiles.LocalOpModel(_synthetic(), meta={"moe_blocks": probes})
+    (f0, p0, k0), (f1, p1, k1) = M.moe_fit(local, "llama")
+    assert (f0, p0, k0) == pytest.approx((2e-3, 4e-4, 1.5), rel=1e-6)
+    assert (f1, p1, k1) == pytest.approx((3e-3, 7e-4, 1.3), rel=1e-6)
+    assert M.moe_fit(plain, "llama") is None   # no probes: the operator sum as it is
+
+    # the predictor's MoE layer, one device, no expert parallelism: the law at 12 experts
+    model = hetero.load_model({"name": "m", "architecture": "llama", "num_layers": 1, "hidden_size": 256,
+                               "num_attention_heads": 4, "vocab_size": 1024, "seq_length": 256, "dtype": "fp32",
+                               "moe": {"num_experts": 12, "top_k": 2, "expert_ffn_hidden_size": 1024}})
+    cluster = hetero.load_cluster(cluster_dict(group_dict("g", "cpu", 1, 1), name="one"))
+    plan = hetero.load_plan({"global_batch_size": 1, "micro_batch_size": 1,
+                             "pipelines": [{"micro_batches": 1, "stages": [{"group": "g", "layers": [0, 1]}]}]},
+                            cluster, model)
+    from hetero.predictor.costs import StageCostModel
+
+    for opm, expected in ((local, True), (plain, False)):
+        cm = StageCostModel(cluster, model)
+        cm._opm["g"] = opm
+        f, b = M.layer_delta(cm, plan, 0, plan.pipelines[0].stages[0], 1)
+        law = _moe_law(plain, {"architecture": "llama", "hidden_size": 256, "num_attention_heads": 4,
+                               "micro_batch_size": 1, "seq_length": 256, "num_experts": 12, "top_k": 2,
+                               "expert_ffn_hidden_size": 1024})
+        dense = [cm.kernels_time("g", o)
+                 for o in M._with_backward(model, M.mlp_forward_ops(model, 256, model.ffn_hidden_size))]
+        got = (f + dense[0], b + dense[1])
+        assert (got == pytest.approx(law, rel=1e-6)) is expected, (got, law)
 
 
 def _probe(arch, h, b, s, model):

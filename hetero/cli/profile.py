@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    help="torch intra-op threads (default: 1 on CPU, like each `hetero launch` worker; "
                         "torch's default on accelerators)")
     p.add_argument("--no-blocks", action="store_true",
-                   help="skip the block probes (the runtime's transformer block and AdamW step; CPU only)")
+                   help="skip the block probes (the runtime's transformer block, AdamW step and mixture-of-experts layer; CPU only)")
     p.set_defaults(func=run,  # the files read and written: check_outputs_apart
                    inputs={"--cluster": "cluster"}, outputs={"-o": "output", "-o (its .meta.json)": _meta})
 
@@ -92,7 +92,8 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     probes = M.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
-    total = len(grid) * len(dtypes) + len(probes)
+    moe_probes = M.default_moe_probes(quick=args.quick) if probes else []
+    total = len(grid) * len(dtypes) + len(probes) + len(moe_probes)
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -104,13 +105,14 @@ def run(args) -> int:
 
         records = M.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
         blocks = M.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
+        moe_blocks = M.measure_moe_blocks(moe_probes, quick=args.quick, progress=step) if moe_probes else []
         progress.update(task, description="done")
     meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
             "statistic": "operators: fastest block of repeated calls; blocks: median of repeated rounds",
             "load_average": {"before": list(load_before) if load_before else None,
                              "after": list(os.getloadavg()) if load_before else None},
-            "blocks": blocks}
+            "blocks": blocks, "moe_blocks": moe_blocks}
     written = []
     if not args.no_cache and not args.quick:
         written.append(P.write_records(P.cache_path(name), records))

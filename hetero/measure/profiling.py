@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Callable, Iterable, Mapping
 
-from hetero.predictor.profiles import VECTOR_OPS, Record, probe_model_dict
+from hetero.predictor.profiles import VECTOR_OPS, Record, moe_probe_model_dict, probe_model_dict
 
 # --------------------------------------------------------------------------------------- grid
 def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
@@ -44,7 +44,8 @@ def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
         hiddens, rows_list, bh_list, seqs, hds = (128, 256), (64, 256), (8,), (64, 128), (32,)
         vec_rows, vec_h, sm = (64, 512), (128, 512), ((512, 64), (2048, 128))
     else:
-        hiddens, rows_list, bh_list, seqs, hds = (256, 512, 768, 1024, 2048), (128, 512, 2048), \
+        # 32 rows: a mixture-of-experts layer's experts each take a few dozen tokens of a micro-batch
+        hiddens, rows_list, bh_list, seqs, hds = (256, 512, 768, 1024, 2048), (32, 128, 512, 2048), \
             (16, 64), (128, 256, 512, 1024), (64, 128)
         vec_rows, vec_h = (128, 512, 2048, 8192), (256, 1024, 4096)
         sm = tuple((bh * s, s) for bh in (16, 64) for s in (128, 256, 512, 1024))
@@ -351,5 +352,54 @@ def measure_blocks(probes: list[dict], quick: bool = False,
     return out
 
 
-__all__ = ["TORCH_DTYPES", "catalog_name", "default_block_probes", "default_grid", "detect_device", "measure",
-           "measure_blocks"]
+# --------------------------------------------------------------------------------------- MoE probes
+def default_moe_probes(quick: bool = False) -> list[dict]:
+    """Shapes at which ``hetero profile`` times the runtime's mixture-of-experts layer alone (router,
+    dispatch, the experts one after another, combine): gpt and llama experts, 4 to 16 experts, top-2,
+    rows (micro-batch x sequence) 256 and 1024, so that what the layer spends per expert and around
+    the experts separates from what grows with the tokens."""
+    shapes = ((256, 256, 8, 512),) if quick else \
+        ((256, 256, 4, 1024), (256, 256, 16, 1024), (256, 1024, 8, 512), (512, 512, 4, 1024), (512, 512, 16, 2048))
+    return [{"architecture": arch, "hidden_size": h, "num_attention_heads": max(1, h // 64), "micro_batch_size": 1,
+             "seq_length": rows, "num_experts": e, "top_k": 2, "expert_ffn_hidden_size": ffn}
+            for arch in ("gpt", "llama") for h, rows, e, ffn in shapes]
+
+
+def measure_moe_blocks(probes: list[dict], quick: bool = False,
+                       progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Time the runtime's MoE layer (:class:`hetero.runtime.moe.MoEMLP`, the experts a loop as on any
+    CPU) at each probe shape: forward, and backward of its output with autograd into ``.grad``; the
+    median of repeated rounds after two warm-up rounds, as for the block probes."""
+    import torch
+
+    import hetero
+    from hetero.runtime.model import MLP
+    from hetero.runtime.moe import MoEMLP
+
+    out = []
+    for probe in probes:
+        spec = hetero.load_model(moe_probe_model_dict(probe))
+        torch.manual_seed(0)
+        layer = MoEMLP(spec, MLP).train()
+        rows, h = int(probe["micro_batch_size"]) * int(probe["seq_length"]), spec.hidden_size
+        x = torch.randn(1, rows, h, requires_grad=True)
+        grad = torch.randn(1, rows, h)
+        fwd, bwd = [], []
+        for i in range((3 if quick else 7) + 2):
+            t0 = time.perf_counter()
+            y = layer(x)
+            t1 = time.perf_counter()
+            y.backward(grad)
+            t2 = time.perf_counter()
+            if i >= 2:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        out.append({**probe, "forward_ms": statistics.median(fwd) * 1e3, "backward_ms": statistics.median(bwd) * 1e3})
+        del layer
+        if progress:
+            progress(f"moe {probe['architecture']} h={h} rows={rows} experts={probe['num_experts']}")
+    return out
+
+
+__all__ = ["TORCH_DTYPES", "catalog_name", "default_block_probes", "default_grid", "default_moe_probes", "detect_device",
+           "measure", "measure_blocks", "measure_moe_blocks"]
