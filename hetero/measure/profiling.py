@@ -37,7 +37,7 @@ def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
     plus a few wide (LM-head-like) N. bmm: attention scores and context for heads x batch in
     {16, 64}, sequence 128..1024, head dim 64/128. Vector ops: rows x H over the activations'
     shapes; softmax over attention rows (rows = batch x heads x seq, H = seq).
-    Sized to take about a minute on two CPU cores; ``quick`` is a few seconds (tests, smoke runs).
+    Sized to take about two minutes on two CPU cores; ``quick`` is a few seconds (tests, smoke runs).
     """
     grid: list[tuple[str, dict]] = []
     if quick:
@@ -55,9 +55,11 @@ def default_grid(quick: bool = False) -> list[tuple[str, dict]]:
                 continue  # > 2048 x 1024: seconds per operator on a small CPU; extrapolated instead
             for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
                 grid.append(("linear", {"B": 1, "M": rows, "N": n, "K": k}))
-    wide = ((64, 512), (256, 1024)) if quick else ((128, 512), (128, 1024), (512, 1024))
+    # LM heads: a vocabulary wide, at the widths of small and mid-sized models
+    wide = ((64, 512), (256, 1024)) if quick else ((128, 256), (1024, 256), (128, 512), (128, 1024), (512, 1024))
     for rows, k in wide:
-        grid.append(("linear", {"B": 1, "M": rows, "N": 4096 if quick else 16384, "K": k}))
+        for n in ((4096,) if quick else (2048, 8192, 16384)):
+            grid.append(("linear", {"B": 1, "M": rows, "N": n, "K": k}))
     for bh in bh_list:
         for s in seqs:
             if bh * s > 2**15:
