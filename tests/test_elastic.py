@@ -543,9 +543,10 @@ def _launch_then_edit(tmp_path, start: dict, plan: dict, edited: dict, *extra: s
     return json.loads((tmp_path / "summary.json").read_text()), out
 
 
-JOIN_STEPS = 300
-"""Steps of the join test: the joiners' start-up (a fresh interpreter and torch import each, seconds)
-overlaps training, so the run must still be training when they are ready."""
+JOIN_STEPS = 120
+"""Steps of the join test: the joiners' start-up (forked from the launcher's fork server, then their
+model, process groups and regions: about a second) overlaps training, so the run must still be
+training when they are ready (about 4 s of steps on the idle machine)."""
 
 
 @pytest.mark.slow
