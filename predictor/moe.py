@@ -32,6 +32,7 @@ routing to it as far as its experts allow) unless a capacity factor caps them.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from hetero.specs.model import ModelSpec
@@ -95,7 +96,8 @@ def router_ops(model: ModelSpec, tokens: int) -> tuple[list[Op], list[Op]]:
 
 
 # ------------------------------------------------------------------ the measured MoE layer (CPU profiles)
-_FITS: dict[int, tuple] = {}
+_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Op model -> architecture -> its :func:`moe_fit` (kept as long as the op model is)."""
 
 
 def _op_sums(opm, model: ModelSpec, tokens: int, experts: int, assignments: float) -> tuple[float, float]:
@@ -142,8 +144,10 @@ def moe_fit(opm, architecture: str) -> tuple[tuple, tuple] | None:
     from .profiles import moe_probe_model_dict
 
     probes = getattr(opm, "moe_blocks", None) or []
-    key = (id(opm), architecture)
-    if key not in _FITS:
+    if not probes:
+        return None
+    fits_of = _FITS.setdefault(opm, {})
+    if architecture not in fits_of:
         same = [p for p in probes if p.get("architecture") == architecture] or probes
         pts_f, pts_b = [], []
         for p in same:
@@ -156,8 +160,8 @@ def moe_fit(opm, architecture: str) -> tuple[tuple, tuple] | None:
             pts_f.append((p["forward_ms"] * 1e-3, spec.moe.num_experts, of))
             pts_b.append((p["backward_ms"] * 1e-3, spec.moe.num_experts, ob))
         fits = (_fit(pts_f), _fit(pts_b))
-        _FITS[key] = (opm, fits if None not in fits else None)   # opm kept: its id stays its own
-    return _FITS[key][1]
+        fits_of[architecture] = fits if None not in fits else None
+    return fits_of[architecture]
 
 
 def moe_ratio(cm, group: str, tokens: int, experts: int, assignments: float) -> tuple[float, float]:

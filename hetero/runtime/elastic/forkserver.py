@@ -100,7 +100,6 @@ class ForkServer:
         self.failure: str | None = None
         self._waiting: list[ForkedWorker] = []      # requested, not yet forked (the server answers in order)
         self._by_pid: dict[int, ForkedWorker] = {}
-        self._early_exits: dict[int, int] = {}      # exits read before their worker's pid event (none expected)
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, str(events_w), WORKER_MODULE, run_dir],
                                          env=env, stdin=subprocess.PIPE, pass_fds=(events_w,),
@@ -149,14 +148,8 @@ class ForkServer:
                     if forked is not None:
                         forked._pid = event["pid"]
                         self._by_pid[event["pid"]] = forked
-                        if event["pid"] in self._early_exits:
-                            forked.returncode = self._early_exits.pop(event["pid"])
-                elif "exit" in event:
-                    forked = self._by_pid.get(event["exit"])
-                    if forked is None:
-                        self._early_exits[event["exit"]] = event["code"]
-                    else:
-                        forked.returncode = event["code"]
+                elif "exit" in event:   # after its pid: the server writes both from its one thread
+                    self._by_pid[event["exit"]].returncode = event["code"]
                 elif "error" in event:
                     self.failure = event["error"]
                 self.cond.notify_all()

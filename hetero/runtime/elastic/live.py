@@ -73,8 +73,6 @@ class LiveRun:
         self.coordinator = Coordinator(coordinator_port, timeout_s=max(60.0, self.options.timeout_s))
         self._own_starter = starter is None
         self.starter = WorkerStarter(self.options.run_dir) if starter is None else starter
-        if slots is None or 0 in slots:   # the fork server imports while the rest is set up
-            self.starter.prestart(launch.nodes[0])
         self.slots, self.outcome = slots, "failed"
         self.gen_no = 0
         self.now = Generation(cluster, plan, launch.layout, self.options.run_dir, {})
