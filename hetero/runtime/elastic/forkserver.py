@@ -1,8 +1,9 @@
 """Elastic workers forked from one preloaded process instead of started as fresh interpreters.
 
 A fresh worker spends seconds of CPU importing torch, the compiler stack torch.optim's first
-optimizer imports, and DTensor, before its first step (docs/elastic.md gives the figures); an elastic launcher starts every worker itself
-(:mod:`.processes`), and a device or machine that joins has its worker start in the middle of a run.
+optimizer imports, and DTensor, before its first step (docs/elastic.md gives the figures); an
+elastic launcher starts every worker itself (:mod:`.processes`), and a device or machine that joins
+has its worker start in the middle of a run.
 The launcher cannot fork workers itself: it runs the coordinator's store, the planner and the
 cluster watch on threads, and a fork of a threaded process may inherit a lock another thread held.
 
