@@ -47,7 +47,7 @@ from . import placement as _placement
 from . import ops as O
 from .factors import IDENTITY, CalibrationFactors
 from .ops import GRAD_NORM_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM  # defined there: profiles read them too
-from .optime import ROOFLINE, op_cost, op_model_for, stream_split
+from .optime import ROOFLINE, kernel_cost, op_model_for, stream_split
 
 
 
@@ -71,7 +71,7 @@ def kernel_costs(opm, device, dtype: str, kind: str, model: ModelSpec, mbs: int,
     and would otherwise rebuild and re-cost every kernel each time. Keyed on the op model's and the
     device's identity (held, so an id is never reused while its entry lives)."""
     return _by_identity(_KERNEL_COSTS, _KERNEL_COSTS_MAX, (opm, device), (dtype, kind, model, mbs, tp, recompute),
-                        lambda: tuple((op_cost(opm, o.op, o.dims_dict(), o.dtype or dtype, device), o.op in O.GEMM_OPS)
+                        lambda: tuple((kernel_cost(opm, o, dtype, device), o.op in O.GEMM_OPS)
                                       for o in KERNEL_BUILDERS[kind](model, mbs, tp, recompute)))
 
 
@@ -215,7 +215,7 @@ class StageCostModel:
         factors, opm, dev = self._factors[group], self._opm[group], self._dev[group]
         costs = []
         for o in ops:
-            c = op_cost(opm, o.op, o.dims_dict(), o.dtype or self.dtype, dev)
+            c = kernel_cost(opm, o, self.dtype, dev)
             costs.append((c[1] + (c[0] - c[1]) * factors.matrix, c[1]) if o.op in O.GEMM_OPS and factors.matrix != 1.0
                          else c)
         return max(stream_split(costs, factors.compute, factors.op_floor_s))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from . import comm
 from . import ops as O
-from .optime import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, op_cost, op_model_for, stream_split
+from .optime import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, kernel_cost, op_model_for, stream_split
 
 CPU_DISPATCH = {
     "decode_per_step_s": 21e-6,
@@ -192,9 +192,9 @@ def prefill(cluster, group: str, model, rows: int, prompt_tokens: int, tp: int =
         dev, mem = model.num_layers * lt + ht, model.num_layers * lm + hm
     else:
         opm, _ = op_model_for(name, device)
-        costs = [op_cost(opm, o.op, o.dims_dict(), o.dtype or model.dtype, device) for o in fwd]
+        costs = [kernel_cost(opm, o, model.dtype, device) for o in fwd]
         _, dev_layer = stream_split(costs)
-        hc = [op_cost(opm, o.op, o.dims_dict(), o.dtype or model.dtype, device) for o in head]
+        hc = [kernel_cost(opm, o, model.dtype, device) for o in head]
         dev = model.num_layers * dev_layer + stream_split(hc)[1]
         mem = 0.0
     host = (model.num_layers * _layer_host(model, device, len(fwd), True)

@@ -21,7 +21,7 @@ Conventions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from hetero.specs.model import ModelSpec
@@ -52,6 +52,11 @@ class Op:
     nbytes: float
     dtype: str | None = None
     """Element type the kernel runs in when it is not the model's (the fp32 loss kernels)."""
+    fused: bool = False
+    """A GEMM of a fused attention kernel (FlashAttention, SDPA): its s x s operand (scores,
+    probabilities or their gradients) lives in on-chip memory, tile by tile, so ``nbytes`` leaves it
+    out (:func:`flash_gemm`) and the cost model prices the kernel at that traffic
+    (:func:`hetero.predictor.optime.kernel_cost`)."""
 
     @property
     def is_gemm(self) -> bool:
@@ -98,6 +103,13 @@ def gemm(name: str, op: str, B: int, M: int, N: int, K: int, e: int) -> Op:
     return Op(name, op, (B, M, N, K), *kernel_work(op, {"B": B, "M": M, "N": N, "K": K}, e))
 
 
+def flash_gemm(name: str, B: int, M: int, N: int, K: int, e: int) -> Op:
+    """A ``bmm`` of a fused attention kernel: the largest of its three matrices (the s x s one)
+    never reaches device memory, only the others (queries, keys, values, outputs) do."""
+    flops, nbytes = kernel_work("bmm", {"B": B, "M": M, "N": N, "K": K}, e)
+    return Op(name, "bmm", (B, M, N, K), flops, nbytes - e * B * max(M * K, K * N, M * N), fused=True)
+
+
 def vec(name: str, op: str, B: int, H: int, e: int) -> Op:
     """A vector kernel over ``B`` rows of ``H`` elements of ``e`` bytes."""
     return Op(name, op, (B, H), *kernel_work(op, {"B": B, "H": H}, e))
@@ -111,6 +123,8 @@ def backward_of(f: Op, e: int) -> list[Op]:
                 gemm(f.name + ".wgrad", "linear", 1, K, N, B * M, e)]  # X^T (K x BM) @ dY (BM x N)
     if f.op == "bmm":
         B, M, N, K = f.dims
+        if f.fused:   # the fused kernel's backward keeps its s x s gradients on chip too
+            return [flash_gemm(f.name + ".dgrad_a", B, M, K, N, e), flash_gemm(f.name + ".dgrad_b", B, K, N, M, e)]
         return [gemm(f.name + ".dgrad_a", "bmm", B, M, K, N, e),
                 gemm(f.name + ".dgrad_b", "bmm", B, K, N, M, e)]
     return [Op(f.name + ".grad", f.op, f.dims, f.flops, f.nbytes),
@@ -146,15 +160,16 @@ def layer_forward_ops(model: ModelSpec, b: int, s: int, t: int, dtype: str | Non
         rh = (h + kv) // t
         ops += [vec("rope.mul_cos", "mul", rows, rh, e), vec("rope.mul_sin", "mul", rows, rh, e),
                 vec("rope.add", "add", rows, rh, e)]
-    ops += [gemm("scores", "bmm", b * at, s, s, d, e)]
-    if model.attention == "unfused":
+    fused = model.attention == "fused"
+    ops += [flash_gemm("scores", b * at, s, s, d, e) if fused else gemm("scores", "bmm", b * at, s, s, d, e)]
+    if not fused:
         ops.append(vec("softmax", "softmax", b * at * s, s, e))   # fused scale + mask + softmax
         if model.dropout > 0:
             ops.append(vec("attn_dropout", "mul", b * at * s, s, e))
     # fused attention is costed as its two GEMMs (softmax and dropout run inside the kernel, on
-    # tiles in on-chip memory); the op model still charges the s x s tile traffic of the scores
-    # GEMM to device memory, so this errs long for a flash kernel
-    ops += [gemm("context", "bmm", b * at, s, d, s, e),
+    # tiles in on-chip memory), each moving its queries, keys, values and outputs but not the s x s
+    # tile it holds on chip (:func:`flash_gemm`)
+    ops += [flash_gemm("context", b * at, s, d, s, e) if fused else gemm("context", "bmm", b * at, s, d, s, e),
             gemm("out_proj", "linear", b, s, h, h // t, e)]
     if model.dropout > 0:
         ops.append(vec("attn_out_dropout", "mul", rows, h, e))
@@ -182,11 +197,11 @@ def layer_backward_ops(model: ModelSpec, b: int, s: int, t: int, recompute: str 
     fwd = layer_forward_ops(model, b, s, t, dtype)
     ops: list[Op] = []
     if recompute == "full":
-        ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd]
+        ops += [replace(o, name="recompute." + o.name) for o in fwd]
     elif recompute == "selective":  # fused: the kernel's forward (its two GEMMs) runs again
-        ops += [Op("recompute." + o.name, o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name in ATTENTION_CORE]
+        ops += [replace(o, name="recompute." + o.name) for o in fwd if o.name in ATTENTION_CORE]
     if model.attention == "fused":  # a flash backward recomputes the scores tile by tile
-        ops += [Op("attention.rescores", o.op, o.dims, o.flops, o.nbytes) for o in fwd if o.name == "scores"]
+        ops += [replace(o, name="attention.rescores") for o in fwd if o.name == "scores"]
     for o in reversed(fwd):
         ops += backward_of(o, e)
     return ops

@@ -85,6 +85,28 @@ def op_cost(opm, op: str, dims: dict, dtype: str, device) -> tuple[float, float]
     return t, min(fn(op, dtype, device), t)
 
 
+def kernel_cost(opm, o, dtype: str, device) -> tuple[float, float]:
+    """:func:`op_cost` of the kernel :class:`~.ops.Op` ``o`` (``dtype``: the model's, unless ``o``
+    names its own). A GEMM of a fused attention kernel (``o.fused``) moves only ``o.nbytes`` (its
+    s x s operand stays on chip), where the operator model, which knows GEMMs whose operands all
+    reach device memory, would charge that operand too: on an accelerator its device share is
+    scaled by the roofline at ``o.nbytes`` over the roofline at the whole traffic. The scale is 1
+    where the GEMM is compute-bound either way; it matters where bandwidth is scarce beside
+    compute (bf16 tensor cores: an H100's 295 FLOP per byte against an H20's 37). A CPU's profile
+    model is left as it is: its block probes measure the runtime's own attention kernel."""
+    op, dims = o.op, o.dims_dict()
+    t, host = op_cost(opm, op, dims, o.dtype or dtype, device)   # the whole traffic
+    if not o.fused or device.family == "cpu":
+        return t, host
+    dtype = o.dtype or dtype
+    flops, full = kernel_work(op, dims, DTYPE_BYTES.get(dtype, 4))
+    priced = getattr(opm, "roofline_device", None)   # a probed model prices with its measured scales
+    priced = priced(op, dtype, device) if priced else device
+    peak, bw = priced.matrix_flops(dtype), priced.effective_memory_bandwidth
+    scale = max(flops / peak, o.nbytes / bw) / max(flops / peak, full / bw)
+    return host + (t - host) * scale, host
+
+
 def stream_split(costs, compute: float = 1.0, host_floor: float = 0.0) -> tuple[float, float]:
     """(host dispatch, device work) seconds of kernels given as ``(latency, host share)`` pairs:
     the sum of host shares (each at least ``host_floor``, the calibration's per-kernel dispatch
@@ -209,5 +231,5 @@ def probed_model(device_name: str, device):
     return probed
 
 
-__all__ = ["op_time", "op_cost", "stream_split", "stream_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
+__all__ = ["op_time", "op_cost", "kernel_cost", "stream_split", "stream_time", "roofline_time", "learned_model", "catalog_model", "op_model_for", "probed_model",
            "GEMM_EFFICIENCY", "MEMORY_EFFICIENCY"]

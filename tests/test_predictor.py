@@ -1242,3 +1242,40 @@ def test_the_a100_mi250x_case_reaches_95_percent_of_its_groups_alone():
     results = hetero.search(cluster, model, 256, top_k=1)
     assert results[0].tokens_per_s >= 0.95 * results.alone_tokens_per_s
     assert results[0].tokens_per_s <= results.upper_bound_tokens_per_s
+
+
+def test_a_fused_attention_kernel_is_priced_at_the_traffic_it_makes():
+    """A flash kernel's GEMMs keep their s x s tiles on chip: each moves its other two matrices only.
+    On an H100 in bf16 (295 FLOP per byte) the unfused scores GEMM is bandwidth-bound and the fused
+    one is not, so the fused one is priced shorter by the ratio of the two rooflines; on an H20 (37
+    FLOP per byte) both are compute-bound and the price is the same; a CPU's profile is left as is."""
+    import dataclasses
+
+    from hetero.predictor import ops as O
+    from hetero.predictor.optime import catalog_model, kernel_cost
+
+    cluster = hetero.load_cluster(str(REPO / "configs" / "clusters" / "h100-h20.yaml"))
+    base = hetero.load_model(str(REPO / "configs" / "models" / "llama2-7b.yaml"))
+    fused = dataclasses.replace(base, attention="fused")
+    b, s, e, d, a = 1, base.seq_length, 2, base.hidden_size // base.num_attention_heads, base.num_attention_heads
+    by_name = {o.name: o for o in O.layer_forward_ops(fused, b, s, 1)}
+    plain = {o.name: o for o in O.layer_forward_ops(base, b, s, 1)}
+    for name in ("scores", "context"):
+        f, u = by_name[name], plain[name]
+        assert f.fused and not u.fused and f.flops == u.flops
+        assert f.nbytes == pytest.approx(2 * e * a * b * s * d)      # q and k in, or p-tiles and v in, o out
+        assert u.nbytes - f.nbytes == pytest.approx(e * a * b * s * s)
+    bwd = [o for o in O.layer_backward_ops(fused, b, s, 1) if o.op == "bmm"]
+    assert len(bwd) == 5 and all(o.fused for o in bwd)
+    opm = catalog_model()[0]
+    h100, h20 = cluster.device_type("h100"), cluster.device_type("h20")
+    o, u = by_name["scores"], plain["scores"]
+    t_f, host = kernel_cost(opm, o, "bf16", h100)
+    t_u, host_u = kernel_cost(opm, u, "bf16", h100)
+    peak, bw = h100.matrix_flops("bf16"), h100.effective_memory_bandwidth
+    assert u.nbytes / bw > u.flops / peak > o.nbytes / bw          # bandwidth-bound unfused, not fused
+    assert (t_f - host) / (t_u - host_u) == pytest.approx(u.flops / peak / (u.nbytes / bw), rel=1e-6)
+    assert kernel_cost(opm, o, "bf16", h20) == pytest.approx(kernel_cost(opm, u, "bf16", h20))
+    cpu = hetero.load_cluster(str(REPO / "configs" / "clusters" / "local-cpu.yaml"))
+    dev = cpu.device_type(cpu.groups[0].name)
+    assert kernel_cost(opm, o, "fp32", dev) == kernel_cost(opm, u, "fp32", dev)

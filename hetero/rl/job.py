@@ -114,7 +114,7 @@ class RLJob:
     source: str = _derived("<dict>")
     """The job file."""
     model_spec: object = _derived()
-    """The loaded :class:`~hetero.specs.model.ModelSpec`."""
+    """The loaded :class:`~hetero.specs.model.ModelSpec`, with ``attention: fused`` (the runtime's SDPA)."""
     actor_plan: object = _derived()
     """The loaded actor :class:`~hetero.specs.plan.Plan` (None when ``placement.actor`` gives groups)."""
     prompt_records: tuple = _derived(())
@@ -321,9 +321,14 @@ def _attempt(extra: list, load, *args):
 
 
 def _load_model(path: str):
+    """The model as ``hetero rl`` runs it: its actor trains and its rollout generates on hetero's
+    runtime, whose attention is one fused kernel (torch's scaled_dot_product_attention), whatever
+    ``attention`` the file gives for other engines; the predictor prices it that way."""
+    import dataclasses
+
     from hetero.specs.model import load_model
 
-    return load_model(path)
+    return dataclasses.replace(load_model(path), attention="fused")
 
 
 def _check_lengths(records: dict, job: RLJob, model, tokenizer: str, problems: Problems) -> dict[str, list[int]]:

@@ -134,8 +134,10 @@ def calibrate(model: OpModel, device, records, dtype: str = "fp32") -> DeviceCal
     for gemm in COMPUTE_PROBES:
         g = subset("compute", gemm)
         if g is not None:
-            sc[gemm] = _solve_scale(lambda s, gemm=gemm: probed(sm, {gemm: s}).predict_records(g),
-                                    g.latency_ms * 1e-3)
+            scale = _solve_scale(lambda s, gemm=gemm: probed(sm, {gemm: s}).predict_records(g),
+                                 g.latency_ms * 1e-3)
+            if 1 / 64 < scale < 8.0:
+                sc[gemm] = scale
     return DeviceCalibration(floors, sm, sc, len(rows))
 
 
@@ -162,6 +164,10 @@ class ProbedOpModel:
         """Host dispatch inside :meth:`predict`'s latency (the measured floor minus a kernel's
         minimum; see :meth:`OpModel.host_overhead`)."""
         return self._model.host_overhead(op, dtype, self._devices[op])
+
+    def roofline_device(self, op: str, dtype: str, device=None):
+        """The device whose peak and bandwidth :meth:`predict` prices ``op`` with (the probed scales)."""
+        return self._devices[op]
 
     def predict_records(self, records) -> np.ndarray:
         """Seconds for each row of ``records`` (their device column is ignored)."""
@@ -225,6 +231,9 @@ class ProbedDevice:
 
     def host_overhead(self, op: str, dtype: str, device=None) -> float:
         return self._model_for(dtype).host_overhead(op, dtype)
+
+    def roofline_device(self, op: str, dtype: str, device=None):
+        return self._model_for(dtype).roofline_device(op, dtype)
 
     def accuracy_note(self, device=None) -> str:
         """For the predictor's provenance: which dtypes the profile's probes pinned."""
