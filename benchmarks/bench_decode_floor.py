@@ -1,7 +1,8 @@
 """The host's dispatch floor of generation on this CPU: what one decode step of
 :func:`hetero.rl.generate.generate` costs when the model is too small for its arithmetic to matter.
 
-Method: tiny models (gpt and llama, 1-8 layers, hidden 64), rows 1-16, temperature 1.0 with a stop
+Method (:mod:`hetero.measure.decode_floor`, which ``hetero profile`` runs on a smaller set of cases):
+tiny models (gpt and llama, 1-8 layers, hidden 64), rows 1-16, temperature 1.0 with a stop
 string (as the RL rollout samples). One decode step's seconds = (generate with N new tokens - generate
 with 1) / (N - 1), median of ``--repeats`` runs, one thread. A least-squares fit of
 ``step = per_step + per_layer[architecture] x layers + per_row x rows`` over all cases gives the floor
@@ -18,45 +19,10 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _model(arch: str, layers: int):
-    from hetero.specs.model import load_model
-
-    spec = {"name": f"floor-{arch}-{layers}", "architecture": arch, "num_layers": layers, "hidden_size": 64,
-            "num_attention_heads": 4, "vocab_size": 256, "seq_length": 64, "dtype": "fp32"}
-    if arch == "llama":
-        spec["num_kv_heads"] = 2
-    return load_model(spec)
-
-
-def _time(fn, repeats: int) -> float:
-    fn()   # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def _fit(rows: list[dict], key: str) -> tuple[list[float], float]:
-    import numpy as np
-
-    X = np.array([[1.0, r["layers"] * (r["arch"] == "gpt"), r["layers"] * (r["arch"] == "llama"), r["rows"]]
-                  for r in rows])
-    y = np.array([r[key] for r in rows])
-    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-    pred = X @ coef
-    err = float(np.max(np.abs(pred - y) / y))
-    for r, p in zip(rows, pred):
-        r[key + "_fit"] = float(p)
-    return [float(c) for c in coef], err
 
 
 def checksum_rate(repeats: int) -> dict:
@@ -114,31 +80,14 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from hetero.rl.generate import generate
-    from hetero.rl.load import load_whole_model
-    from hetero.tokenizer import load_text_tokenizer
+    from hetero.measure.decode_floor import fit, measure_cases
 
-    torch.set_num_threads(1)
-    tok = load_text_tokenizer("bytes", 256, "tokenizer")
-    prompt = tok.encode("19+7=", special=True)
-    rows = []
-    for arch in ("gpt", "llama"):
-        for layers in (1, 2, 4, 8):
-            model = load_whole_model(_model(arch, layers), None)
-            for b in (1, 4, 8, 16):
-                def call(n):
-                    # a stop string that never comes: every call runs its n tokens
-                    return lambda: generate(model, [prompt], max_new_tokens=n, temperature=1.0, seed=0,
-                                            samples=b, stop="\x00\x01", tokenizer=tok, batch_rows=b)
-                one = _time(call(1), args.repeats)
-                many = _time(call(args.new), args.repeats)
-                step = (many - one) / (args.new - 1)
-                rows.append({"arch": arch, "layers": layers, "rows": b, "prompt_tokens": len(prompt),
-                             "first_call_s": one, "decode_step_s": step})
-                print(f"{arch:5s} layers {layers}  rows {b:2d}: prefill+first {one * 1e3:7.3f} ms  "
-                      f"decode step {step * 1e3:7.3f} ms", flush=True)
-    dec, dec_err = _fit(rows, "decode_step_s")
-    pre, pre_err = _fit(rows, "first_call_s")
+    rows = measure_cases((1, 2, 4, 8), (1, 4, 8, 16), repeats=args.repeats, new=args.new)
+    for r in rows:
+        print(f"{r['arch']:5s} layers {r['layers']}  rows {r['rows']:2d}: prefill+first {r['first_call_s'] * 1e3:7.3f} ms  "
+              f"decode step {r['decode_step_s'] * 1e3:7.3f} ms", flush=True)
+    dec, dec_err = fit(rows, "decode_step_s")
+    pre, pre_err = fit(rows, "first_call_s")
     for name, c, err in (("decode step", dec, dec_err), ("prefill + first token", pre, pre_err)):
         print(f"{name} = {c[0] * 1e6:.1f} us + {c[1] * 1e6:.1f} us/gpt layer ({c[2] * 1e6:.1f} us/llama layer) "
               f"+ {c[3] * 1e6:.1f} us/row (largest residual {err:.1%})")

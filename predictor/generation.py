@@ -14,9 +14,12 @@ cached token, so a step grows linearly with both the batch and the context.
 The host issues every kernel of a step (eager PyTorch, :mod:`hetero.rl.generate`): on an
 accelerator the device runs behind the host, so a step takes the longer of the two
 (:func:`~.optime.stream_time`'s reasoning); small models are dispatch-bound there. On a CPU the
-kernels run on the host, one after another, and the step is their sum. The host's share was
-measured on this machine's CPU (``benchmarks/bench_decode_floor.py``, figures in
-``benchmarks/results/decode_floor_cpu.json``): :data:`CPU_DISPATCH`. The accelerators' launch
+kernels run on the host, one after another, and the step is their sum. The host's share on a CPU
+is measured by ``hetero profile`` with the CPU profile (:func:`cpu_dispatch`;
+:mod:`hetero.measure.decode_floor`), as the block probes are, so it follows the machine's speed of
+the day; without such a profile the predictor takes :data:`CPU_DISPATCH`, measured once by
+``benchmarks/bench_decode_floor.py`` (``benchmarks/results/decode_floor_cpu.json``). The per-row
+figure (sampling and the stop check, Python) counts on every device. The accelerators' launch
 figure :data:`KERNEL_LAUNCH_S` is the usual eager-mode cost of one CUDA launch from Python, to be
 checked by ``benchmarks/gpu/decode_model_cuda.py`` where a GPU is lent.
 
@@ -57,8 +60,20 @@ EXTRA_KERNELS_PER_LAYER = 6
 """Kernels of a decode layer beyond its arithmetic (:func:`decode_layer_ops`): the cache's two
 appends, the views and copies of the head split and merge: launches with next to no device work."""
 
-HOST_ROW_S = CPU_DISPATCH["per_row_s"]
-"""Per row and step, the host's sampling and stop check (Python, whatever the device)."""
+def cpu_dispatch(device_name: str) -> dict:
+    """Generation's host figures on this machine's CPU for the device type ``device_name``: those
+    ``hetero profile`` measured with its profile (its own, else the plain ``cpu`` one), which follow
+    the machine as its block probes do, else :data:`CPU_DISPATCH`."""
+    try:
+        from .profiles import local_op_model
+
+        for name in dict.fromkeys((device_name, "cpu")):
+            local = local_op_model(name)
+            if local is not None and local.decode_dispatch:
+                return local.decode_dispatch
+    except Exception:  # noqa: BLE001 - no profile module or no profile: the shipped figures
+        pass
+    return CPU_DISPATCH
 
 
 @dataclass(frozen=True)
@@ -139,10 +154,11 @@ def _roofline(ops, device, model_dtype: str) -> tuple[float, float]:
     return total, memory
 
 
-def _layer_host(model, device, kernels: int, prefill: bool) -> float:
-    """Host seconds per layer: measured per architecture on a CPU, launches on an accelerator."""
+def _layer_host(model, device, kernels: int, prefill: bool, floor: dict = CPU_DISPATCH) -> float:
+    """Host seconds per layer: measured per architecture on a CPU (``floor``: :func:`cpu_dispatch`),
+    launches on an accelerator."""
     if device.family == "cpu":
-        table = CPU_DISPATCH["prefill_per_layer_s" if prefill else "decode_per_layer_s"]
+        table = floor["prefill_per_layer_s" if prefill else "decode_per_layer_s"]
         return table.get(model.architecture, max(table.values()))
     return (kernels + EXTRA_KERNELS_PER_LAYER) * KERNEL_LAUNCH_S
 
@@ -165,8 +181,9 @@ def decode_step(cluster, group: str, model, rows: int, kv_length: int, tp: int =
     ht, hm = _roofline(head_ops(model, rows, tp), device, model.dtype)
     dev = model.num_layers * lt + ht
     mem = model.num_layers * lm + hm
-    host = (CPU_DISPATCH["decode_per_step_s"] + model.num_layers * _layer_host(model, device, len(layer), False)
-            + rows * HOST_ROW_S)
+    floor = cpu_dispatch(cluster.group(group).device) if device.family == "cpu" else CPU_DISPATCH
+    host = (floor["decode_per_step_s"] + model.num_layers * _layer_host(model, device, len(layer), False, floor)
+            + rows * floor["per_row_s"])
     cm = _tp_comm(cluster, group, model, rows, 1, tp)
     return _combine(device, host, dev, cm, mem)
 
@@ -197,8 +214,9 @@ def prefill(cluster, group: str, model, rows: int, prompt_tokens: int, tp: int =
         hc = [kernel_cost(opm, o, model.dtype, device) for o in head]
         dev = model.num_layers * dev_layer + stream_split(hc)[1]
         mem = 0.0
-    host = (model.num_layers * _layer_host(model, device, len(fwd), True)
-            + rows * CPU_DISPATCH["prefill_per_row_s"])
+    floor = cpu_dispatch(name) if device.family == "cpu" else CPU_DISPATCH
+    host = (model.num_layers * _layer_host(model, device, len(fwd), True, floor)
+            + rows * floor["prefill_per_row_s"])
     cm = _tp_comm(cluster, group, model, rows, prompt_tokens, tp)
     return _combine(device, host, dev, cm, mem)
 
@@ -384,6 +402,6 @@ def context_switch_time(cluster, group: str, model, params_on_device: float, nee
     return 2.0 * state / comm.HOST_STAGING_BANDWIDTH
 
 
-__all__ = ["CPU_DISPATCH", "KERNEL_LAUNCH_S", "StepTime", "GenerationTime", "decode_layer_ops", "head_ops",
+__all__ = ["CPU_DISPATCH", "cpu_dispatch", "KERNEL_LAUNCH_S", "StepTime", "GenerationTime", "decode_layer_ops", "head_ops",
            "decode_step", "prefill", "generation_time", "copy_weight_bytes", "kv_bytes_per_token", "sequences_fit",
            "weight_sync_time", "SyncTime", "context_switch_time", "total_params"]

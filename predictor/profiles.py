@@ -236,6 +236,8 @@ class LocalOpModel:
                            if all(float(b.get(key) or 0) > 0 for key in ("forward_ms", "backward_ms", "hidden_size",
                                                                         "seq_length", "num_experts"))]
         """The MoE layer probes (``hetero profile``; :func:`hetero.predictor.moe.moe_ratio` fits them)."""
+        self.decode_dispatch = _dispatch_table(self.meta.get("decode_dispatch"))
+        """Generation's host figures measured with the profile (:mod:`hetero.measure.decode_floor`), or None."""
         self._ratios: dict[str, list] = {}
         self.points: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
         self.devices: set[str] = set()
@@ -445,6 +447,22 @@ class LocalOpModel:
             t = (math.log(params) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
             rate = rates[i - 1] + t * (rates[i] - rates[i - 1])
         return float(params) * rate
+
+
+def _dispatch_table(raw) -> dict | None:
+    """A sidecar's ``decode_dispatch`` when it holds every figure generation reads (non-negative
+    numbers, per architecture where per layer), else None (an older or damaged sidecar)."""
+    try:
+        flat = ("decode_per_step_s", "per_row_s", "prefill_per_row_s")
+        per_layer = ("decode_per_layer_s", "prefill_per_layer_s")
+        out = {k: float(raw[k]) for k in flat}
+        out.update({k: {a: float(v) for a, v in raw[k].items()} for k in per_layer})
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    values = [*(out[k] for k in flat), *(v for k in per_layer for v in out[k].values())]
+    if not all(v >= 0 and v == v for v in values) or not all(out[k] for k in per_layer):
+        return None
+    return out
 
 
 _LOADED: dict[str, tuple[float, LocalOpModel]] = {}

@@ -397,3 +397,69 @@ def test_a_dtype_list_naming_no_dtype_is_refused_before_the_cache_is_touched(tmp
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert "--dtype" in proc.stderr and "no dtype" in proc.stderr and "fp32" in proc.stderr, proc.stderr
     assert cached.read_text() == "kept\n" and not out.exists()
+
+
+def test_the_decode_floor_fit_recovers_its_coefficients_and_refuses_a_damaged_sidecar():
+    """measure_decode_dispatch's fit, on cases made from known figures, gives them back; a sidecar
+    whose table misses a figure or holds a negative one is not used."""
+    from hetero.measure.decode_floor import dispatch_table
+    from hetero.predictor.profiles import _dispatch_table
+
+    per_layer = {"gpt": 250e-6, "llama": 400e-6}
+    rows = [{"arch": a, "layers": n, "rows": r,
+             "decode_step_s": 60e-6 + per_layer[a] * n + 30e-6 * r,
+             "first_call_s": 350e-6 * n * (1.5 if a == "llama" else 1.0) + 90e-6 * r}
+            for a in ("gpt", "llama") for n in (1, 4) for r in (1, 8)]
+    table = dispatch_table(rows)
+    assert table["decode_per_step_s"] == pytest.approx(60e-6)
+    assert table["decode_per_layer_s"] == pytest.approx(per_layer)
+    assert table["per_row_s"] == pytest.approx(30e-6)
+    assert table["prefill_per_layer_s"] == pytest.approx({"gpt": 350e-6, "llama": 525e-6})
+    assert table["prefill_per_row_s"] == pytest.approx(90e-6)
+    assert _dispatch_table(table) is not None
+    assert _dispatch_table({**table, "per_row_s": -1.0}) is None
+    assert _dispatch_table({k: v for k, v in table.items() if k != "decode_per_layer_s"}) is None
+    assert _dispatch_table("junk") is None
+
+
+def test_generation_on_a_cpu_takes_the_host_floor_measured_with_the_profile(tmp_path, monkeypatch):
+    """A CPU profile whose sidecar holds `decode_dispatch` sets generation's host time (decode and
+    prefill); without it the shipped figures stand. The emulated slowdown multiplies either."""
+    import hetero
+    from hetero.predictor import generation as gen
+    from hetero.predictor import profiles
+
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    cluster = hetero.load_cluster(cluster_dict(group_dict("fast", "cpu", 1, 1), name="one-cpu"))
+    model = hetero.load_model({"name": "m", "architecture": "llama", "num_layers": 3, "hidden_size": 64,
+                               "num_attention_heads": 4, "vocab_size": 256, "seq_length": 64})
+    shipped = gen.decode_step(cluster, "fast", model, 4, 16).host_s
+    floor = gen.CPU_DISPATCH
+    assert shipped == pytest.approx(floor["decode_per_step_s"] + 3 * floor["decode_per_layer_s"]["llama"]
+                                    + 4 * floor["per_row_s"])
+    path = profiles.cache_path("cpu")
+    profiles.write_records(path, _synthetic())
+    measured = {"decode_per_step_s": 1e-4, "decode_per_layer_s": {"gpt": 5e-4, "llama": 7e-4}, "per_row_s": 4e-5,
+                "prefill_per_layer_s": {"gpt": 6e-4, "llama": 9e-4}, "prefill_per_row_s": 8e-5}
+    profiles.write_meta(path, {"threads": 1, "decode_dispatch": measured})
+    assert gen.decode_step(cluster, "fast", model, 4, 16).host_s == pytest.approx(1e-4 + 3 * 7e-4 + 4 * 4e-5)
+    assert gen.prefill(cluster, "fast", model, 4, 8).host_s == pytest.approx(3 * 9e-4 + 4 * 8e-5)
+
+
+def test_the_decode_floor_is_timed_on_the_runtime_generate():
+    """measure_cases runs generation for real: the first call and a decode step of each case, > 0."""
+    from hetero.measure.decode_floor import measure_cases
+
+    rows = measure_cases((1,), (1, 2), repeats=1, new=3)
+    assert [(r["arch"], r["rows"]) for r in rows] == [("gpt", 1), ("gpt", 2), ("llama", 1), ("llama", 2)]
+    assert all(r["first_call_s"] > 0 and r["decode_step_s"] > 0 for r in rows)
+
+
+def test_the_block_probes_reach_down_to_the_shipped_tiny_models():
+    """The fixed dispatch fitted over the probes is no guide below the smallest one: the probes
+    include the tiny models' own shape (hidden 64, 4 heads, 32 positions) at 32 and 128 rows."""
+    from hetero.measure.profiling import default_block_probes
+
+    shapes = {(p["architecture"], p["hidden_size"], p["num_attention_heads"], p["micro_batch_size"] * p["seq_length"])
+              for p in default_block_probes()}
+    assert {(a, 64, 4, rows) for a in ("gpt", "llama") for rows in (32, 128)} <= shapes

@@ -49,6 +49,7 @@ def _meta(args) -> str | None:
 def run(args) -> int:
     from hetero.errors import HeteroError
     from hetero.predictor import profiles as P
+    from hetero.measure import decode_floor as DF
     from hetero.measure import profiling as M
 
     from ._common import check_output, console, write_output
@@ -93,7 +94,9 @@ def run(args) -> int:
 
     probes = M.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
     moe_probes = M.default_moe_probes(quick=args.quick) if probes else []
-    total = len(grid) * len(dtypes) + len(probes) + len(moe_probes)
+    # generation's host floor (hetero rl's rollout on a CPU); a --quick smoke test leaves it out
+    decode_cases = len(DF.PROFILE_CASES["layers"]) * len(DF.PROFILE_CASES["rows"]) * 2 if probes and not args.quick else 0
+    total = len(grid) * len(dtypes) + len(probes) + len(moe_probes) + decode_cases
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -106,6 +109,7 @@ def run(args) -> int:
         records = M.measure(grid, name, torch_device, dtypes=dtypes, quick=args.quick, progress=step)
         blocks = M.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
         moe_blocks = M.measure_moe_blocks(moe_probes, quick=args.quick, progress=step) if moe_probes else []
+        decode = DF.measure_decode_dispatch(progress=step) if decode_cases else None
         progress.update(task, description="done")
     meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
@@ -113,6 +117,8 @@ def run(args) -> int:
             "load_average": {"before": list(load_before) if load_before else None,
                              "after": list(os.getloadavg()) if load_before else None},
             "blocks": blocks, "moe_blocks": moe_blocks}
+    if decode:
+        meta["decode_dispatch"] = decode
     written = []
     if not args.no_cache and not args.quick:
         written.append(P.write_records(P.cache_path(name), records))
