@@ -93,3 +93,80 @@ def test_a_loss_the_copies_cannot_cover_ends_the_run_naming_why_and_the_fix():
     why = uncovered({0: _checkin(3, ("k", [0, 1, 2], True))}, {1, 2})
     with pytest.raises(HeteroError, match="rank 1 was lost together with rank 2.*fix: a plan with zero_stage: 0"):
         refuse_lost_slices(SimpleNamespace(zero_stage=1), "rank 1 died", why)
+
+
+def _shadow_worker(rank, world, withhold):
+    """Two ZeRO-1 ranks over a Linear(7, 5) (40 elements, 20 a slice), trained 4 steps as the engine
+    does (reduce, clip factor, AdamW, gather), the copies waited for before and started after each
+    update, the rate changed between steps. Returns this rank's own slice state and its shadow of
+    its peer's, both on the host."""
+    import os
+
+    from hetero.runtime.collectives import Collectives
+    from hetero.runtime.elastic.slice_copies import WITHHOLD_ENV, SliceCopies
+    from hetero.runtime.grads import Bucket, clip_coefficient, scaled_step, weighted_squares
+    from hetero.runtime.zero import ShardedAdamW
+
+    if withhold is not None:
+        os.environ[WITHHOLD_ENV] = str(withhold)
+    comm = Collectives.init(rank, world, 30.0)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(7, 5)
+    sharded = ShardedAdamW(module, [Bucket(ranks=(0, 1), names=("weight", "bias"))], comm=comm, rank=rank,
+                           tp_size=1, lr=1e-2, weight_decay=0.1)
+    (shard,) = sharded.shards
+    copies = SliceCopies(sharded, rank, world, 30.0)
+    copies.start()
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        sharded.bind_gradient_buffers()
+        (module(torch.randn(3, 7, generator=gen)) ** 2).sum().mul(10.0).backward()
+        owned = sharded.reduce_gradients()
+        sq = torch.tensor([weighted_squares(owned)], dtype=torch.float64)
+        comm.all_reduce(sq)
+        sharded.coef = clip_coefficient(float(sq[0]) ** 0.5, 1.0)   # clipped: a factor below 1
+        copies.wait()
+        for g in sharded.optimizer.param_groups:
+            g["lr"] = 1e-2 / (step + 1)
+        scaled_step(sharded.optimizer, sharded.params(), sharded.coef)
+        copies.start()
+        sharded.gather_parameters()
+        sharded.zero_grad()
+    copies.wait()
+    st = sharded.optimizer.state[shard.master]
+    own = {"param": shard.master.detach().clone(), "exp_avg": st["exp_avg"].clone(),
+           "exp_avg_sq": st["exp_avg_sq"].clone(), "step": float(st["step"])}
+    (link,) = copies.links
+    held = copies._copy_at(link, own["step"])
+    shadow = None if held is None else {k: v.clone() for k, v in held.items()}
+    return own, shadow, copies.shadows, sharded.coef, copies.report()
+
+
+@pytest.mark.timeout(120)
+def test_a_buddy_updates_a_shadow_of_its_peers_slice_bitwise_as_the_peer_does():
+    """On host memory the buddy sends nothing after the first copy: the reduction leaves it its
+    peer's slice of the summed gradient and it runs the same clipped AdamW on its shadow, which
+    equals the peer's own slice bit for bit after every step (here 4, the rate changing)."""
+    from helpers import spawn
+
+    results = spawn(_shadow_worker, 2, args=(None,), timeout=100)
+    for me, peer in ((0, 1), (1, 0)):
+        own, _, _, _, _ = results[peer]
+        _, shadow, shadows, coef, report = results[me]
+        assert shadows and coef < 1.0 and report[0][2] is True
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(shadow[k], own[k]), (me, k)
+        assert float(shadow["step"][0]) == own["step"] == 4.0
+
+
+@pytest.mark.timeout(120)
+def test_a_withheld_copy_leaves_its_buddy_without_a_shadow_and_the_report_says_so():
+    """Rank 1 withholds its copies (as a rank lost before its first copy arrived): rank 0 keeps no
+    shadow of it, then or later, and reports that it holds none; rank 1's shadow of rank 0 is
+    kept as before, bit for bit."""
+    from helpers import spawn
+
+    results = spawn(_shadow_worker, 2, args=(1,), timeout=100)
+    assert results[0][1] is None and results[0][4][0][2] is False
+    own, shadow = results[0][0], results[1][1]
+    assert all(torch.equal(shadow[k], own[k]) for k in ("param", "exp_avg", "exp_avg_sq"))

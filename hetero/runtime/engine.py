@@ -212,7 +212,10 @@ class NativeEngine:
         ZeRO: then every holder's updated slices gathered (communication: counted with the sync)."""
         def step():
             params = self.sharded.params() if self.sharded else self.module
-            scaled_step(self.optimizer, params, clip_coefficient(norm, self.ctx.options.clip) / loss_scale)
+            coef = clip_coefficient(norm, self.ctx.options.clip) / loss_scale
+            if self.sharded:
+                self.sharded.coef = coef   # a shadow of a peer's slice takes the same factor
+            scaled_step(self.optimizer, params, coef)
 
         _, t_opt, seconds = timed(step, self.ctx.slowdown, waiter(self.device))
         timings.optimizer_s += seconds

@@ -103,6 +103,12 @@ class _Shard:
     grad_flat: torch.Tensor | None = None
     """tp 1, between the step's first backward and the reduce-scatter: the gradients' own storage
     (:meth:`ShardedAdamW.bind_gradient_buffers`), laid out as :attr:`flat` is."""
+    keep_source: int | None = None
+    """The place in :attr:`ranks` of a peer whose slice's summed gradient this rank keeps too (an
+    elastic run's shadow of that peer's slice, :mod:`hetero.runtime.elastic.slice_copies`): the
+    reduction then all-reduces the whole vector, as Gloo's reduce-scatter does anyway."""
+    source_grad: torch.Tensor | None = None
+    """That peer's slice of the summed gradient, a host copy, from the reduction to the update."""
 
     @property
     def own(self) -> bool:
@@ -262,12 +268,21 @@ class ShardedAdamW:
         return self._reduce_scatter(shard, flat, label)
 
     def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, label: str = ""):
-        """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice."""
+        """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice
+        (all-reduced whole where :attr:`_Shard.keep_source` asks for a peer's slice too)."""
         out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
-        pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
+        keep = shard.keep_source
+        if keep is None:
+            pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
+        else:
+            pending = self.comm.all_reduce_async(flat, shard.ranks, label)
 
         def finish(owned: dict) -> None:
             pending.wait()
+            if keep is not None:   # one summed vector, alike on every member: this rank's slice and its source's
+                out.copy_(flat[slice(*shard.span)])
+                lo = keep * shard.slice_len
+                shard.source_grad = flat[lo:lo + shard.slice_len].to("cpu", copy=True)
             shard.master.grad = out
             for copies, parts in shard.weighed(out).items():
                 owned.setdefault(copies, []).extend(parts)
@@ -338,10 +353,15 @@ class ShardedAdamW:
             if finish is not None:
                 finish()
 
+    coef: float = 1.0
+    """The factor of the last update's gradients (clipping, an fp16 unscale): a shadow of a peer's
+    slice is updated with it (:mod:`hetero.runtime.elastic.slice_copies`)."""
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for shard in self.shards:
             shard.grad_flat = None
+            shard.source_grad = None
             for p in shard.params:
                 p.grad = None
 

@@ -16,6 +16,21 @@ wait is for the bytes alone, moved while the gather, the next forward and backwa
 two buffers per peer: the copy of the step under way lands in the one not holding the last complete
 copy, so a loss during a transfer leaves the previous copy whole.
 
+Shadows instead of transfers. Where the slices live in host memory (CPU devices) the reduction can
+leave the whole summed gradient on every member: Gloo reduce-scatters by all-reducing the vector
+anyway. Then the buddy needs no transfer after the first: it keeps its source's slice as a *shadow*
+(master values, moments, step counter in its host memory) and updates it itself, in the same
+critical section as its own slice, with the same gradient, clip factor, learning rate and kernel
+(torch's fused AdamW on the CPU, element by element: bitwise the source's own update), the
+redundant computation Bamboo (NSDI'23) uses to survive preemptions. A step then costs one more
+AdamW over a slice on the host, where a transfer moved 12 bytes per element of it through a socket
+on the cores that compute (``benchmarks/results/zero_peer_copy*.json``), and the shadow is at the
+buddy's own step whenever the buddy is at a step boundary: no loss falls between a step's update and
+the arrival of its copy. The first copy (at the start, after a ``--load``, after each reshard) is
+still sent, as below; a source whose state is still fresh is shadowed from the parameters. Accelerator
+slices keep the transfers: a host update would not be bitwise the device kernel's.
+:data:`SHADOW_ENV` ``=0`` keeps the transfers everywhere.
+
 Which copy. Every member of a holder set updates its slice in the same steps (each update follows
 one global gradient norm), so a copy matches the survivors' state when its step counter equals the
 buddy's own counter for that holder set: the buddy decides alone, once its world's connections are
@@ -46,6 +61,10 @@ SLICE_KINDS = ("param", "exp_avg", "exp_avg_sq")
 COPIES_ENV = "HETERO_ZERO_SLICE_COPIES"
 """``0``: an elastic ZeRO run keeps no copies (no host memory for them, no transfers; a lost rank's
 slices then have no copy, and the run goes on from a ``--save`` checkpoint or ends)."""
+
+SHADOW_ENV = "HETERO_ZERO_SLICE_SHADOWS"
+"""``0``: the buddies receive a copy after every update instead of updating shadows of their sources'
+slices (module docstring)."""
 
 WITHHOLD_ENV = "HETERO_TEST_WITHHOLD_SLICE_COPIES"
 """Testing: ``<rank>``: that rank never sends its copies (its buddy holds none, as after a loss in
@@ -111,6 +130,9 @@ class _Link:
     """Two copies of the source's slice: kind -> host tensor, and ``step``."""
     steps: list = field(default_factory=lambda: [None, None])
     """Each buffer's step counter when it holds a complete copy, else None."""
+    shadow: torch.Tensor | None = None
+    """Shadow mode, once a first copy is complete: the source's master values as a parameter of
+    :attr:`SliceCopies.shadow_optimizer` (sharing ``buffers[0]["param"]``, whose step ``steps[0]`` is)."""
 
 
 class SliceCopies:
@@ -128,6 +150,14 @@ class SliceCopies:
                              "step": torch.zeros(1, dtype=torch.float32)} for _ in range(2)]
         self.withheld = os.environ.get(WITHHOLD_ENV)
         self._pending: _Transfers | None = None
+        self.shadows = bool(self.links) and os.environ.get(SHADOW_ENV, "1") != "0" and all(
+            link.shard.master.device.type == "cpu" and link.shard.flat is not None for link in self.links)
+        """Whether the buddies update shadows of their sources' slices (module docstring)."""
+        self.shadow_optimizer = None
+        self._first = True
+        if self.shadows:
+            for link in self.links:   # the reduction keeps the source's slice of the summed gradient
+                link.shard.keep_source = link.shard.ranks.index(link.source)
 
     def _state(self, shard) -> dict | None:
         """The AdamW state of ``shard``'s slice (None before its first update)."""
@@ -148,14 +178,23 @@ class SliceCopies:
         return out
 
     def start(self) -> None:
-        """Post this update's copies (right after it): each slice to its buddy, the source's slice into
-        the buffer that does not hold the last complete copy."""
+        """Right after an update (and once when made): post this update's copies, each slice to its
+        buddy, the source's slice into the buffer that does not hold the last complete copy. In shadow
+        mode only the first call sends (the state there is then: loaded, rebuilt, or fresh, for
+        which the parameters serve and nothing is sent); later calls update the shadows instead
+        (:meth:`_shadow_step`). Both ends of a link count the calls alike, so they agree."""
         self.wait()
+        first, self._first = self._first, False
+        if self.shadows and not first:
+            self._shadow_step()
+            return
         send_tags, recv_tags = self._tags()
         works = []   # receives first: the thread that waits for them records them before any send's end
         for link in self.links:
             st = self._state(link.shard)
             if st is None:   # no update yet: every member alike, nothing to copy
+                if self.shadows:
+                    self._begin_shadow(link)
                 continue
             b = 0 if link.steps[0] is None else (1 if link.steps[1] is None else int(link.steps[1] < link.steps[0]))
             link.steps[b] = None   # until the whole copy has arrived
@@ -174,6 +213,73 @@ class SliceCopies:
                 works.append((dist.isend(t, link.buddy, group=self.group, tag=send_tags[link.key] + i), None, None))
         if works:
             self._pending = _Transfers(works)
+        elif self.shadows:
+            self._open_shadows()
+
+    def _shadow_step(self) -> None:
+        """Shadow mode: update every shadow with its source's slice of the summed gradient (kept by the
+        reduction) as the source updates it: the update that just ran, at the main optimizer's rate
+        and :attr:`~hetero.runtime.zero.ShardedAdamW.coef`, with the same kernel."""
+        from hetero.runtime.grads import scaled_step
+
+        updated = [link for link in self.links if link.shadow is not None and link.shard.source_grad is not None]
+        for link in self.links:
+            if link.shadow is None:
+                link.shard.source_grad = None
+        if not updated or self.shadow_optimizer is None:
+            return
+        for link in updated:
+            link.shadow.grad, link.shard.source_grad = link.shard.source_grad, None
+        for group in self.shadow_optimizer.param_groups:
+            group["lr"] = self.sharded.optimizer.param_groups[0]["lr"]
+        scaled_step(self.shadow_optimizer, [link.shadow for link in updated], self.sharded.coef)
+        for link in updated:
+            link.shadow.grad = None
+            st = self.shadow_optimizer.state[link.shadow]
+            b = link.buffers[0]
+            b["exp_avg"], b["exp_avg_sq"], b["step"] = st["exp_avg"], st["exp_avg_sq"], st["step"].reshape(1)
+            link.steps[0], link.steps[1] = float(st["step"]), None
+
+    def _begin_shadow(self, link: _Link) -> None:
+        """Make ``link``'s shadow from its complete copy at this rank's own step, or from the
+        parameters before any update; none when there is neither (a copy withheld or cut off)."""
+        if link.shadow is not None or self.withheld == str(link.source):
+            return
+        st = self._state(link.shard)
+        if st is None:   # no update yet: the source's part of the parameters (tp 1: whole here), fresh moments
+            lo = link.shard.ranks.index(link.source) * link.shard.slice_len
+            link.buffers[0]["param"].copy_(link.shard.flat[lo:lo + link.shard.slice_len].detach())
+            link.buffers[0]["step"].zero_()
+            link.steps[0], link.steps[1] = 0.0, None
+        else:
+            step = float(torch.as_tensor(st["step"]))
+            b = next((b for b in (0, 1) if link.steps[b] == step), None)
+            if b is None:
+                return
+            if b == 1:
+                link.buffers[0], link.buffers[1] = link.buffers[1], link.buffers[0]
+            link.steps[0], link.steps[1] = step, None
+        link.shadow = torch.nn.Parameter(link.buffers[0]["param"])
+
+    def _open_shadows(self) -> None:
+        """Once the first copies are in: the shadows of every link that has its copy, and their AdamW
+        (the runtime's, as the sources': fused on the CPU), holding the copied moments."""
+        from hetero.runtime.grads import make_optimizer
+
+        if self.shadow_optimizer is not None:
+            return
+        for link in self.links:
+            self._begin_shadow(link)
+        shadowed = [link for link in self.links if link.shadow is not None]
+        if not shadowed:
+            return
+        main = self.sharded.optimizer.defaults
+        self.shadow_optimizer = make_optimizer([link.shadow for link in shadowed], main["lr"], main["weight_decay"])
+        for link in shadowed:
+            if link.steps[0] > 0:   # copied moments; before any update AdamW makes them as the source does
+                b = link.buffers[0]
+                self.shadow_optimizer.state[link.shadow] = {
+                    "step": b["step"].reshape(()).clone(), "exp_avg": b["exp_avg"], "exp_avg_sq": b["exp_avg_sq"]}
 
     def wait(self) -> None:
         """Complete the copies under way (right before the next update, and when the run ends or
@@ -185,6 +291,8 @@ class SliceCopies:
             while not pending.done.wait(0.05):
                 pass
             pending.record()
+            if self.shadows:
+                self._open_shadows()
             if pending.error is not None:
                 raise pending.error
 
