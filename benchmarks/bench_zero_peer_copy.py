@@ -1,9 +1,12 @@
 """What keeping a copy of every ZeRO slice in a peer's host memory costs a training step.
 
-An elastic ZeRO run copies each rank's optimizer slices (fp32 masters, both AdamW moments, the step)
-to the next rank of the holder set after every update, posted without blocking and waited for right
-before the next update (hetero.runtime.elastic.slice_copies), so that a lost rank's slices can be
-rebuilt in-process. This measures that on a step.
+An elastic ZeRO run keeps each rank's optimizer slices (fp32 masters, both AdamW moments, the step)
+on the next rank of the holder set too, so that a lost rank's slices can be rebuilt in-process
+(hetero.runtime.elastic.slice_copies). On host memory the buddy, after one first copy, updates a
+shadow of its source's slice itself from the summed gradient the reduction leaves it (one more
+AdamW over a slice a step); with ``--transfers`` (``HETERO_ZERO_SLICE_SHADOWS=0``) it receives a
+copy after every update instead, posted without blocking and waited for right before the next
+update. This measures either on a step.
 
 Method. The real launcher (``hetero launch --elastic``), a ZeRO-1 plan of two data-parallel ranks
 (one stage each; ``--batch`` sequences a step, default 16: 8 micro-batches of one 64-token
@@ -17,7 +20,7 @@ over the rounds; per round, the ratio on / off of its two launches, and the medi
 (the overhead); and whether both modes' losses were bitwise equal (the copies must change nothing).
 Default: 3 rounds of 8 steps, under 2 minutes on an idle 2-core machine.
 
-What the copy costs is host work: on each rank Gloo writes 101 MB into a loopback socket and reads as
+What a transfer costs is host work: on each rank Gloo writes 101 MB into a loopback socket and reads as
 much out of one, per step, on the cores that also compute here (emulated devices are CPU processes),
 while its wait before the update is under a millisecond. The work is per step and per parameter,
 the compute per token: the overhead falls as the tokens a rank trains on per step grow (``--batch``).
@@ -58,10 +61,11 @@ def model(layers: int, hidden: int) -> dict:
             "tie_embeddings": True}
 
 
-def launch(tmp: Path, name: str, steps: int, copies: bool) -> dict:
+def launch(tmp: Path, name: str, steps: int, copies: bool, transfers: bool = False) -> dict:
     """One launch; returns its summary."""
     out = tmp / f"{name}.json"
-    env = {**os.environ, "HETERO_ZERO_SLICE_COPIES": "1" if copies else "0"}
+    env = {**os.environ, "HETERO_ZERO_SLICE_COPIES": "1" if copies else "0",
+           "HETERO_ZERO_SLICE_SHADOWS": "0" if transfers else "1"}
     cmd = [sys.executable, "-m", "hetero", "launch", "--cluster", str(CLUSTER), "--model", str(tmp / "model.yaml"),
            "--plan", str(tmp / "plan.yaml"), "--steps", str(steps), "--seed", "0", "--elastic", "--quiet",
            "--run-dir", str(tmp / f"run-{name}"), "--summary", str(out)]
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16, help="sequences of 64 tokens a step, half on each rank")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/zero_peer_copy.json"))
+    ap.add_argument("--transfers", action="store_true",
+                    help="a copy sent after every update instead of the buddies' shadows (HETERO_ZERO_SLICE_SHADOWS=0)")
     args = ap.parse_args(argv)
     if args.steps <= SKIP + 2:
         raise SystemExit(f"--steps must be above {SKIP + 2}")
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             got = {}
             for copies in ((True, False) if r % 2 == 0 else (False, True)):
-                s = launch(tmp, f"r{r}-{'on' if copies else 'off'}", args.steps, copies)
+                s = launch(tmp, f"r{r}-{'on' if copies else 'off'}", args.steps, copies, args.transfers)
                 got[copies] = {"step_s": statistics.median(s["iteration_times_s"][SKIP:]), "losses": s["losses"]}
             rounds.append({"on_s": got[True]["step_s"], "off_s": got[False]["step_s"],
                            "ratio": got[True]["step_s"] / got[False]["step_s"],
@@ -105,7 +111,10 @@ def main(argv=None) -> int:
         "benchmark": "bench_zero_peer_copy", "method": " ".join(__doc__.split("Method.")[1].split()),
         "model": m, "parameters": params, "plan": plan(args.layers, args.batch), "cluster": str(CLUSTER.relative_to(ROOT)),
         "steps": args.steps, "skipped_steps": SKIP, "rounds": rounds,
-        "copied_bytes_per_rank_and_step": slice_elems * 12, "copy_host_bytes_per_rank": 2 * (slice_elems * 12 + 4),
+        "mode": "transfers" if args.transfers else "shadows",
+        "copied_bytes_per_rank_and_step": slice_elems * 12 if args.transfers else 0,
+        "first_copy_bytes_per_rank": slice_elems * 12,
+        "copy_host_bytes_per_rank": (2 if args.transfers else 1) * (slice_elems * 12 + 4),
         "median_step_with_copies_s": statistics.median(r["on_s"] for r in rounds),
         "median_step_without_copies_s": statistics.median(r["off_s"] for r in rounds),
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
@@ -115,12 +124,13 @@ def main(argv=None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{m['name']} ({params / 1e6:.1f}M parameters), ZeRO-1 dp2, {args.batch * 32} tokens per rank and step, "
+    print(f"{m['name']} ({params / 1e6:.1f}M parameters), ZeRO-1 dp2, {result['mode']}, "
+          f"{args.batch * 32} tokens per rank and step, "
           f"{args.steps} steps x {args.rounds} rounds: "
           f"median step {result['median_step_with_copies_s']:.3f} s with the copies, "
           f"{result['median_step_without_copies_s']:.3f} s without; overhead (median of the rounds' ratios) "
           f"{(result['median_ratio'] - 1) * 100:+.1f}%; {result['copied_bytes_per_rank_and_step'] / 1e6:.0f} MB copied "
-          f"per rank and step, {result['copy_host_bytes_per_rank'] / 1e6:.0f} MB of host memory kept per rank; "
+          f"per rank and step after the first {result['first_copy_bytes_per_rank'] / 1e6:.0f} MB, {result['copy_host_bytes_per_rank'] / 1e6:.0f} MB of host memory kept per rank; "
           f"losses equal: {result['losses_equal']}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}; "
           f"{result['wall_s']:.0f} s -> {args.out}")
     return 0

@@ -108,7 +108,8 @@ class _Shard:
     elastic run's shadow of that peer's slice, :mod:`hetero.runtime.elastic.slice_copies`): the
     reduction then all-reduces the whole vector, as Gloo's reduce-scatter does anyway."""
     source_grad: torch.Tensor | None = None
-    """That peer's slice of the summed gradient, a host copy, from the reduction to the update."""
+    """That peer's slice of the summed gradient (a view of the reduced vector, host memory), from the
+    reduction to the update."""
 
     @property
     def own(self) -> bool:
@@ -270,19 +271,22 @@ class ShardedAdamW:
     def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, label: str = ""):
         """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice
         (all-reduced whole where :attr:`_Shard.keep_source` asks for a peer's slice too)."""
-        out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
-        keep = shard.keep_source
+        keep, out = shard.keep_source, None
         if keep is None:
+            out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
             pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
         else:
             pending = self.comm.all_reduce_async(flat, shard.ranks, label)
 
         def finish(owned: dict) -> None:
+            nonlocal out
             pending.wait()
-            if keep is not None:   # one summed vector, alike on every member: this rank's slice and its source's
-                out.copy_(flat[slice(*shard.span)])
+            if keep is not None:   # one summed vector, alike on every member: this rank's slice and its
+                # source's, views of it until the update (the whole gradient was held through the
+                # backward, whose peak this does not raise)
+                out = flat[slice(*shard.span)]
                 lo = keep * shard.slice_len
-                shard.source_grad = flat[lo:lo + shard.slice_len].to("cpu", copy=True)
+                shard.source_grad = flat[lo:lo + shard.slice_len]
             shard.master.grad = out
             for copies, parts in shard.weighed(out).items():
                 owned.setdefault(copies, []).extend(parts)

@@ -273,6 +273,8 @@ class SliceCopies:
         shadowed = [link for link in self.links if link.shadow is not None]
         if not shadowed:
             return
+        for link in shadowed:   # the buffer a next copy would land in is not needed again
+            link.buffers[1] = None
         main = self.sharded.optimizer.defaults
         self.shadow_optimizer = make_optimizer([link.shadow for link in shadowed], main["lr"], main["weight_decay"])
         for link in shadowed:
