@@ -112,8 +112,9 @@ def uncovered(checkins: dict[int, dict], lost) -> str | None:
             source = ranks[ranks.index(r) - 1]
             if source in lost and not held:
                 return (f"rank {r} holds no copy of lost rank {source}'s optimizer slices as of step {step} (rank "
-                        f"{source} was lost after that step's gradient norm and before its copy of the step's update "
-                        f"arrived)")
+                        f"{source} was lost before its first copy since the run started, resumed or resharded arrived, "
+                        f"or, where a copy follows every update, after that step's gradient norm and before the "
+                        f"copy of its update arrived)")
     return None
 
 
