@@ -54,16 +54,16 @@ def run(args) -> int:
 
     from ._common import check_output, console, write_output
 
-    try:
-        import torch
-    except ImportError:
-        raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
     if args.threads is not None and args.threads < 1:
         raise HeteroError(f"--threads: must be >= 1, got {args.threads}")
     requested = requested_type(args)
     if args.output is not None:  # before minutes of measuring, not after ("" too: an error)
         check_output(args.output, "-o")
         check_output(P.meta_path(args.output), "-o (its .meta.json)")
+    try:   # after the checks that need no torch: a misspelt name is said at once, not 1.5 s later
+        import torch
+    except ImportError:
+        raise HeteroError("hetero profile needs PyTorch: pip install torch") from None
     try:
         name, torch_device = ((args.device, "cpu") if requested is not None and requested.family == "cpu"
                               else M.detect_device(args.device))
