@@ -89,7 +89,13 @@ def scaled_device(device, compute: float = 1.0, bandwidth: float = 1.0):
                                memory_bandwidth=device.memory_bandwidth * bandwidth)
 
 
-def _solve_scale(predict, measured: np.ndarray, lo: float = 1 / 64, hi: float = 8.0, steps: int = 40) -> float:
+SCALE_BOUNDS = (1 / 64, 8.0)
+"""Where a probe scale is searched. A scale found at a bound is not pinned by its probes (they take
+about as long whatever the peak: launch-bound shapes), so the compute scale is then left at 1."""
+
+
+def _solve_scale(predict, measured: np.ndarray, lo: float = SCALE_BOUNDS[0], hi: float = SCALE_BOUNDS[1],
+                 steps: int = 40) -> float:
     """The scale s in [lo, hi] where median(log(predict(s) / measured)) = 0 (bisection in log s;
     predictions fall as s grows). Clamped to the interval when no root lies inside it."""
     def err(s):
@@ -136,7 +142,7 @@ def calibrate(model: OpModel, device, records, dtype: str = "fp32") -> DeviceCal
         if g is not None:
             scale = _solve_scale(lambda s, gemm=gemm: probed(sm, {gemm: s}).predict_records(g),
                                  g.latency_ms * 1e-3)
-            if 1 / 64 < scale < 8.0:
+            if SCALE_BOUNDS[0] < scale < SCALE_BOUNDS[1]:
                 sc[gemm] = scale
     return DeviceCalibration(floors, sm, sc, len(rows))
 
