@@ -95,7 +95,7 @@ def run(args) -> int:
     probes = M.default_block_probes(quick=args.quick) if (torch_device == "cpu" and not args.no_blocks) else []
     moe_probes = M.default_moe_probes(quick=args.quick) if probes else []
     # generation's host floor (hetero rl's rollout on a CPU); a --quick smoke test leaves it out
-    decode_cases = len(DF.PROFILE_CASES["layers"]) * len(DF.PROFILE_CASES["rows"]) * 2 if probes and not args.quick else 0
+    decode_cases = DF.profile_case_count() if probes and not args.quick else 0
     total = len(grid) * len(dtypes) + len(probes) + len(moe_probes) + decode_cases
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")

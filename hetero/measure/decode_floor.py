@@ -19,8 +19,14 @@ from __future__ import annotations
 import statistics
 import time
 
+ARCHITECTURES = ("gpt", "llama")
 PROFILE_CASES = {"layers": (1, 4), "rows": (1, 8)}
 """What ``hetero profile`` measures (with both architectures: 8 cases, about 2 seconds)."""
+
+
+def profile_case_count() -> int:
+    """How many cases :func:`measure_decode_dispatch` times (one progress step each)."""
+    return len(ARCHITECTURES) * len(PROFILE_CASES["layers"]) * len(PROFILE_CASES["rows"])
 
 
 def floor_model_dict(arch: str, layers: int) -> dict:
@@ -56,7 +62,7 @@ def measure_cases(layer_counts, row_counts, repeats: int = 3, new: int = 16, pro
     tok = load_text_tokenizer("bytes", 256, "tokenizer")
     prompt = tok.encode("19+7=", special=True)
     rows = []
-    for arch in ("gpt", "llama"):
+    for arch in ARCHITECTURES:
         for layers in layer_counts:
             model = load_whole_model(load_model(floor_model_dict(arch, layers)), None)
             for b in row_counts:
@@ -106,4 +112,4 @@ def measure_decode_dispatch(progress=None) -> dict:
     return dispatch_table(measure_cases(PROFILE_CASES["layers"], PROFILE_CASES["rows"], progress=progress))
 
 
-__all__ = ["PROFILE_CASES", "dispatch_table", "fit", "floor_model_dict", "measure_cases", "measure_decode_dispatch"]
+__all__ = ["ARCHITECTURES", "PROFILE_CASES", "profile_case_count", "dispatch_table", "fit", "floor_model_dict", "measure_cases", "measure_decode_dispatch"]

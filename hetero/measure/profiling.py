@@ -289,17 +289,19 @@ def default_block_probes(quick: bool = False) -> list[dict]:
              "vocab_size": 1024 if quick else 4096} for arch in ("gpt", "llama") for h, heads, b, s in shapes]
 
 
-def _time_stage(torch, module, tokens, targets, loss_fn, reps: int) -> tuple[float, float]:
-    """Median forward (to the loss) and backward of ``module`` over ``reps`` timed rounds. The median,
-    not the fastest round as for single operators: a block is what a training step repeats, and the
-    run's report compares the prediction with its median step (the fastest round made small models
-    predict too fast: docs/benchmarks.md gives the figures)."""
+def _median_rounds(forward: Callable[[], object], reps: int,
+                   backward: Callable[[object], object] = lambda out: out.backward()) -> tuple[float, float]:
+    """Median seconds of ``forward()`` and of ``backward`` of what it returns, over ``reps`` timed
+    rounds after two warm-up rounds (allocations, kernel selection). The median, not the fastest
+    round as for single operators: a block is what a training step repeats, and the run's report
+    compares the prediction with its median step (the fastest round made small models predict too
+    fast: docs/benchmarks.md gives the figures)."""
     fwd, bwd = [], []
-    for i in range(reps + 2):   # two warm-up rounds (allocations, kernel selection)
+    for i in range(reps + 2):
         t0 = time.perf_counter()
-        loss = loss_fn(module(tokens), targets)
+        out = forward()
         t1 = time.perf_counter()
-        loss.backward()
+        backward(out)
         t2 = time.perf_counter()
         if i >= 2:
             fwd.append(t1 - t0)
@@ -332,9 +334,9 @@ def measure_blocks(probes: list[dict], quick: bool = False,
         full = build_stage(spec, (0, L), True, True, 0)
         big = sum(p.numel() for p in full.parameters()) * L > 5e7
         reps = 3 if (quick or big) else 7
-        ff, fb = _time_stage(torch, full, tokens, targets, loss_fn, reps)
+        ff, fb = _median_rounds(lambda m=full: loss_fn(m(tokens), targets), reps)
         edges = build_stage(spec, (L, L), True, True, 0)
-        ef, eb = _time_stage(torch, edges, tokens, targets, loss_fn, reps)
+        ef, eb = _median_rounds(lambda m=edges: loss_fn(m(tokens), targets), reps)
         opt = make_optimizer(full.parameters(), 1e-3, 0.0)
         grads = [p.grad for p in full.parameters() if p.grad is not None]
         steps, norms = [], []
@@ -390,17 +392,8 @@ def measure_moe_blocks(probes: list[dict], quick: bool = False,
         rows, h = int(probe["micro_batch_size"]) * int(probe["seq_length"]), spec.hidden_size
         x = torch.randn(1, rows, h, requires_grad=True)
         grad = torch.randn(1, rows, h)
-        fwd, bwd = [], []
-        for i in range((3 if quick else 7) + 2):
-            t0 = time.perf_counter()
-            y = layer(x)
-            t1 = time.perf_counter()
-            y.backward(grad)
-            t2 = time.perf_counter()
-            if i >= 2:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
-        out.append({**probe, "forward_ms": statistics.median(fwd) * 1e3, "backward_ms": statistics.median(bwd) * 1e3})
+        f, b = _median_rounds(lambda m=layer: m(x), 3 if quick else 7, lambda y: y.backward(grad))
+        out.append({**probe, "forward_ms": f * 1e3, "backward_ms": b * 1e3})
         del layer
         if progress:
             progress(f"moe {probe['architecture']} h={h} rows={rows} experts={probe['num_experts']}")

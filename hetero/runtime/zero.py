@@ -271,22 +271,20 @@ class ShardedAdamW:
     def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, label: str = ""):
         """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice
         (all-reduced whole where :attr:`_Shard.keep_source` asks for a peer's slice too)."""
-        keep, out = shard.keep_source, None
+        keep = shard.keep_source
         if keep is None:
             out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
             pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
-        else:
+        else:   # one summed vector, alike on every member: this rank's slice and its source's are views
+            # of it until the update (the whole gradient was held through the backward, whose peak
+            # this does not raise)
+            out = flat[slice(*shard.span)]
             pending = self.comm.all_reduce_async(flat, shard.ranks, label)
 
         def finish(owned: dict) -> None:
-            nonlocal out
             pending.wait()
-            if keep is not None:   # one summed vector, alike on every member: this rank's slice and its
-                # source's, views of it until the update (the whole gradient was held through the
-                # backward, whose peak this does not raise)
-                out = flat[slice(*shard.span)]
-                lo = keep * shard.slice_len
-                shard.source_grad = flat[lo:lo + shard.slice_len]
+            if keep is not None:
+                shard.source_grad = flat[keep * shard.slice_len:(keep + 1) * shard.slice_len]
             shard.master.grad = out
             for copies, parts in shard.weighed(out).items():
                 owned.setdefault(copies, []).extend(parts)

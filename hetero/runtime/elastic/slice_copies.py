@@ -194,8 +194,6 @@ class SliceCopies:
         for link in self.links:
             st = self._state(link.shard)
             if st is None:   # no update yet: every member alike, nothing to copy
-                if self.shadows:
-                    self._begin_shadow(link)
                 continue
             b = 0 if link.steps[0] is None else (1 if link.steps[1] is None else int(link.steps[1] < link.steps[0]))
             link.steps[b] = None   # until the whole copy has arrived
@@ -247,9 +245,8 @@ class SliceCopies:
         if link.shadow is not None or self.withheld == str(link.source):
             return
         st = self._state(link.shard)
-        if st is None:   # no update yet: the source's part of the parameters (tp 1: whole here), fresh moments
-            lo = link.shard.ranks.index(link.source) * link.shard.slice_len
-            link.buffers[0]["param"].copy_(link.shard.flat[lo:lo + link.shard.slice_len].detach())
+        if st is None:   # no update yet: the source's part of the parameters, fresh moments
+            link.buffers[0]["param"].copy_(_part_of_parameters(link.shard, link.shard.ranks.index(link.source)))
             link.buffers[0]["step"].zero_()
             link.steps[0], link.steps[1] = 0.0, None
         else:
@@ -335,16 +332,22 @@ class SliceCopies:
                 own.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
             return {k: v.detach().to("cpu") for k, v in own.items()}
         if st is None:   # before any update every member's parameters are whole and alike
-            from hetero.runtime.zero import ShardedAdamW
-
-            whole = shard.flat if shard.flat is not None else ShardedAdamW._flat_params(shard)
-            lo = index * shard.slice_len
-            return {"param": whole[lo:lo + shard.slice_len].detach().to("cpu")}
+            return {"param": _part_of_parameters(shard, index).to("cpu")}
         link = next(lk for lk in self.links if lk.key == shard_key(shard))
         copy = self._copy_at(link, torch.as_tensor(st["step"]).item())
         if copy is None:
             raise RuntimeError(f"no copy of rank {shard.ranks[index]}'s slices at this step (the launcher checks)")
         return copy
+
+
+def _part_of_parameters(shard, index: int) -> torch.Tensor:
+    """Slice ``index`` of ``shard``'s parameters end to end: what every member holds of it before any
+    update (tp > 1: a gather inside the tp group, which its members call together)."""
+    from hetero.runtime.zero import ShardedAdamW
+
+    whole = shard.flat if shard.flat is not None else ShardedAdamW._flat_params(shard)
+    lo = index * shard.slice_len
+    return whole[lo:lo + shard.slice_len].detach()
 
 
 class _Transfers:
