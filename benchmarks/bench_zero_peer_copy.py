@@ -18,7 +18,8 @@ launch: the median of the summary's ``iteration_times_s`` over the steps after t
 first makes the moments; the second is the first to wait for a copy). Reported: per mode, the median
 over the rounds; per round, the ratio on / off of its two launches, and the median of those ratios
 (the overhead); and whether both modes' losses were bitwise equal (the copies must change nothing).
-Default: 3 rounds of 8 steps, under 2 minutes on an idle 2-core machine.
+Default: 3 rounds of 8 steps, under 2 minutes on an idle 2-core machine. Exits 1 when the overhead
+is above 5% or the losses differ.
 
 What a transfer costs is host work: on each rank Gloo writes 101 MB into a loopback socket and reads as
 much out of one, per step, on the cores that also compute here (emulated devices are CPU processes),
@@ -50,6 +51,10 @@ def plan(layers: int, batch: int) -> dict:
             "zero_stage": 1, "pipelines": [{"replicas": 2, "micro_batches": batch // 2,
                                             "stages": [{"group": "fast", "layers": [0, layers]}]}]}
 
+
+TARGET = 0.05
+"""The issue's bound on the overhead (median of the rounds' ratios - 1): the script exits 1 above it,
+or when the two modes' losses differ."""
 
 SKIP = 2
 """Steps left out of each launch's median: the first makes the moments, the second waits for the first copy."""
@@ -133,6 +138,10 @@ def main(argv=None) -> int:
           f"per rank and step after the first {result['first_copy_bytes_per_rank'] / 1e6:.0f} MB, {result['copy_host_bytes_per_rank'] / 1e6:.0f} MB of host memory kept per rank; "
           f"losses equal: {result['losses_equal']}; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}; "
           f"{result['wall_s']:.0f} s -> {args.out}")
+    if result["median_ratio"] - 1 > TARGET or not result["losses_equal"]:
+        print(f"MISS: overhead {(result['median_ratio'] - 1) * 100:+.1f}% (target <= {TARGET:.0%}), "
+              f"losses equal: {result['losses_equal']}")
+        return 1
     return 0
 
 

@@ -92,7 +92,7 @@ def kernel_cost(opm, o, dtype: str, device) -> tuple[float, float]:
     reach device memory, would charge that operand too: on an accelerator its device share is
     scaled by the roofline at ``o.nbytes`` over the roofline at the whole traffic. The scale is 1
     where the GEMM is compute-bound either way; it matters where bandwidth is scarce beside
-    compute (bf16 tensor cores: an H100's 295 FLOP per byte against an H20's 37). A CPU's profile
+    compute (bf16 tensor cores; docs/predictor.md). A CPU's profile
     model is left as it is: its block probes measure the runtime's own attention kernel."""
     op, dims = o.op, o.dims_dict()
     t, host = op_cost(opm, op, dims, o.dtype or dtype, device)   # the whole traffic

@@ -152,9 +152,9 @@ def test_a_scale_the_probes_cannot_pin_stays_at_the_datasheet(truth, v100):
 
 
 def test_the_h100_fp16_cubes_pin_no_gemm_scale():
-    """On the H100 profile in benchmarks/data/h100, the fp16 linear and bmm cubes took about as long
-    as a launch: before, their scales ran to 8x the datasheet peak and profiled bf16 steps were
-    predicted 21% too short on average."""
+    """On the H100 profile in benchmarks/data/h100, the fp16 linear and bmm cubes take about as long
+    as a launch: their scales would run to the search's bound, so none is pinned (the fp32 linear
+    cubes do pin theirs)."""
     from hetero.predictor.profiles import read_records
 
     path = os.path.join(REPO, "benchmarks", "data", "h100", "profile.csv")

@@ -60,7 +60,7 @@ def run(args) -> int:
     if args.output is not None:  # before minutes of measuring, not after ("" too: an error)
         check_output(args.output, "-o")
         check_output(P.meta_path(args.output), "-o (its .meta.json)")
-    try:   # after the checks that need no torch: a misspelt name is said at once, not 1.5 s later
+    try:   # after the checks that need no torch: a misspelt name is said before torch loads
         import torch
     except ImportError:
         raise HeteroError("hetero profile needs PyTorch: pip install torch") from None

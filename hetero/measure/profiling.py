@@ -277,8 +277,7 @@ def default_block_probes(quick: bool = False) -> list[dict]:
     64..1024 (head dim 64; 16 at hidden 64, the shipped tiny models' shape), rows (micro-batch x
     sequence) 32..1024, a stack of 4 blocks (so the weights stream through the caches as in a real
     stage) and the embedding / head edges. The hidden-64 probes are there because a block's fixed
-    dispatch, fitted over the probes, is no guide below the smallest one (a tiny model's layer was
-    predicted at 1.7x its measured time from the hidden-128 probe)."""
+    dispatch, fitted over the probes, is no guide below the smallest one (docs/predictor.md)."""
     if quick:
         shapes = ((128, 2, 1, 64),)
     else:
