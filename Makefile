@@ -9,6 +9,9 @@ PIP := $(PY) -m pip
 # A CPU build of torch is used when available; any torch >= 2.5 works.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,mpi,deepspeed,plot,moo,hf
+# The suite runs in this many pytest-xdist processes: two keep a 2-core machine busy while a
+# test waits on the ranks or launchers it started (docs/testing.md).
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast clean
 
@@ -32,11 +35,11 @@ demo: setup
 	bash scripts/demo.sh $(PY)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 # The edit-test loop: every test not marked `slow` (multi-process launches and other long tests).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -63,7 +63,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "moo": ["pymoo>=0.6", "numba"],
         "hf": ["safetensors>=0.4", "tokenizers>=0.15"],
-        "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.40", "ruff>=0.4"],
+        "dev": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "transformers>=4.40", "ruff>=0.4"],
         # benchmarks/bench_rl.py's comparison with TRL's GRPOTrainer (CPU torch is kept: trl needs no CUDA)
         "rl-bench": ["trl>=1.16,<2", "transformers>=4.56"],
     },

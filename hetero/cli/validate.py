@@ -121,7 +121,7 @@ def run(args) -> int:
 
     def verdict(ok: bool, subject: str, detail: str, problems) -> None:
         status = "[green]ok[/green]   " if ok else "[red]error[/red]"
-        out.print(f"{status} {escape(subject)}{escape(detail)}")
+        out.print(f"{status} {escape(subject)}{escape(detail)}", soft_wrap=True)   # one line per verdict, for grep
         new = [p for p in dict.fromkeys(map(str, problems)) if p not in told]
         told.update(new)
         print_problems(new)   # at most MAX_PROBLEMS, then how many more

@@ -231,6 +231,17 @@ def _holder_param(module, buffer: str) -> str:
     return next(name for name, _ in module.named_parameters() if name.startswith(prefix))
 
 
+def check_layer_count(path: str, num_layers: int) -> None:
+    """Fail when the native checkpoint at ``path`` holds another number of transformer layers than
+    the model. Every rank runs it before it meets the others: a rank that failed this check only
+    after the process groups were up would leave its peers with a lost connection to report in its
+    place, where now each says the same. Not a native checkpoint (a DeepSpeed or Hugging Face
+    folder, none yet): nothing to check here."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return
+    check_same_model(path, SafeReader(path).read_metadata().state_dict_metadata, {}, num_layers)
+
+
 def check_same_model(path: str, saved: dict, shapes: dict, num_layers: int | None) -> None:
     """Fail with the differences when the checkpoint at ``path`` was written for another model."""
     problems = []

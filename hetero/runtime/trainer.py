@@ -79,6 +79,10 @@ class Trainer:
         opts = ctx.options
         torch.manual_seed(opts.seed)
         torch.set_num_threads(max(1, opts.threads))
+        if opts.load and opts.engine != "deepspeed":   # before meeting the other ranks (see there)
+            from hetero.runtime.checkpoint import check_layer_count
+
+            check_layer_count(opts.load, ctx.model.num_layers)
         self.allocator = _install_allocator(opts.allocator, ctx.device)
         """The planned allocator (``--allocator planned``), installed before anything is allocated on
         the rank's device; None with the default allocator."""
