@@ -31,3 +31,18 @@ def test_no_pytest_mark_sits_on_a_helper():
 def test_the_scan_sees_a_mark_on_a_helper_class():
     src = "import pytest\n@pytest.mark.slow\nclass _Helper:\n    pass\n@pytest.mark.slow\ndef test_x():\n    pass\n"
     assert _misplaced_marks(src) == ["_Helper:3"]
+
+
+def test_make_test_runs_the_suite_in_two_processes_that_the_setup_installs():
+    """The 15-minute budget on 2 cores holds with two pytest-xdist processes (docs/testing.md: 564 s
+    against 900 s in one); dropping ``-n`` from the Makefile, or pytest-xdist from the extras the
+    setup installs, would put the suite back over it."""
+    import re
+
+    make = (TESTS.parent / "Makefile").read_text()
+    test_recipe = make.split("\ntest: setup\n", 1)[1].split("\n\n", 1)[0]
+    assert "-n $(TEST_WORKERS)" in test_recipe, test_recipe
+    assert re.search(r"^TEST_WORKERS \?= 2$", make, re.M)
+    assert "dev" in re.search(r"^EXTRAS \?= (.*)$", make, re.M).group(1).split(",")
+    setup = (TESTS.parent / "setup.py").read_text()
+    assert re.search(r'"dev": \[[^\]]*"pytest-xdist', setup)
