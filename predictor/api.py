@@ -18,7 +18,10 @@ a pipeline; the replicas of a pipeline run alike):
 3. the all-reduce of the squared gradient norm over every rank: no optimizer starts before the
    last device has synced;
 4. the optimizer step (memory-bound Adam), all devices from that moment, the slowest last;
-5. the calibration's per-iteration overhead (largest over the groups used).
+5. the calibration's per-iteration overhead (largest over the groups used); on a cluster emulated
+   by CPU processes of this machine, also the step's two world all-reduces of a few numbers (the
+   gradient norm's and the step's results) at the small all-reduce's cost the profile measured
+   (:mod:`hetero.measure.loopback`), which also floors every point-to-point hand-over.
 
 Iteration time = (end of the last device's sync) + (slowest optimizer step) + overhead; the trace of
 ``timeline=True`` is drawn from the same numbers and ends at the iteration time.
@@ -393,6 +396,10 @@ def predict(cluster, model, plan, calibration=None, *, cost_model: StageCostMode
         sp.dp_sync_exposed_s = ends[i] - ready[i] + gather_exposed[i]
     groups_used = {s.group for p in plan.pipelines for s in p.stages}
     overhead = max((cm.factors(g).iteration_overhead_s for g in groups_used), default=0.0)
+    if cm.loopback and sum(plan.devices_by_group().values()) > 1:
+        # a CPU-emulated cluster: the step's two world all-reduces of a few numbers (the gradient
+        # norm's, then the results every rank reports) cost at least what the profile measured
+        overhead += 2 * cm.loopback["allreduce_s"]
     it = synced + moe_sync + opt_max + overhead
     samples = plan.global_batch_size
     tokens = samples * model.seq_length

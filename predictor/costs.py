@@ -130,6 +130,24 @@ class StageCostModel:
         self._cache: dict = {}
         self._dp_cache: dict = {}
         self._params_per_layer = model.params_per_layer()
+        self.loopback = self._loopback_floors()
+        """The runtime's measured small-message costs (``{"p2p_s", "allreduce_s"}``) when every
+        device is a CPU process of this machine whose profile measured them, else None: no message
+        between two ranks of such a cluster costs less (:mod:`hetero.measure.loopback`)."""
+
+    def _loopback_floors(self) -> dict | None:
+        local = ("localhost", "::1")
+        for name, g in self._groups.items():
+            hosts = g.hosts or (["localhost"] if g.nodes == 1 else [])
+            if self._dev[name].family != "cpu" or not hosts or \
+                    not all(h in local or h.startswith("127.") for h in hosts):
+                return None
+        # the profile's own model (an emulated slower device wraps it: ``source_model``)
+        floors = [getattr(getattr(self._opm[name], "source_model", self._opm[name]), "loopback", None)
+                  for name in self._groups]
+        if not floors or any(f is None for f in floors):
+            return None
+        return {k: max(f[k] for f in floors) for k in ("p2p_s", "allreduce_s")}
 
     def sources_changed(self) -> bool:
         """Whether a device's operator-time source changed since this model was built (a profile
@@ -440,6 +458,8 @@ class StageCostModel:
                 link = self.cluster.network.cross_group
                 hit = comm.p2p(nbytes, link.bandwidth, link.latency, self._staged(group_a, group_b)) * max(fa, fb)
             hit += max(self._gather_time(group_a, tp_a, act), self._gather_time(group_b, tp_b, act))
+            if self.loopback:
+                hit = max(hit, self.loopback["p2p_s"])
             self._cache[key] = hit
         return hit
 

@@ -238,6 +238,9 @@ class LocalOpModel:
         """The MoE layer probes (``hetero profile``; :func:`hetero.predictor.moe.moe_ratio` fits them)."""
         self.decode_dispatch = _dispatch_table(self.meta.get("decode_dispatch"))
         """Generation's host figures measured with the profile (:mod:`hetero.measure.decode_floor`), or None."""
+        self.loopback = loopback_table(self.meta.get("loopback"))
+        """The runtime's small-message costs between two processes of this machine, measured with the
+        profile (:mod:`hetero.measure.loopback`): ``{"p2p_s", "allreduce_s"}``, or None."""
         self._ratios: dict[str, list] = {}
         self.points: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = {}
         self.devices: set[str] = set()
@@ -449,6 +452,16 @@ class LocalOpModel:
         return float(params) * rate
 
 
+def loopback_table(raw) -> dict | None:
+    """A sidecar's ``loopback`` when it holds both figures as positive numbers under a second, else
+    None (an older or damaged sidecar)."""
+    try:
+        out = {k: float(raw[k]) for k in ("p2p_s", "allreduce_s")}
+    except (TypeError, KeyError, ValueError):
+        return None
+    return out if all(0 < v < 1.0 for v in out.values()) else None
+
+
 def _dispatch_table(raw) -> dict | None:
     """A sidecar's ``decode_dispatch`` when it holds every figure generation reads (non-negative
     numbers, per architecture where per layer), else None (an older or damaged sidecar)."""
@@ -501,6 +514,6 @@ def local_op_model(device_name: str = "cpu", fallback: str | None = "cpu") -> Lo
     return model
 
 
-__all__ = ["COLUMNS", "LocalOpModel", "ProfileError", "Record", "cache_dir", "cache_path", "local_op_model",
+__all__ = ["COLUMNS", "LocalOpModel", "ProfileError", "Record", "cache_dir", "cache_path", "local_op_model", "loopback_table",
            "meta_path", "probe_model_dict", "read_meta", "read_records", "records_to_csv", "times_runtime_adamw",
            "write_meta", "write_records"]

@@ -2,9 +2,10 @@
 import csv
 
 import pytest
+import yaml
 
 from conftest import run_cli
-from helpers import cluster_dict, emulated_device, group_dict
+from helpers import ROOT, cluster_dict, emulated_device, group_dict
 
 pytest.importorskip("torch")
 
@@ -465,3 +466,46 @@ def test_the_block_probes_reach_down_to_the_shipped_tiny_models():
     shapes = {(p["architecture"], p["hidden_size"], p["num_attention_heads"], p["micro_batch_size"] * p["seq_length"])
               for p in default_block_probes()}
     assert {(a, 64, 4, rows) for a in ("gpt", "llama") for rows in (32, 128)} <= shapes
+
+
+def test_an_emulated_cluster_is_predicted_with_the_loopback_costs_measured_with_the_profile(tmp_path, monkeypatch):
+    """A CPU profile whose sidecar holds ``loopback`` floors every hand-over between stages at its
+    point-to-point figure, every gradient sum at its all-reduce, and adds the step's two world
+    all-reduces (the norm's, the results'); the cluster file's links alone without it, and on a
+    cluster whose groups are not all on this machine."""
+    import hetero
+    from hetero.predictor import profiles
+
+    monkeypatch.setenv("HETERO_CACHE_DIR", str(tmp_path))
+    profiles.write_records(profiles.cache_path("cpu"), _synthetic())
+    model = hetero.load_model(ROOT / "configs" / "models" / "tiny.yaml")
+    plan_file = ROOT / "configs" / "plans" / "tiny-local-cpu-pp.yaml"
+    here = hetero.load_cluster(ROOT / "configs" / "clusters" / "local-cpu.yaml")
+    plan = hetero.load_plan(plan_file, here, model)
+    before = hetero.predict(here, model, plan)
+    p2p, allreduce = 2e-3, 3e-3   # far above the links' 50 us, so each floor shows
+    profiles.write_meta(profiles.cache_path("cpu"), {"threads": 1, "loopback": {"p2p_s": p2p, "allreduce_s": allreduce}})
+    after = hetero.predict(here, model, plan)
+    first, last = after.pipelines[0].stages
+    assert before.pipelines[0].stages[0].p2p_time_s < p2p == pytest.approx(first.p2p_time_s)
+    assert first.dp_sync_time_s == pytest.approx(allreduce)   # the tied embedding's sum, ranks 0 and 1
+    assert after.overhead_time_s == pytest.approx(before.overhead_time_s + 2 * allreduce)
+    assert after.iteration_time_s > before.iteration_time_s + 2 * allreduce + p2p
+    elsewhere = hetero.load_cluster({**yaml.safe_load((ROOT / "configs" / "clusters" / "local-cpu.yaml").read_text()),
+                                     "groups": [{**g, "hosts": ["node7"]} for g in yaml.safe_load(
+                                         (ROOT / "configs" / "clusters" / "local-cpu.yaml").read_text())["groups"]]})
+    assert hetero.predict(elsewhere, model, hetero.load_plan(plan_file, elsewhere, model)).iteration_time_s == \
+        pytest.approx(before.iteration_time_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_loopback_costs_are_measured_through_the_runtime_between_two_vendors():
+    """Two spawned ranks over the emulated bridge: a one-way hand-over and a small all-reduce, each
+    more than nothing and less than a second, and the all-reduce (a round trip at least) above the
+    one-way message."""
+    from hetero.measure.loopback import measure_loopback
+
+    got = measure_loopback()
+    assert got is not None and got["vendors"] == "emu-a/emu-b"
+    assert 0 < got["p2p_s"] < got["allreduce_s"] < 1.0, got

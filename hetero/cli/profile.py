@@ -96,7 +96,9 @@ def run(args) -> int:
     moe_probes = M.default_moe_probes(quick=args.quick) if probes else []
     # generation's host floor (hetero rl's rollout on a CPU); a --quick smoke test leaves it out
     decode_cases = DF.profile_case_count() if probes and not args.quick else 0
-    total = len(grid) * len(dtypes) + len(probes) + len(moe_probes) + decode_cases
+    # the runtime's small messages between two processes here (emulated clusters' floors)
+    loopback_cases = 1 if decode_cases else 0
+    total = len(grid) * len(dtypes) + len(probes) + len(moe_probes) + decode_cases + loopback_cases
     err.print(f"profiling {total} operators on {name} ({torch_device}, {torch.get_num_threads()} threads, "
               f"dtypes {','.join(dtypes)})")
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -110,6 +112,12 @@ def run(args) -> int:
         blocks = M.measure_blocks(probes, quick=args.quick, progress=step) if probes else []
         moe_blocks = M.measure_moe_blocks(moe_probes, quick=args.quick, progress=step) if moe_probes else []
         decode = DF.measure_decode_dispatch(progress=step) if decode_cases else None
+        loopback = None
+        if loopback_cases:
+            from hetero.measure.loopback import measure_loopback
+
+            loopback = measure_loopback()
+            step("loopback p2p and all-reduce")
         progress.update(task, description="done")
     meta = {"device": name, "torch_device": torch_device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
@@ -119,6 +127,11 @@ def run(args) -> int:
             "blocks": blocks, "moe_blocks": moe_blocks}
     if decode:
         meta["decode_dispatch"] = decode
+    if loopback:
+        meta["loopback"] = loopback
+    elif loopback_cases:
+        err.print("note: the two-process loopback measurement did not run (no free port or a rank failed); "
+                  "emulated clusters are predicted with their links' latencies alone")
     written = []
     if not args.no_cache and not args.quick:
         written.append(P.write_records(P.cache_path(name), records))
