@@ -269,10 +269,13 @@ class ShardedAdamW:
         return self._reduce_scatter(shard, flat, label)
 
     def _reduce_scatter(self, shard: _Shard, flat: torch.Tensor, label: str = ""):
-        """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice
-        (all-reduced whole where :attr:`_Shard.keep_source` asks for a peer's slice too)."""
+        """``flat`` (the holder set's gradients end to end) reduce-scattered into this rank's slice;
+        all-reduced whole in place where :attr:`_Shard.keep_source` asks for a peer's slice too, and
+        where the holders span vendors: the communicator's reduce-scatter across vendors is a
+        hierarchical all-reduce of a copy of ``flat`` (hetero.comm), so summing ``flat`` itself is
+        the same sum without the copy (docs/benchmarks.md has the figures)."""
         keep = shard.keep_source
-        if keep is None:
+        if keep is None and not self.comm.crosses_vendors(shard.ranks):
             out = torch.empty(shard.slice_len, dtype=torch.float32, device=flat.device)
             pending = self.comm.reduce_scatter_async(out, flat, shard.ranks, label)
         else:   # one summed vector, alike on every member: this rank's slice and its source's are views
