@@ -60,3 +60,37 @@ def test_the_note_names_a_stage_whose_compute_the_table_shows_far_above_its_pred
     text = " ".join(capsys.readouterr().out.split())
     assert "the stages compute slower than predicted: rank 1 (fast, tp 1)" in text and "(20x;" in text, text
     assert "framework overhead" not in text
+
+
+@pytest.mark.parametrize("scale,predicted,says", [
+    (0.8, 1.3, "every stage computed 20% faster"),    # compute faster, predicted over: the profile was slower
+    (1.25, 0.7, "every stage computed 25% slower"),   # compute slower, predicted under
+    (1.05, 1.3, None),                                # compute within 10%: the error is the model's
+    (0.8, 0.7, None),                                 # compute faster yet predicted under: not the machine
+    (0.8, 1.1, None),                                 # within 15%: nothing to explain
+])
+def test_an_error_the_machines_speed_explains_says_so(capsys, scale, predicted, says):
+    """Beyond 15%, when every rank computed faster (or slower) than its stage's prediction by more
+    than 10%, in the direction of the error, the report says the machine's speed moved since its
+    profile, and what to run; otherwise it says nothing of the kind."""
+    import hetero
+    from hetero.runtime.report import Reporter
+
+    from conftest import CONFIGS
+
+    ctx = types.SimpleNamespace(cluster=hetero.load_cluster(CONFIGS / "clusters" / "local-cpu.yaml"),
+                                model=hetero.load_model(CONFIGS / "models" / "tiny.yaml"),
+                                plan=hetero.load_plan(CONFIGS / "plans" / "tiny-local-cpu-pp.yaml"))
+    pred = hetero.predict(ctx.cluster, ctx.model, ctx.plan)
+    ranks = [{"rank": k, "group": s.group, "pipeline": 0, "replica": 0, "stage": k, "layers": list(s.layers),
+              "tp_rank": 0, "tp_size": 1, "forward_time_s": scale * s.forward_time_s,
+              "backward_time_s": scale * s.backward_time_s} for k, s in enumerate(pred.pipelines[0].stages)]
+    measured = 0.07
+    Reporter(types.SimpleNamespace(tokens_per_step=1024, ctx=ctx)).footer(
+        {"ranks": ranks, "median_iteration_time_s": measured, "predicted_iteration_time_s": measured * predicted,
+         "losses": [6.0] * 8, "iteration_times_s": [measured] * 8})
+    text = " ".join(capsys.readouterr().out.split())
+    if says:
+        assert says in text and "run `hetero profile` again" in text, text
+    else:
+        assert "every stage computed" not in text, text

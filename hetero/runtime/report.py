@@ -12,6 +12,16 @@ figures leave it out) that predicted vs measured needs: with fewer, one slow ste
 machine moves the median, and the error is not printed as a verdict."""
 
 
+ERROR_TO_EXPLAIN = 0.15
+"""Beyond this error (either way) the report looks for why: the predictor's target on the shipped
+examples (docs/benchmarks.md)."""
+
+COMPUTE_DRIFT = 0.10
+"""When every rank's measured compute per micro-batch departs from its prediction by more than this,
+the same way, the machine's speed moved since its profile (a virtual machine's neighbours move it by
+up to half over hours)."""
+
+
 class Reporter:
     """Rank 0's console output for a run: header, one line per step, footer tables."""
 
@@ -84,6 +94,12 @@ class Reporter:
             err = (pred - measured) / measured * 100 if measured else float("nan")
             cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
             cmp.add_row("error", f"{err:+.1f} % (median of {steady} steady steps)", "")
+            drift = self._compute_drift(summary["ranks"]) if abs(err) > ERROR_TO_EXPLAIN * 100 else None
+            if drift is not None and (drift < 0) == (err > 0):   # the compute moved the way the error did
+                notes.append(f"every stage computed {abs(drift) * 100:.0f}% {'faster' if drift < 0 else 'slower'} "
+                             f"per micro-batch than the prediction (the per-rank table above): the machine runs at "
+                             f"another speed than when its profile was taken; run `hetero profile` again to "
+                             f"compare at today's speed")
             if err < -50:
                 slow = self._slowest_stage(summary["ranks"])
                 if slow:   # the per-rank table shows compute itself far above its prediction: say that
@@ -104,25 +120,43 @@ class Reporter:
                            f"mean step {statistics.fmean(summary['iteration_times_s']) * 1e3:.1f} ms")
 
 
-    def _slowest_stage(self, ranks: list[dict]) -> str | None:
-        """A note when a rank's measured compute per micro-batch (the per-rank table) is more than 2x
-        its stage's predicted forward + backward, naming the worst; None when every rank is within 2x
-        (or the prediction or the stage map is not at hand: interleaved ranks run several chunks)."""
+    def _stage_pairs(self, ranks: list[dict]) -> list[tuple[dict, object]]:
+        """(rank's summary row, its stage's prediction) for every rank of one stage (interleaved ranks
+        run several chunks and are left out); empty when the predictor is not at hand."""
         try:
             import hetero
 
             ctx = self.t.ctx
             pred = hetero.predict(ctx.cluster, ctx.model, ctx.plan)
-        except Exception:  # noqa: BLE001 - a missing or failing predictor leaves the general note
-            return None
-        worst, worst_ratio = None, 2.0
+        except Exception:  # noqa: BLE001 - a missing or failing predictor leaves the general notes
+            return []
+        pairs = []
         for r in ranks:
             if r.get("chunk_layers"):
                 continue
             try:
-                sp = pred.stage(r["pipeline"], r["stage"])
+                pairs.append((r, pred.stage(r["pipeline"], r["stage"])))
             except (IndexError, KeyError):
                 continue
+        return pairs
+
+    def _compute_drift(self, ranks: list[dict]) -> float | None:
+        """How far every rank's measured compute per micro-batch (forward + backward) sits from its
+        stage's prediction, all in one direction: the smallest such departure (negative: faster), or
+        None when some rank is within :data:`COMPUTE_DRIFT` of its prediction or they go both ways."""
+        ratios = [((r.get("forward_time_s") or 0.0) + (r.get("backward_time_s") or 0.0))
+                  / (sp.forward_time_s + sp.backward_time_s) - 1.0
+                  for r, sp in self._stage_pairs(ranks) if sp.forward_time_s + sp.backward_time_s > 0]
+        if not ratios or not (all(x > COMPUTE_DRIFT for x in ratios) or all(x < -COMPUTE_DRIFT for x in ratios)):
+            return None
+        return min(ratios, key=abs)
+
+    def _slowest_stage(self, ranks: list[dict]) -> str | None:
+        """A note when a rank's measured compute per micro-batch (the per-rank table) is more than 2x
+        its stage's predicted forward + backward, naming the worst; None when every rank is within 2x
+        (or the prediction or the stage map is not at hand: interleaved ranks run several chunks)."""
+        worst, worst_ratio = None, 2.0
+        for r, sp in self._stage_pairs(ranks):
             predicted = sp.forward_time_s + sp.backward_time_s
             measured = (r.get("forward_time_s") or 0.0) + (r.get("backward_time_s") or 0.0)
             if predicted > 0 and measured / predicted > worst_ratio:
