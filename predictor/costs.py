@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 
-from hetero.specs.cluster import Cluster
+from hetero.specs.cluster import Cluster, is_loopback
 from hetero.specs.model import ModelSpec
 
 from . import comm
@@ -136,11 +136,9 @@ class StageCostModel:
         between two ranks of such a cluster costs less (:mod:`hetero.measure.loopback`)."""
 
     def _loopback_floors(self) -> dict | None:
-        local = ("localhost", "::1")
         for name, g in self._groups.items():
             hosts = g.hosts or (["localhost"] if g.nodes == 1 else [])
-            if self._dev[name].family != "cpu" or not hosts or \
-                    not all(h in local or h.startswith("127.") for h in hosts):
+            if self._dev[name].family != "cpu" or not hosts or not all(map(is_loopback, hosts)):
                 return None
         # the profile's own model (an emulated slower device wraps it: ``source_model``)
         floors = [getattr(getattr(self._opm[name], "source_model", self._opm[name]), "loopback", None)

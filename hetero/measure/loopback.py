@@ -19,19 +19,12 @@ sidecar (``loopback``).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 
 ROUNDS = 200
 WARMUP = 20
 TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, queue) -> None:
@@ -79,9 +72,11 @@ def measure_loopback() -> dict | None:
     import multiprocessing as mp
     import queue as queues
 
+    from hetero.runtime.launcher import free_port
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [ctx.Process(target=_rank, args=(r, port, results), daemon=True) for r in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
     got = None

@@ -44,7 +44,8 @@ from hetero.layout import RankLayout, build_layout
 from hetero.runtime.host_memory import huge_pages_env
 from hetero.runtime.lifeline import child_env
 from hetero.runtime.spec import SLOT_ENV, SPEC_ENV, RunOptions, RunSpec, describe_rank
-from hetero.runtime.torchrun_loopback import FORK_ENV, WORKER_MODULE, is_loopback
+from hetero.runtime.torchrun_loopback import FORK_ENV, WORKER_MODULE
+from hetero.specs.cluster import is_loopback
 from hetero.specs.units import plural
 
 NODE_LAUNCHER_MODULE = "hetero.runtime.torchrun_loopback"

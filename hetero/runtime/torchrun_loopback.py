@@ -35,27 +35,13 @@ import socket
 import sys
 import time
 
+# a master address on this machine's loopback interface gets a store bound there only (the launcher's too)
+from hetero.specs.cluster import is_loopback
+
 CHECKOUT_WAIT_S = 30.0
 """Longest node slot 0 keeps the store for the other slots to check out after its own run succeeded
 (they check out right after their exit barrier: normally well under a second)."""
 CHECKOUT_KEY = "hetero/checkout/{slot}"
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-"""Master addresses whose rendezvous store is bound to the loopback interface only (the launcher's too)."""
-
-
-def is_loopback(addr: str | None) -> bool:
-    """Whether ``addr`` names this machine's loopback interface: ``localhost`` or any address of
-    127.0.0.0/8 or ::1 (127.0.0.2 is this machine too)."""
-    import ipaddress
-
-    if addr is None:
-        return False
-    if addr in LOOPBACK:
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
 
 
 FORK_ENV = "HETERO_WORKER_START"

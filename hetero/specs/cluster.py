@@ -11,6 +11,24 @@ from .errors import Problem, Problems, did_you_mean, join_path
 from .io import read_mapping, write_yaml_atomic
 from .schema import is_missing, load_dataclass, quantity, to_plain
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+"""Host names and addresses that always mean this machine's loopback interface."""
+
+
+def is_loopback(addr: str | None) -> bool:
+    """Whether ``addr`` names this machine's loopback interface: ``localhost`` or any address of
+    127.0.0.0/8 or ::1 (127.0.0.2 is this machine too)."""
+    import ipaddress
+
+    if addr is None:
+        return False
+    if addr in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
 
 @dataclass(frozen=True)
 class Link:
