@@ -94,14 +94,16 @@ class Reporter:
             err = (pred - measured) / measured * 100 if measured else float("nan")
             cmp.add_row("predicted", f"{pred * 1e3:.1f} ms", f"{tokens / pred:.0f}")
             cmp.add_row("error", f"{err:+.1f} % (median of {steady} steady steps)", "")
-            drift = self._compute_drift(summary["ranks"]) if abs(err) > ERROR_TO_EXPLAIN * 100 else None
+            # each rank beside its stage's prediction: one predict() for every note below
+            pairs = self._stage_pairs(summary["ranks"]) if abs(err) > ERROR_TO_EXPLAIN * 100 else []
+            drift = self._compute_drift(pairs)
             if drift is not None and (drift < 0) == (err > 0):   # the compute moved the way the error did
                 notes.append(f"every stage computed {abs(drift) * 100:.0f}% {'faster' if drift < 0 else 'slower'} "
                              f"per micro-batch than the prediction (the per-rank table above): the machine runs at "
                              f"another speed than when its profile was taken; run `hetero profile` again to "
                              f"compare at today's speed")
             if err < -50:
-                slow = self._slowest_stage(summary["ranks"])
+                slow = self._slowest_stage(pairs)
                 if slow:   # the per-rank table shows compute itself far above its prediction: say that
                     notes.append(slow)
                 else:
@@ -140,23 +142,27 @@ class Reporter:
                 continue
         return pairs
 
-    def _compute_drift(self, ranks: list[dict]) -> float | None:
+    @staticmethod
+    def _compute_drift(pairs: list[tuple[dict, object]]) -> float | None:
         """How far every rank's measured compute per micro-batch (forward + backward) sits from its
-        stage's prediction, all in one direction: the smallest such departure (negative: faster), or
-        None when some rank is within :data:`COMPUTE_DRIFT` of its prediction or they go both ways."""
+        stage's prediction (``pairs``: :meth:`_stage_pairs`), all in one direction: the smallest such
+        departure (negative: faster), or None when some rank is within :data:`COMPUTE_DRIFT` of its
+        prediction or they go both ways."""
         ratios = [((r.get("forward_time_s") or 0.0) + (r.get("backward_time_s") or 0.0))
                   / (sp.forward_time_s + sp.backward_time_s) - 1.0
-                  for r, sp in self._stage_pairs(ranks) if sp.forward_time_s + sp.backward_time_s > 0]
+                  for r, sp in pairs if sp.forward_time_s + sp.backward_time_s > 0]
         if not ratios or not (all(x > COMPUTE_DRIFT for x in ratios) or all(x < -COMPUTE_DRIFT for x in ratios)):
             return None
         return min(ratios, key=abs)
 
-    def _slowest_stage(self, ranks: list[dict]) -> str | None:
+    @staticmethod
+    def _slowest_stage(pairs: list[tuple[dict, object]]) -> str | None:
         """A note when a rank's measured compute per micro-batch (the per-rank table) is more than 2x
-        its stage's predicted forward + backward, naming the worst; None when every rank is within 2x
-        (or the prediction or the stage map is not at hand: interleaved ranks run several chunks)."""
+        its stage's predicted forward + backward (``pairs``: :meth:`_stage_pairs`), naming the worst;
+        None when every rank is within 2x (or the prediction or the stage map is not at hand:
+        interleaved ranks run several chunks)."""
         worst, worst_ratio = None, 2.0
-        for r, sp in self._stage_pairs(ranks):
+        for r, sp in pairs:
             predicted = sp.forward_time_s + sp.backward_time_s
             measured = (r.get("forward_time_s") or 0.0) + (r.get("backward_time_s") or 0.0)
             if predicted > 0 and measured / predicted > worst_ratio:
