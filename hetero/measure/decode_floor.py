@@ -16,8 +16,7 @@ measures the full set.
 """
 from __future__ import annotations
 
-import statistics
-import time
+from hetero.measure.profiling import median_seconds
 
 ARCHITECTURES = ("gpt", "llama")
 PROFILE_CASES = {"layers": (1, 4), "rows": (1, 8)}
@@ -36,16 +35,6 @@ def floor_model_dict(arch: str, layers: int) -> dict:
     if arch == "llama":
         spec["num_kv_heads"] = 2
     return spec
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()   # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def measure_cases(layer_counts, row_counts, repeats: int = 3, new: int = 16, progress=None) -> list[dict]:
@@ -69,8 +58,8 @@ def measure_cases(layer_counts, row_counts, repeats: int = 3, new: int = 16, pro
                 def call(n, b=b):
                     return lambda: generate(model, [prompt], max_new_tokens=n, temperature=1.0, seed=0,
                                             samples=b, stop="\x00\x01", tokenizer=tok, batch_rows=b)
-                one = _median_time(call(1), repeats)
-                many = _median_time(call(new), repeats)
+                one = median_seconds(call(1), repeats)
+                many = median_seconds(call(new), repeats)
                 rows.append({"arch": arch, "layers": layers, "rows": b, "prompt_tokens": len(prompt),
                              "first_call_s": one, "decode_step_s": (many - one) / (new - 1)})
                 if progress:

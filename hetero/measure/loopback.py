@@ -19,7 +19,6 @@ sidecar (``loopback``).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 ROUNDS = 200
@@ -33,6 +32,7 @@ def _rank(rank: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from hetero.measure.profiling import median_seconds
     from hetero.runtime.collectives import Collectives
 
     torch.set_num_threads(1)
@@ -50,16 +50,8 @@ def _rank(rank: int, port: int, queue) -> None:
             comm.send(msg, 0)
             comm.wait_sends()
 
-    out = {}
-    for name, fn, share in (("p2p_s", round_trip, 0.5), ("allreduce_s", lambda: comm.all_reduce(row), 1.0)):
-        for _ in range(WARMUP):
-            fn()
-        times = []
-        for _ in range(ROUNDS):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times) * share
+    out = {"p2p_s": median_seconds(round_trip, ROUNDS, WARMUP) / 2,
+           "allreduce_s": median_seconds(lambda: comm.all_reduce(row), ROUNDS, WARMUP)}
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()

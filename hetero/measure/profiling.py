@@ -288,6 +288,18 @@ def default_block_probes(quick: bool = False) -> list[dict]:
              "vocab_size": 1024 if quick else 4096} for arch in ("gpt", "llama") for h, heads, b, s in shapes]
 
 
+def median_seconds(fn: Callable[[], object], rounds: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``rounds`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _median_rounds(forward: Callable[[], object], reps: int,
                    backward: Callable[[object], object] = lambda out: out.backward()) -> tuple[float, float]:
     """Median seconds of ``forward()`` and of ``backward`` of what it returns, over ``reps`` timed
